@@ -1,0 +1,91 @@
+"""Every MQTT topic name the system uses, in one place (DESIGN.md section 3).
+
+Per-device topics live under ``ftpipe/dev/<device>/`` so broker ACLs can use ``%u`` patterns;
+everything a job exchanges lives under ``ftpipe/<job>/``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ROOT = "ftpipe"
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Reject names that would break topic structure (wildcards, slashes, empty)."""
+    if not _NAME.match(value):
+        raise ValueError(
+            f"{kind} name {value!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Topics:
+    """Topic names for one job."""
+
+    job: str
+
+    def __post_init__(self) -> None:
+        check_name("job", self.job)
+
+    @property
+    def base(self) -> str:
+        return f"{ROOT}/{self.job}"
+
+    # controller-written (only the controller identity may write ctrl/#)
+    @property
+    def plan(self) -> str:
+        return f"{self.base}/ctrl/plan"
+
+    @property
+    def state(self) -> str:
+        return f"{self.base}/ctrl/state"
+
+    def cmd(self, device: str) -> str:
+        return f"{self.base}/ctrl/cmd/{device}"
+
+    @property
+    def events(self) -> str:
+        return f"{self.base}/events"
+
+    # pipeline data
+    def stage_act(self, stage: int) -> str:
+        return f"{self.base}/stage/{stage}/act"
+
+    def stage_grad(self, stage: int) -> str:
+        return f"{self.base}/stage/{stage}/grad"
+
+    @property
+    def results(self) -> str:
+        """Device -> controller: losses, predictions, step completions, snapshots done."""
+        return f"{self.base}/results"
+
+    def weights(self, layer: int) -> str:
+        return f"{self.base}/weights/{layer}"
+
+    @property
+    def weights_all(self) -> str:
+        return f"{self.base}/weights/+"
+
+    # per-device
+    @staticmethod
+    def dev_status(device: str) -> str:
+        return f"{ROOT}/dev/{device}/status"
+
+    @staticmethod
+    def dev_heartbeat(device: str) -> str:
+        return f"{ROOT}/dev/{device}/hb"
+
+    ALL_STATUS = f"{ROOT}/dev/+/status"
+    ALL_HEARTBEATS = f"{ROOT}/dev/+/hb"
+
+    @staticmethod
+    def device_of(topic: str) -> str | None:
+        """The device name in a ``ftpipe/dev/<device>/...`` topic, else None."""
+        parts = topic.split("/")
+        if len(parts) >= 3 and parts[0] == ROOT and parts[1] == "dev":
+            return parts[2]
+        return None

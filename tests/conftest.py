@@ -1,0 +1,30 @@
+"""Shared fixtures: a real Mosquitto broker on a free port with a temp config."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+
+import pytest
+
+from ftpipe_iot.broker import BrokerKind, BrokerProcess, mosquitto_binary
+
+
+@pytest.fixture
+def mosquitto(tmp_path) -> Iterator[BrokerProcess]:
+    """A fresh Mosquitto (persistence on) on a free loopback port, stopped after the test."""
+    if mosquitto_binary() is None:
+        pytest.fail("mosquitto is not installed; .ci/run installs it (apt-get install mosquitto)")
+    broker = BrokerProcess(kind=BrokerKind.MOSQUITTO, data_dir=tmp_path / "broker")
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.cleanup()
+
+
+@pytest.fixture
+def mosquitto_clients() -> None:
+    """Fail clearly when the mosquitto_pub/mosquitto_sub clients are missing."""
+    if not (shutil.which("mosquitto_pub") and shutil.which("mosquitto_sub")):
+        pytest.fail("mosquitto-clients are not installed; .ci/run installs them")
