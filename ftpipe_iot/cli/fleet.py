@@ -1,0 +1,214 @@
+"""``ftpipe-iot fleet ...``: provision a production broker and per-device identities.
+
+Only parses arguments and calls ``ftpipe_iot.fleet``; library errors are printed as one clear line
+(no traceback) with exit code 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from ftpipe_iot.config import ConfigError, load_bundle
+from ftpipe_iot.fleet import bundle as bundle_mod
+from ftpipe_iot.fleet import fleet as fleet_ops
+from ftpipe_iot.fleet.check import check_connection
+from ftpipe_iot.fleet.errors import FleetError
+from ftpipe_iot.fleet.model import BrokerSettings, Role
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_dir_option = click.option(
+    "--dir", "fleet_dir", envvar="FTPIPE_FLEET_DIR", default=".", show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Fleet directory made by `fleet init` (or $FTPIPE_FLEET_DIR).")
+_reload_option = click.option(
+    "--reload/--no-reload", default=True, show_default=True,
+    help="SIGHUP the fleet's running broker (from its pid file) so the change takes effect.")
+
+
+def _clear_errors(func: F) -> F:
+    """Turn library errors into a one-line message and exit code 1 (no traceback)."""
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except (FleetError, ConfigError, ValueError) as exc:
+            raise click.ClickException(str(exc)) from None
+    return wrapper  # type: ignore[return-value]
+
+
+def _report_reload(fleet_dir: Path, reload: bool, what: str) -> None:
+    if reload and fleet_ops.reload_broker(fleet_dir):
+        click.echo(f"broker reloaded (SIGHUP): {what}")
+    else:
+        click.echo(f"{what} once the broker reloads: `ftpipe-iot fleet reload --dir {fleet_dir}` "
+                   "(or `systemctl reload mosquitto`); a broker started later picks it up")
+
+
+@click.group("fleet")
+def fleet() -> None:
+    """Provision a TLS broker, device/controller/operator identities and device bundles."""
+
+
+@fleet.command("init")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--host", "hosts", multiple=True, metavar="NAME",
+              help="Broker DNS name or IP devices dial (repeatable; the first one goes into "
+                   "bundles). localhost and 127.0.0.1 are always in the certificate.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8883, show_default=True,
+              help="TLS listener port.")
+@click.option("--bind", default="0.0.0.0", show_default=True, help="Listener bind address.")
+@click.option("--job", default="default", show_default=True,
+              help="Default job new identities belong to.")
+@click.option("--max-message-bytes", type=click.IntRange(min=1024), default=256 * 1024,
+              show_default=True, help="Chunk size of the wire format; the broker allows a "
+                                      "little more.")
+@click.option("--max-queued-messages", type=click.IntRange(min=1), default=1000,
+              show_default=True, help="Per-client QoS 1 queue length.")
+@click.option("--max-queued-bytes", type=click.IntRange(min=1), default=256 * 1024 * 1024,
+              show_default=True, help="Per-client QoS 1 queue size in bytes.")
+@click.option("--broker-user", default="mosquitto", show_default=True,
+              help="User Mosquitto drops to when started as root.")
+@_clear_errors
+def init_cmd(directory: Path, hosts: tuple[str, ...], port: int, bind: str, job: str,
+             max_message_bytes: int, max_queued_messages: int, max_queued_bytes: int,
+             broker_user: str) -> None:
+    """Create fleet DIRECTORY: CA, broker certificate, password/ACL files, Mosquitto config."""
+    settings = BrokerSettings(port=port, bind=bind, hosts=hosts,
+                              max_message_bytes=max_message_bytes,
+                              max_queued_messages=max_queued_messages,
+                              max_queued_bytes=max_queued_bytes, run_as_user=broker_user)
+    fleet_ops.init_fleet(directory, settings, job=job)
+    config = fleet_ops.FleetPaths(directory).broker.config
+    click.echo(f"fleet created in {directory}")
+    click.echo(f"start the broker with: mosquitto -c {config}")
+
+
+def _add(fleet_dir: Path, name: str, role: Role, job: str | None, profile: str | None,
+         options: bundle_mod.InstallOptions, reload: bool) -> None:
+    result = fleet_ops.add_identity(fleet_dir, name, role=role, job=job, profile=profile,
+                                    options=options)
+    click.echo(f"{role.value} {name!r} (job {result.identity.job}) provisioned; bundle: "
+               f"{result.config.parent}")
+    _report_reload(fleet_dir, reload, f"{name!r} can connect")
+
+
+@fleet.command("add-device")
+@click.argument("name")
+@_dir_option
+@click.option("--role", type=click.Choice([r.value for r in Role]), default=Role.DEVICE.value,
+              show_default=True, help="What the identity may do (see docs/security.md).")
+@click.option("--job", default=None, help="Job to join (default: the fleet's job).")
+@click.option("--profile", default=None, help="Device profile name recorded in the bundle.")
+@click.option("--install-dir", default="/etc/ftpipe-iot", show_default=True,
+              help="Where the bundle is installed on the device (used by the systemd unit).")
+@click.option("--agent", default="/usr/local/bin/ftpipe-iot", show_default=True,
+              help="Path of the ftpipe-iot executable on the device.")
+@click.option("--service-user", default="ftpipe", show_default=True,
+              help="User the device agent runs as.")
+@_reload_option
+@_clear_errors
+def add_device_cmd(name: str, fleet_dir: Path, role: str, job: str | None, profile: str | None,
+                   install_dir: str, agent: str, service_user: str, reload: bool) -> None:
+    """Provision identity NAME: password, ACL, client certificate and bundle directory."""
+    options = bundle_mod.InstallOptions(install_dir=install_dir, agent=agent, user=service_user)
+    _add(fleet_dir, name, Role(role), job, profile, options, reload)
+
+
+@fleet.command("add-controller")
+@click.argument("name")
+@_dir_option
+@click.option("--job", default=None, help="Job to control (default: the fleet's job).")
+@_reload_option
+@_clear_errors
+def add_controller_cmd(name: str, fleet_dir: Path, job: str | None, reload: bool) -> None:
+    """Provision controller NAME: the only identity that may write ftpipe/<job>/ctrl/#."""
+    _add(fleet_dir, name, Role.CONTROLLER, job, None, bundle_mod.InstallOptions(), reload)
+
+
+@fleet.command("add-operator")
+@click.argument("name")
+@_dir_option
+@_reload_option
+@_clear_errors
+def add_operator_cmd(name: str, fleet_dir: Path, reload: bool) -> None:
+    """Provision operator NAME: read-only, may observe every topic ('#')."""
+    _add(fleet_dir, name, Role.OPERATOR, None, None, bundle_mod.InstallOptions(), reload)
+
+
+@fleet.command("remove-device")
+@click.argument("name")
+@_dir_option
+@_reload_option
+@_clear_errors
+def remove_device_cmd(name: str, fleet_dir: Path, reload: bool) -> None:
+    """Revoke identity NAME (any role) and delete its bundle."""
+    identity = fleet_ops.remove_identity(fleet_dir, name)
+    click.echo(f"{identity.role.value} {name!r} removed")
+    _report_reload(fleet_dir, reload, f"{name!r} is refused")
+
+
+@fleet.command("list")
+@_dir_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@_clear_errors
+def list_cmd(fleet_dir: Path, as_json: bool) -> None:
+    """List provisioned identities."""
+    identities = fleet_ops.list_identities(fleet_dir)
+    if as_json:
+        click.echo(json.dumps([{"name": i.name, "role": i.role.value, "job": i.job,
+                                "cert_not_after": i.cert_not_after, "profile": i.profile}
+                               for i in identities], indent=2))
+        return
+    if not identities:
+        click.echo("no identities yet; add one with `ftpipe-iot fleet add-device NAME`")
+        return
+    click.echo(f"{'NAME':24} {'ROLE':10} {'JOB':16} CERT EXPIRES")
+    for i in identities:
+        click.echo(f"{i.name:24} {i.role.value:10} {i.job:16} {i.cert_not_after[:10]}")
+
+
+@fleet.command("reload")
+@_dir_option
+@_clear_errors
+def reload_cmd(fleet_dir: Path) -> None:
+    """Make the running broker re-read its password and ACL files (SIGHUP)."""
+    if not fleet_ops.reload_broker(fleet_dir):
+        raise FleetError(f"no running broker for fleet {fleet_dir} (no live mosquitto in its "
+                         "pid file); with systemd use `systemctl reload mosquitto`")
+    click.echo("broker reloaded (SIGHUP)")
+
+
+@fleet.command("config")
+@_dir_option
+@click.option("--port", type=click.IntRange(1, 65535), default=None,
+              help="Change the listener port first.")
+@_clear_errors
+def config_cmd(fleet_dir: Path, port: int | None) -> None:
+    """Re-render the broker config from the template (after moving DIR or changing the port)."""
+    if port is not None:
+        fleet_ops.update_settings(fleet_dir, port=port)
+    click.echo(str(fleet_ops.write_broker_config(fleet_dir)))
+
+
+@fleet.command("check")
+@click.option("--config", "config_file", required=True,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="Bundle config (device.json, controller.json, ...).")
+@click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Seconds to wait for the broker.")
+@_clear_errors
+def check_cmd(config_file: Path, timeout: float) -> None:
+    """Connect with a bundle and report exactly what is wrong, if anything."""
+    bundle = load_bundle(config_file)
+    check_connection(bundle, timeout_s=timeout)
+    click.echo(f"ok: {bundle.name} connected to {bundle.broker.url}")
+
+
+COMMANDS: list[click.Command] = [fleet]

@@ -1,0 +1,292 @@
+"""``broker``, ``device``, ``controller`` and ``demo`` commands: parse arguments, call the library."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ftpipe_iot.config import BrokerConfig, ConfigError, load_bundle, parse_protocol
+
+_TRAINING_OPTIONS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
+    click.option("--model", default="cnn", show_default=True,
+                 help="mlp | cnn | mobilenetv2 | module:callable (returns nn.Sequential or a list "
+                      "of modules)"),
+    click.option("--data", default="digits", show_default=True,
+                 help="digits | synthetic | npz:PATH (arrays x and y)"),
+    click.option("--data-shape", default="3,32,32", show_default=True,
+                 help="sample shape of synthetic data, comma separated"),
+    click.option("--data-classes", type=click.IntRange(min=2), default=10, show_default=True,
+                 help="classes of synthetic data"),
+    click.option("--data-samples", type=click.IntRange(min=4), default=2048, show_default=True,
+                 help="samples of synthetic data"),
+    click.option("--epochs", type=click.IntRange(min=1), default=6, show_default=True),
+    click.option("--max-steps", type=click.IntRange(min=1), default=None,
+                 help="stop after this many steps (evaluates at the end)"),
+    click.option("--micro-batches", type=click.IntRange(min=1), default=4, show_default=True,
+                 help="micro-batches per step (M)"),
+    click.option("--micro-batch-size", type=click.IntRange(min=1), default=8, show_default=True),
+    click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd",
+                 show_default=True),
+    click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.05,
+                 show_default=True),
+    click.option("--momentum", type=click.FloatRange(0, 1, max_open=True), default=0.9,
+                 show_default=True),
+    click.option("--seed", type=int, default=0, show_default=True),
+    click.option("--max-in-flight", type=click.IntRange(min=1), default=8, show_default=True,
+                 help="micro-batches in flight at most (brokers drop beyond their queue limits)"),
+    click.option("--wire-dtype", type=click.Choice(["native", "fp16"]), default="native",
+                 show_default=True, help="fp16 halves activation traffic but breaks exactness"),
+    click.option("--no-compress", is_flag=True, help="never lz4-compress message bodies"),
+]
+
+
+def training_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Attach the training options shared by ``controller`` and ``demo``."""
+    for option in reversed(_TRAINING_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers",
+                                 param_hint="--data-shape") from exc
+    if not shape or any(d < 1 for d in shape):
+        raise click.BadParameter(f"{text!r}: every dimension must be >= 1",
+                                 param_hint="--data-shape")
+    return shape
+
+
+def _train_config(kw: dict[str, Any]):
+    from ftpipe_iot.data import DataError, DataSpec
+    from ftpipe_iot.models import ModelError, ModelSpec
+    from ftpipe_iot.plan import OptimizerName, PlanError, TrainConfig
+    from ftpipe_iot.wire import WireDtype
+
+    try:
+        return TrainConfig(
+            model=ModelSpec(kw["model"]),
+            data=DataSpec(kw["data"], shape=_parse_shape(kw["data_shape"]),
+                          classes=kw["data_classes"], samples=kw["data_samples"]),
+            micro_batches=kw["micro_batches"], micro_batch_size=kw["micro_batch_size"],
+            optimizer=OptimizerName(kw["optimizer"]), lr=kw["lr"], momentum=kw["momentum"],
+            seed=kw["seed"], epochs=kw["epochs"], max_steps=kw["max_steps"],
+            max_in_flight=kw["max_in_flight"], wire_dtype=WireDtype(kw["wire_dtype"]),
+            compress=not kw["no_compress"],
+        )
+    except (ModelError, DataError, PlanError) as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def _training_args(kw: dict[str, Any]) -> list[str]:
+    """Re-emit training options as arguments for a child ``controller`` process."""
+    args: list[str] = []
+    for name, value in kw.items():
+        flag = "--" + name.replace("_", "-")
+        if name == "no_compress":
+            args += [flag] if value else []
+        elif value is not None:
+            args += [flag, str(value)]
+    return args
+
+
+def _broker_config(url: str, config_file: str | None, protocol: str, max_message: int,
+                   keepalive: int) -> tuple[BrokerConfig, str | None]:
+    try:
+        if config_file:
+            bundle = load_bundle(config_file)
+            return bundle.broker, bundle.name
+        return BrokerConfig.from_url(url, protocol=parse_protocol(protocol),
+                                     max_message_bytes=max_message, keepalive_s=keepalive), None
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def connection_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--broker/--config/--mqtt-protocol/--max-message-bytes/--keepalive."""
+    for option in reversed([
+        click.option("--broker", "broker_url", default="mqtt://127.0.0.1:1883",
+                     show_default=True, help="mqtt://host:port or mqtts://host:port"),
+        click.option("--config", "config_file", type=click.Path(dir_okay=False),
+                     help="bundle file from `ftpipe-iot fleet add-device` (overrides --broker)"),
+        click.option("--mqtt-protocol", default="auto", show_default=True,
+                     type=click.Choice(["auto", "5", "3.1.1"])),
+        click.option("--max-message-bytes", type=click.IntRange(min=1024), default=256 * 1024,
+                     show_default=True, help="larger payloads are chunked"),
+        click.option("--keepalive", type=click.IntRange(min=1), default=10, show_default=True,
+                     help="MQTT keepalive seconds (the broker fires the Last Will after 1.5x)"),
+        click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=0,
+                     show_default=True, help="serve /metrics on this port (0 = off)"),
+        click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="torch intra-op threads"),
+        click.option("--log-level", default="INFO", show_default=True,
+                     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"],
+                                       case_sensitive=False)),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+@click.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=1883, show_default=True)
+@click.option("--bind", default="127.0.0.1", show_default=True)
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="persistence directory (default: a temporary one)")
+@click.option("--embedded", is_flag=True, help="use the embedded amqtt broker (MQTT 3.1.1)")
+def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
+    """Run Mosquitto with the project's config in the foreground (Ctrl-C stops it)."""
+    from ftpipe_iot.broker import BrokerError, BrokerKind, BrokerProcess
+
+    kind = BrokerKind.EMBEDDED if embedded else None
+    proc = BrokerProcess(port=port, bind=bind, kind=kind,
+                         data_dir=Path(data_dir) if data_dir else None)
+    try:
+        proc.start()
+    except BrokerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    assert proc.kind is not None
+    click.echo(f"{proc.kind.value} broker listening on {proc.url} (data in {proc.data_dir}); "
+               "Ctrl-C to stop", err=True)
+    try:
+        while proc.proc is not None and proc.proc.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        proc.cleanup()
+
+
+@click.command()
+@click.option("--name", default=None, help="device name (= MQTT client id and username)")
+@click.option("--job", default="default", show_default=True)
+@click.option("--heartbeat-interval", type=click.FloatRange(min=0.05), default=1.0,
+              show_default=True, help="seconds between heartbeats")
+@connection_options
+def device(name: str | None, job: str, heartbeat_interval: float, broker_url: str,
+           config_file: str | None, mqtt_protocol: str, max_message_bytes: int, keepalive: int,
+           metrics_port: int, threads: int, log_level: str) -> None:
+    """Run a device agent: announce, take a stage from the plan, compute, report."""
+    from ftpipe_iot.device import DeviceOptions
+    from ftpipe_iot.runner import ProcessOptions, run_device
+    from ftpipe_iot.transport import TransportError
+
+    config, bundle_name = _broker_config(broker_url, config_file, mqtt_protocol,
+                                         max_message_bytes, keepalive)
+    name = name or bundle_name
+    if not name:
+        raise click.UsageError("give --name or a --config bundle")
+    try:
+        sys.exit(run_device(name, job, config,
+                            ProcessOptions(metrics_port, threads, log_level),
+                            DeviceOptions(heartbeat_interval_s=heartbeat_interval)))
+    except (TransportError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@click.command()
+@click.option("--job", default="default", show_default=True)
+@click.option("--devices", type=click.IntRange(min=1), default=3, show_default=True,
+              help="devices to wait for")
+@click.option("--device-names", default=None, help="comma-separated device names to use")
+@click.option("--wait-devices", type=click.FloatRange(min=1), default=120.0, show_default=True,
+              help="seconds to wait for the devices")
+@click.option("--stall-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              help="fail when no progress for this many seconds")
+@click.option("--save-weights", type=click.Path(dir_okay=False), default=None,
+              help="write the trained weights (.npz) here")
+@click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
+              help="write the run summary here")
+@click.option("--stop-devices", is_flag=True, help="shut the devices down at the end")
+@click.option("--json", "as_json", is_flag=True, help="print the summary as JSON on stdout")
+@connection_options
+@training_options
+def controller(job: str, devices: int, device_names: str | None, wait_devices: float,
+               stall_timeout: float, save_weights: str | None, summary_json: str | None,
+               stop_devices: bool, as_json: bool, broker_url: str, config_file: str | None,
+               mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
+               threads: int, log_level: str, **training: Any) -> None:
+    """Run a job's controller: plan, feed data, collect losses, evaluate, snapshot."""
+    from ftpipe_iot.controller import ControllerConfig
+    from ftpipe_iot.data import DataError
+    from ftpipe_iot.models import ModelError
+    from ftpipe_iot.progress import default_progress
+    from ftpipe_iot.runner import ProcessOptions, run_controller
+    from ftpipe_iot.transport import TransportError
+
+    config, bundle_name = _broker_config(broker_url, config_file, mqtt_protocol,
+                                         max_message_bytes, keepalive)
+    names = tuple(n.strip() for n in device_names.split(",")) if device_names else ()
+    if names and len(names) != devices:
+        raise click.UsageError(f"--device-names lists {len(names)} devices, --devices is "
+                               f"{devices}")
+    ctrl_config = ControllerConfig(
+        train=_train_config(training), devices=devices, device_names=names,
+        wait_devices_s=wait_devices, stall_timeout_s=stall_timeout,
+        save_weights=Path(save_weights) if save_weights else None, stop_devices=stop_devices)
+    try:
+        summary = run_controller(job, config, ctrl_config,
+                                 ProcessOptions(metrics_port, threads, log_level),
+                                 default_progress(), client_id=bundle_name,
+                                 summary_path=Path(summary_json) if summary_json else None)
+    except (TransportError, ModelError, DataError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(summary.to_dict(with_history=False)))
+    if summary.error:
+        raise click.ClickException(summary.error)
+
+
+@click.command()
+@click.option("--devices", type=click.IntRange(min=1, max=32), default=3, show_default=True)
+@click.option("--broker", "broker_url", default=None,
+              help="use this broker (mqtt://host:port) instead of starting one")
+@click.option("--embedded-broker", is_flag=True,
+              help="start the embedded amqtt broker instead of Mosquitto")
+@click.option("--job", default="demo", show_default=True)
+@click.option("--work-dir", type=click.Path(file_okay=False), default=None,
+              help="keep logs and the summary here (default: a temporary directory)")
+@click.option("--json", "as_json", is_flag=True,
+              help="print the summary as one JSON object on the last line of stdout")
+@training_options
+def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
+         work_dir: str | None, as_json: bool, **training: Any) -> None:
+    """Train the CNN on digits with a broker, a controller and N device processes."""
+    from ftpipe_iot.broker import BrokerError
+    from ftpipe_iot.demo import Demo, DemoError, DemoOptions
+
+    if broker_url and embedded_broker:
+        raise click.UsageError("--broker and --embedded-broker exclude each other")
+    _train_config(training)  # validate here, before any process starts
+    options = DemoOptions(devices=devices, job=job, broker_url=broker_url,
+                          embedded=embedded_broker, controller_args=_training_args(training),
+                          work_dir=Path(work_dir) if work_dir else None)
+    try:
+        summary = Demo(options).run()
+    except KeyboardInterrupt:
+        click.echo("interrupted: stopped every process the demo started", err=True)
+        sys.exit(130)
+    except (DemoError, BrokerError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(_summary_text(summary), err=as_json)
+    if as_json:
+        summary.pop("history", None)
+        click.echo(json.dumps(summary))
+
+
+def _summary_text(summary: dict) -> str:
+    stages = ", ".join(f"{s['device']}=[{s['start']},{s['end']})" for s in summary["stages"])
+    return (f"done: test accuracy {summary['test_accuracy']:.4f} after {summary['steps']} steps "
+            f"({summary['epochs']} epochs), {summary['samples_per_s']:.0f} samples/s, "
+            f"{summary['devices']} devices [{stages}], broker {summary['broker']}, "
+            f"{summary['wall_s']:.1f} s")
+
+
+COMMANDS = [broker, device, controller, demo]

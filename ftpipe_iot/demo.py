@@ -1,0 +1,173 @@
+"""The demo: a broker, a controller and N device agents as separate OS processes on this machine.
+
+Every child runs in its own session and is asked to die with its parent (PR_SET_PDEATHSIG), and
+the demo stops all of them on Ctrl-C, SIGTERM or the failure of any one: no orphans, no leftover
+broker.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ftpipe_iot.broker import BrokerKind, BrokerProcess
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class DemoError(RuntimeError):
+    """A demo process failed; the message names it and its exit code."""
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the demo's own cleanup still applies
+
+
+@dataclass
+class DemoOptions:
+    """What the demo runs. ``controller_args`` are passed through to ``ftpipe-iot controller``."""
+
+    devices: int = 3
+    job: str = "demo"
+    broker_url: str | None = None
+    embedded: bool = False
+    controller_args: list[str] = field(default_factory=list)
+    device_args: list[str] = field(default_factory=list)
+    work_dir: Path | None = None
+    timeout_s: float = 900.0
+
+
+@dataclass
+class _Child:
+    name: str
+    proc: subprocess.Popen
+
+
+class Demo:
+    """Starts and supervises the demo's processes."""
+
+    def __init__(self, options: DemoOptions) -> None:
+        self.options = options
+        self.broker: BrokerProcess | None = None
+        self.children: list[_Child] = []
+        self._tmp = tempfile.TemporaryDirectory(prefix="ftpipe-demo-")
+        self.work_dir = options.work_dir or Path(self._tmp.name)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        cmd = [sys.executable, "-m", "ftpipe_iot", *args]
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=None if name == "controller" else self._log(name),
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        self.children.append(_Child(name, proc))
+
+    def _log(self, name: str):
+        return open(self.work_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the child
+
+    def run(self) -> dict:
+        """Run to the end; returns the controller's summary plus broker kind and wall time."""
+        started = time.monotonic()
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+        def interrupt(signum: int, _frame: object) -> None:
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, interrupt)
+        try:
+            broker_url, kind = self._start_broker()
+            summary_path = self.work_dir / "summary.json"
+            common = ["--job", self.options.job, "--broker", broker_url]
+            if kind is BrokerKind.EMBEDDED:
+                common += ["--mqtt-protocol", "3.1.1"]
+            for index in range(self.options.devices):
+                name = f"dev{index}"
+                self._spawn(name, ["device", "--name", name, *common,
+                                   *self.options.device_args])
+            self._spawn("controller", ["controller", *common, "--devices",
+                                       str(self.options.devices), "--stop-devices",
+                                       "--summary-json", str(summary_path),
+                                       *self.options.controller_args])
+            self._supervise(started)
+            summary = json.loads(summary_path.read_text())
+            summary["broker"] = kind.value
+            summary["wall_s"] = round(time.monotonic() - started, 3)
+            summary["work_dir"] = str(self.work_dir)
+            return summary
+        finally:
+            self.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _start_broker(self) -> tuple[str, BrokerKind]:
+        if self.options.broker_url:
+            return self.options.broker_url, BrokerKind.MOSQUITTO
+        kind = BrokerKind.EMBEDDED if self.options.embedded else None
+        self.broker = BrokerProcess(kind=kind, data_dir=self.work_dir / "broker")
+        self.broker.start()
+        assert self.broker.kind is not None
+        return self.broker.url, self.broker.kind
+
+    def _supervise(self, started: float) -> None:
+        controller = next(c for c in self.children if c.name == "controller")
+        while True:
+            code = controller.proc.poll()
+            if code is not None:
+                if code != 0:
+                    raise DemoError(f"controller exited with code {code}")
+                self._wait_devices()
+                return
+            for child in self.children:
+                if child.name != "controller" and child.proc.poll() not in (None, 0):
+                    raise DemoError(f"{child.name} exited with code {child.proc.returncode}; "
+                                    f"its log: {self.work_dir / (child.name + '.log')}")
+            if self.broker is not None and self.broker.proc is not None and \
+                    self.broker.proc.poll() is not None:
+                raise DemoError(f"broker exited with code {self.broker.proc.returncode}")
+            if time.monotonic() - started > self.options.timeout_s:
+                raise DemoError(f"demo did not finish within {self.options.timeout_s:.0f}s")
+            time.sleep(0.1)
+
+    def _wait_devices(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not exit after shutdown; stopping it", child.name)
+
+    def stop(self) -> None:
+        """Terminate every child (SIGTERM, then SIGKILL) and the broker."""
+        for child in self.children:
+            if child.proc.poll() is None:
+                try:
+                    os.killpg(child.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5.0
+        for child in self.children:
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                child.proc.wait()
+        if self.broker is not None:
+            self.broker.stop()
+        self.children = []

@@ -1,0 +1,67 @@
+"""Turns envelopes into MQTT publishes and MQTT messages back into envelopes, with chunk
+reassembly, job filtering and drop accounting. Shared by the device agent and the controller."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from ftpipe_iot.metrics import DropLog, MessagingMetrics
+from ftpipe_iot.transport.base import Incoming, Transport
+from ftpipe_iot.wire import Envelope, MessageKind, Reassembler, WireError, WireOptions, encode
+
+log = logging.getLogger(__name__)
+
+
+class Messenger:
+    """Encode/send and receive/decode for one process (``name`` is its sender id)."""
+
+    def __init__(self, transport: Transport, name: str, job: str, metrics: MessagingMetrics,
+                 options: WireOptions = WireOptions(), logger: logging.Logger = log) -> None:
+        self.transport = transport
+        self.name = name
+        self.job = job
+        self.metrics = metrics
+        self.options = options
+        self.drops = DropLog(metrics, logger)
+        # Max body: generous but bounded (a crafted chunk header cannot ask for unbounded memory).
+        self.reassembler = Reassembler(max_body_bytes=1024 * 1024 * 1024)
+        self._seq = itertools.count(1)
+
+    def make(self, kind: MessageKind, plan_version: int = 0, step: int = -1,
+             micro_batch: int = -1, **body: object) -> Envelope:
+        return Envelope(kind=kind, job=self.job, sender=self.name, plan_version=plan_version,
+                        step=step, micro_batch=micro_batch, seq=next(self._seq), body=dict(body))
+
+    def send(self, topic: str, env: Envelope, qos: int = 1, retain: bool = False,
+             options: WireOptions | None = None) -> int:
+        """Encode and publish; returns the bytes sent."""
+        frames = encode(env, options or self.options)
+        if retain and len(frames) > 1:
+            raise ValueError(f"retained message on {topic} needs {len(frames)} chunks; retained "
+                             "payloads must fit one message")
+        sent = 0
+        for frame in frames:
+            self.transport.publish(topic, frame, qos=qos, retain=retain)
+            sent += len(frame)
+        self.metrics.messages_sent.labels(kind=env.kind.value).inc()
+        self.metrics.bytes_sent.inc(sent)
+        return sent
+
+    def receive(self, incoming: Incoming) -> Envelope | None:
+        """Decode one MQTT message; None when it is a partial chunk or was dropped (counted)."""
+        self.metrics.bytes_received.inc(len(incoming.payload))
+        if not incoming.payload:
+            return None  # a cleared retained topic
+        try:
+            env = self.reassembler.feed(incoming.payload)
+        except WireError as exc:
+            self.drops.drop(exc.reason, f"on {incoming.topic}: {exc}")
+            return None
+        if env is None:
+            return None
+        if env.job != self.job and env.kind not in (MessageKind.STATUS, MessageKind.HEARTBEAT):
+            self.drops.drop("wrong_job", f"on {incoming.topic}: job {env.job!r}")
+            return None
+        self.metrics.messages_received.labels(kind=env.kind.value).inc()
+        return env

@@ -1,0 +1,115 @@
+"""Prometheus metrics on an injected registry, and a drop counter that logs once per reason.
+
+Names follow Prometheus conventions: prefix ``ftpipe_``, base units, ``_total`` for counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                 10.0)
+
+
+class MessagingMetrics:
+    """Traffic counters every process has (device and controller alike)."""
+
+    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+        self.role = role
+        self.messages_sent = Counter("ftpipe_messages_sent_total", "MQTT messages published",
+                                     ["kind"], registry=registry)
+        self.messages_received = Counter("ftpipe_messages_received_total",
+                                         "Whole messages received and decoded", ["kind"],
+                                         registry=registry)
+        self.bytes_sent = Counter("ftpipe_sent_bytes_total", "Payload bytes published",
+                                  registry=registry)
+        self.bytes_received = Counter("ftpipe_received_bytes_total", "Payload bytes received",
+                                      registry=registry)
+        self.dropped = Counter("ftpipe_messages_dropped_total",
+                               "Messages dropped as unusable, by reason", ["reason"],
+                               registry=registry)
+        self.queue_depth = Gauge("ftpipe_inbox_queue_depth",
+                                 "Messages waiting in the inbox for the worker thread",
+                                 registry=registry)
+
+
+class DeviceMetrics(MessagingMetrics):
+    """Device-side metrics."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry, "device")
+        self.forward_seconds = Histogram("ftpipe_stage_forward_seconds",
+                                         "Forward compute time per step on this device",
+                                         buckets=_TIME_BUCKETS, registry=registry)
+        self.backward_seconds = Histogram("ftpipe_stage_backward_seconds",
+                                          "Backward compute time per step on this device",
+                                          buckets=_TIME_BUCKETS, registry=registry)
+        self.samples = Counter("ftpipe_device_samples_total",
+                               "Training samples forwarded by this device", registry=registry)
+        self.steps = Counter("ftpipe_device_steps_total", "Optimizer steps applied",
+                             registry=registry)
+        self.stage = Gauge("ftpipe_device_stage", "Stage index this device holds (-1 = none)",
+                           registry=registry)
+
+
+class ControllerMetrics(MessagingMetrics):
+    """Controller-side metrics, including per-device figures taken from heartbeats."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry, "controller")
+        self.step = Gauge("ftpipe_training_step", "Steps completed", registry=registry)
+        self.epoch = Gauge("ftpipe_training_epoch", "Current epoch", registry=registry)
+        self.samples = Counter("ftpipe_training_samples_total", "Training samples completed",
+                               registry=registry)
+        self.samples_per_second = Gauge("ftpipe_training_samples_per_second",
+                                        "Training throughput over the last steps",
+                                        registry=registry)
+        self.loss = Gauge("ftpipe_training_loss", "Mean training loss of the last step",
+                          registry=registry)
+        self.test_accuracy = Gauge("ftpipe_test_accuracy", "Test accuracy after the last epoch",
+                                   registry=registry)
+        self.plan_version = Gauge("ftpipe_plan_version", "Version of the current plan",
+                                  registry=registry)
+        self.stages = Gauge("ftpipe_plan_stages", "Number of stages in the current plan",
+                            registry=registry)
+        self.devices_online = Gauge("ftpipe_devices_online", "Devices whose status is online",
+                                    registry=registry)
+        self.device_step_seconds = Gauge("ftpipe_device_step_compute_seconds",
+                                         "Forward+backward compute seconds of the last step, "
+                                         "from heartbeats", ["device"], registry=registry)
+        self.device_heartbeat_age = Gauge("ftpipe_device_last_heartbeat_timestamp_seconds",
+                                          "Unix time of the last heartbeat", ["device"],
+                                          registry=registry)
+
+
+class DropLog:
+    """Counts dropped messages and logs the first of each reason (then only every 1000th), so
+    a flood of garbage cannot flood the log."""
+
+    def __init__(self, metrics: MessagingMetrics, logger: logging.Logger) -> None:
+        self._metrics = metrics
+        self._log = logger
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def drop(self, reason: str, detail: str) -> None:
+        self._metrics.dropped.labels(reason=reason).inc()
+        with self._lock:
+            count = self._counts.get(reason, 0) + 1
+            self._counts[reason] = count
+        if count == 1 or count % 1000 == 0:
+            self._log.warning("dropped a message (%s, %d so far): %s", reason, count, detail)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
+    """Serve ``/metrics`` on ``port`` (0 = off)."""
+    if port:
+        start_http_server(port, addr=addr, registry=registry)

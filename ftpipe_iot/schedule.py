@@ -1,0 +1,78 @@
+"""The synchronous schedule as data (DESIGN.md section 5).
+
+Step ``s`` is one mini-batch of ``M`` micro-batches drawn from a seeded permutation of the training
+set, one permutation per epoch; the last incomplete mini-batch of an epoch is dropped so every step
+has the same shape. Because the order is a pure function of (seed, step), a rewound feed replays
+exactly the same samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of training: which step, which index within the step, which samples."""
+
+    step: int
+    index: int
+    epoch: int
+    sample_indices: np.ndarray
+
+
+@dataclass(frozen=True)
+class SyncSchedule:
+    """Deterministic data order and step arithmetic for synchronous pipeline training."""
+
+    num_samples: int
+    micro_batches: int
+    micro_batch_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.steps_per_epoch < 1:
+            raise ValueError(
+                f"{self.num_samples} training samples cannot fill one step of "
+                f"{self.micro_batches} x {self.micro_batch_size} samples; lower the batch size"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        return self.micro_batches * self.micro_batch_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.batch_size
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def is_last_of_epoch(self, step: int) -> bool:
+        return (step + 1) % self.steps_per_epoch == 0
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+
+    def micro_batches_of(self, step: int) -> list[MicroBatch]:
+        """The M micro-batches of a step, in order."""
+        epoch = self.epoch_of(step)
+        order = self.epoch_order(epoch)
+        base = (step % self.steps_per_epoch) * self.batch_size
+        out = []
+        for index in range(self.micro_batches):
+            lo = base + index * self.micro_batch_size
+            out.append(MicroBatch(step, index, epoch, order[lo:lo + self.micro_batch_size]))
+        return out
+
+    def total_steps(self, epochs: int, max_steps: int | None) -> int:
+        total = epochs * self.steps_per_epoch
+        return min(total, max_steps) if max_steps is not None else total
+
+
+def eval_batches(num_samples: int, batch_size: int) -> list[np.ndarray]:
+    """Contiguous index ranges covering the test set (forward-only evaluation)."""
+    return [np.arange(lo, min(lo + batch_size, num_samples))
+            for lo in range(0, num_samples, batch_size)]

@@ -1,0 +1,65 @@
+"""The small interface every transport implements."""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class TransportError(ConnectionError):
+    """The broker could not be reached or refused us; the message says why."""
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """A message as received: topic, raw payload, and whether it came from the retained store."""
+
+    topic: str
+    payload: bytes
+    retained: bool = False
+
+
+@dataclass(frozen=True)
+class Will:
+    """Last Will: published by the broker when this client disappears without saying goodbye."""
+
+    topic: str
+    payload: bytes
+    qos: int = 1
+    retain: bool = True
+
+
+class Transport(Protocol):
+    """Publish/subscribe with an inbox queue. Implementations never compute on their I/O thread:
+    received messages are only put on ``inbox``; a worker thread takes them from there."""
+
+    inbox: queue.Queue[Incoming]
+
+    def connect(self, timeout_s: float = 10.0) -> None:
+        """Connect (and keep reconnecting in the background); raise TransportError on refusal."""
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
+        """Queue a message for sending."""
+
+    def subscribe(self, topic: str, qos: int = 1) -> None:
+        """Subscribe; subscriptions survive reconnects."""
+
+    def unsubscribe(self, topic: str) -> None:
+        """Drop a subscription."""
+
+    def close(self) -> None:
+        """Disconnect cleanly (the Last Will is not sent)."""
+
+
+def topic_matches(pattern: str, topic: str) -> bool:
+    """MQTT topic filter matching with ``+`` and ``#``."""
+    pat, top = pattern.split("/"), topic.split("/")
+    for i, part in enumerate(pat):
+        if part == "#":
+            return True
+        if i >= len(top):
+            return False
+        if part != "+" and part != top[i]:
+            return False
+    return len(pat) == len(top)

@@ -1,0 +1,68 @@
+"""In-memory broker and transport for unit tests of the pure logic (no network, no threads)."""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+
+from ftpipe_iot.transport.base import Incoming, Will, topic_matches
+
+
+@dataclass
+class MemoryBroker:
+    """A broker in one process: delivers to matching subscriptions and keeps retained messages."""
+
+    retained: dict[str, bytes] = field(default_factory=dict)
+    clients: list[MemoryTransport] = field(default_factory=list)
+    published: list[tuple[str, bytes]] = field(default_factory=list)
+
+    def route(self, topic: str, payload: bytes, retain: bool) -> None:
+        self.published.append((topic, payload))
+        if retain:
+            if payload:
+                self.retained[topic] = payload
+            else:
+                self.retained.pop(topic, None)
+        for client in list(self.clients):
+            if client.connected and any(topic_matches(p, topic) for p in client.subscriptions):
+                client.inbox.put(Incoming(topic, payload, False))
+
+    def transport(self, client_id: str, will: Will | None = None) -> MemoryTransport:
+        return MemoryTransport(self, client_id, will)
+
+
+class MemoryTransport:
+    """Transport backed by a MemoryBroker. ``crash()`` simulates a lost connection (fires the Will)."""
+
+    def __init__(self, broker: MemoryBroker, client_id: str, will: Will | None = None) -> None:
+        self.broker = broker
+        self.client_id = client_id
+        self.will = will
+        self.inbox: queue.Queue[Incoming] = queue.Queue()
+        self.subscriptions: set[str] = set()
+        self.connected = False
+
+    def connect(self, timeout_s: float = 10.0) -> None:
+        self.connected = True
+        if self not in self.broker.clients:
+            self.broker.clients.append(self)
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
+        self.broker.route(topic, payload, retain)
+
+    def subscribe(self, topic: str, qos: int = 1) -> None:
+        self.subscriptions.add(topic)
+        for retained_topic, payload in self.broker.retained.items():
+            if topic_matches(topic, retained_topic):
+                self.inbox.put(Incoming(retained_topic, payload, True))
+
+    def unsubscribe(self, topic: str) -> None:
+        self.subscriptions.discard(topic)
+
+    def close(self) -> None:
+        self.connected = False
+
+    def crash(self) -> None:
+        self.connected = False
+        if self.will is not None:
+            self.broker.route(self.will.topic, self.will.payload, self.will.retain)

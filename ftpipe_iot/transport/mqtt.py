@@ -1,0 +1,213 @@
+"""paho-mqtt adapter: MQTT 5 where the broker speaks it, 3.1.1 otherwise; reconnects by itself.
+
+Callbacks run on paho's network thread and only enqueue: a slow callback would starve keepalive
+and make the broker fire the Last Will of a healthy device.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import ssl
+import threading
+import time
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.reasoncodes import ReasonCode
+
+from ftpipe_iot.config import BrokerConfig, MqttProtocol
+from ftpipe_iot.transport.base import Incoming, TransportError, Will
+
+log = logging.getLogger(__name__)
+
+_UNSUPPORTED_PROTOCOL = (1, 132)  # v3 "unacceptable protocol version", v5 "unsupported protocol"
+
+
+def _reason_value(code: object) -> int:
+    if isinstance(code, ReasonCode):
+        return int(code.value)
+    try:
+        return int(code)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return -1
+
+
+_REFUSALS = {
+    4: "bad user name or password", 5: "not authorised", 134: "bad user name or password",
+    135: "not authorised", 2: "client id rejected", 133: "client id rejected",
+    3: "server unavailable", 136: "server unavailable",
+}
+
+
+def _no_delay(client: mqtt.Client, userdata: object, sock: object) -> None:
+    # Pipeline messages are latency-bound; Nagle plus delayed ACKs costs ~40 ms per hop.
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # type: ignore[attr-defined]
+    except (OSError, AttributeError):
+        pass  # not a TCP socket (e.g. websockets): nothing to tune
+
+
+class MqttTransport:
+    """Transport over a real MQTT broker via paho-mqtt 2.x."""
+
+    def __init__(self, config: BrokerConfig, client_id: str, will: Will | None = None) -> None:
+        self.config = config
+        self.client_id = client_id
+        self.will = will
+        self.inbox: queue.Queue[Incoming] = queue.Queue()
+        self.protocol = config.protocol
+        self._subscriptions: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._refused: str | None = None
+        self._client: mqtt.Client | None = None
+        self.reconnects = 0
+        self._ever_connected = False
+        self._closing = False
+        self._unacked: list[mqtt.MQTTMessageInfo] = []
+
+    # -- connection ---------------------------------------------------------------------------
+    def _make_client(self, protocol: MqttProtocol) -> mqtt.Client:
+        version = mqtt.MQTTv5 if protocol is MqttProtocol.V5 else mqtt.MQTTv311
+        kwargs = {} if version == mqtt.MQTTv5 else {"clean_session": True}
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
+                             protocol=version, **kwargs)
+        client.max_inflight_messages_set(200)
+        client.max_queued_messages_set(0)
+        client.reconnect_delay_set(min_delay=0.2, max_delay=5)
+        if self.config.username:
+            client.username_pw_set(self.config.username, self.config.read_password())
+        if self.config.tls:
+            client.tls_set(ca_certs=self.config.ca_file, certfile=self.config.cert_file,
+                           keyfile=self.config.key_file, cert_reqs=ssl.CERT_REQUIRED,
+                           tls_version=ssl.PROTOCOL_TLS_CLIENT)
+        if self.will is not None:
+            client.will_set(self.will.topic, self.will.payload, self.will.qos, self.will.retain)
+        client.on_socket_open = _no_delay
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        return client
+
+    def connect(self, timeout_s: float = 10.0) -> None:
+        """Connect, trying MQTT 5 then 3.1.1 when the protocol is ``auto``."""
+        order = ([MqttProtocol.V5, MqttProtocol.V311] if self.config.protocol is MqttProtocol.AUTO
+                 else [self.config.protocol])
+        last_error = "no attempt"
+        for protocol in order:
+            self.protocol = protocol
+            self._refused = None
+            self._connected.clear()
+            client = self._make_client(protocol)
+            self._client = client
+            try:
+                client.connect(self.config.host, self.config.port,
+                               keepalive=self.config.keepalive_s)
+            except ssl.SSLError as exc:
+                raise TransportError(f"TLS handshake with {self.config.url} failed: {exc}") from exc
+            except OSError as exc:
+                raise TransportError(f"cannot reach broker at {self.config.url}: {exc}") from exc
+            client.loop_start()
+            refused_or_up = self._wait(timeout_s)
+            if self._connected.is_set():
+                return
+            client.loop_stop()
+            client.disconnect()
+            last_error = self._refused or f"no CONNACK within {timeout_s}s"
+            if not refused_or_up or self._refused != "unsupported protocol version":
+                break
+            log.info("broker does not speak MQTT %s; trying the next version", protocol.value)
+        raise TransportError(f"broker at {self.config.url} refused the connection: {last_error}")
+
+    def _wait(self, timeout_s: float) -> bool:
+        deadline = threading.Event()
+        step = 0.02
+        waited = 0.0
+        while waited < timeout_s:
+            if self._connected.is_set() or self._refused is not None:
+                return True
+            deadline.wait(step)
+            waited += step
+        return False
+
+    # -- network-thread callbacks: enqueue only ------------------------------------------------
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        value = _reason_value(reason_code)
+        if value != 0:
+            if value in _UNSUPPORTED_PROTOCOL:
+                self._refused = "unsupported protocol version"
+            else:
+                self._refused = _REFUSALS.get(value, f"reason code {reason_code}")
+            if not self._ever_connected:
+                # Before the first success a refusal is final: stop retrying.
+                client.disconnect()
+            return
+        if self._ever_connected:
+            self.reconnects += 1
+            log.info("%s reconnected to %s", self.client_id, self.config.url)
+        self._ever_connected = True
+        with self._lock:
+            subs = list(self._subscriptions.items())
+        for topic, qos in subs:
+            client.subscribe(topic, qos)
+        self._connected.set()
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        if self._connected.is_set() and not self._closing:
+            log.warning("%s lost its broker connection (%s); reconnecting", self.client_id,
+                        reason_code)
+        self._connected.clear()
+
+    def _on_message(self, client, userdata, message) -> None:
+        self.inbox.put(Incoming(message.topic, bytes(message.payload), bool(message.retain)))
+
+    # -- API ----------------------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        return self._connected.wait(timeout_s)
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
+        if self._client is None:
+            raise TransportError("publish before connect")
+        info = self._client.publish(topic, payload, qos=qos, retain=retain)
+        if qos > 0:
+            # Remember recent QoS>0 publishes so close() can flush them first.
+            self._unacked = [i for i in self._unacked[-256:] if not i.is_published()]
+            self._unacked.append(info)
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+
+    def subscribe(self, topic: str, qos: int = 1) -> None:
+        with self._lock:
+            self._subscriptions[topic] = qos
+        if self._client is not None and self._connected.is_set():
+            self._client.subscribe(topic, qos)
+
+    def unsubscribe(self, topic: str) -> None:
+        with self._lock:
+            self._subscriptions.pop(topic, None)
+        if self._client is not None and self._connected.is_set():
+            self._client.unsubscribe(topic)
+
+    def close(self, flush_timeout_s: float = 3.0) -> None:
+        """Flush QoS>0 messages still in flight (bounded wait), then disconnect cleanly."""
+        if self._client is None:
+            return
+        deadline = time.monotonic() + flush_timeout_s
+        for info in self._unacked:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._connected.is_set():
+                break
+            try:
+                info.wait_for_publish(remaining)
+            except (RuntimeError, ValueError):
+                pass  # the message was dropped by paho; nothing left to flush
+        self._closing = True
+        self._client.disconnect()
+        self._client.loop_stop()
+        self._client = None
+        self._connected.clear()
