@@ -1,6 +1,6 @@
 """Connection and run configuration as dataclasses, plus loading a device/controller bundle file.
 
-A bundle file is JSON (written by ``ftpipe-iot fleet add-device``) so a device needs no extra parser.
+A bundle file is JSON (written by ``ftpipe-iot fleet add-device``): a device needs no other parser.
 Secrets are never inline: the password lives in a separate file referenced by path, so it does not
 show up in ``ps`` output or in logs.
 """

@@ -89,6 +89,7 @@ class RunSummary:
     final_loss: float = 0.0
     stages: list[dict] = field(default_factory=list)
     dropped: dict[str, int] = field(default_factory=dict)
+    device_dropped: dict[str, dict[str, int]] = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     error: str | None = None
@@ -280,6 +281,7 @@ class Controller:
                     self._on_eval_complete()
         elif kind is ResultType.SNAPSHOT_DONE and self.phase is Phase.SNAPSHOTTING:
             self.snapshot_done.add(env.sender)
+            self.summary.device_dropped[env.sender] = dict(body.get("drops", {}))
             self._maybe_finish_snapshot()
 
     def _on_weights(self, env: Envelope) -> None:
@@ -460,8 +462,8 @@ class Controller:
 
     def _command(self, device: str, op: CommandOp) -> None:
         assert self.plan is not None
-        self.messenger.send(self.topics.cmd(device),
-                            self.messenger.make(MessageKind.COMMAND, self.plan.version, op=op.value))
+        command = self.messenger.make(MessageKind.COMMAND, self.plan.version, op=op.value)
+        self.messenger.send(self.topics.cmd(device), command)
 
     def _publish_state(self, state: str) -> None:
         env = self.messenger.make(MessageKind.STATE, self.plan.version if self.plan else 0,

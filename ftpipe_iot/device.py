@@ -243,7 +243,7 @@ class DeviceAgent:
         self._report(ResultType.SNAPSHOT_DONE, layers=[self.stage.first_layer,
                                                       self.stage.first_layer
                                                       + len(self.stage.layers)],
-                     version=version)
+                     version=version, drops=self.messenger.drops.counts)
 
     def _on_data(self, env: Envelope) -> None:
         if self.stage is None or self.plan is None:

@@ -53,6 +53,9 @@ class DeviceMetrics(MessagingMetrics):
                              registry=registry)
         self.stage = Gauge("ftpipe_device_stage", "Stage index this device holds (-1 = none)",
                            registry=registry)
+        self.replication_bytes = Counter("ftpipe_replication_sent_bytes_total",
+                                         "Bytes of weights and optimizer state replicated",
+                                         registry=registry)
 
 
 class ControllerMetrics(MessagingMetrics):
@@ -80,6 +83,28 @@ class ControllerMetrics(MessagingMetrics):
         self.device_step_seconds = Gauge("ftpipe_device_step_compute_seconds",
                                          "Forward+backward compute seconds of the last step, "
                                          "from heartbeats", ["device"], registry=registry)
+        self.device_capacity = Gauge("ftpipe_device_capacity_factor",
+                                     "Smoothed slow-down of a device vs. the reference profile "
+                                     "(1 = reference speed, 4 = four times slower)", ["device"],
+                                     registry=registry)
+        self.device_stage = Gauge("ftpipe_device_stage_assigned",
+                                  "Stage a device holds in the current plan (-1 = none)",
+                                  ["device"], registry=registry)
+        self.failures = Counter("ftpipe_failures_total", "Device failures detected, by signal",
+                                ["cause"], registry=registry)
+        self.recoveries = Counter("ftpipe_recoveries_total", "Completed recoveries",
+                                  registry=registry)
+        self.detection_seconds = Histogram("ftpipe_failure_detection_seconds",
+                                           "Seconds from a failure to its detection",
+                                           buckets=(0.5, 1, 2, 5, 10, 20, 30, 60),
+                                           registry=registry)
+        self.recovery_seconds = Histogram("ftpipe_recovery_seconds",
+                                          "Seconds from detection to training resumed",
+                                          buckets=(0.5, 1, 2, 5, 10, 20, 30, 60),
+                                          registry=registry)
+        self.repartitions = Counter("ftpipe_repartitions_total",
+                                    "Plan changes made to rebalance the pipeline",
+                                    registry=registry)
         self.device_heartbeat_age = Gauge("ftpipe_device_last_heartbeat_timestamp_seconds",
                                           "Unix time of the last heartbeat", ["device"],
                                           registry=registry)

@@ -1,9 +1,9 @@
 """Models as sequences of layers: the unit the partitioner cuts between.
 
 Built-in: ``mlp`` and ``cnn`` for the 8x8 digits, ``mobilenetv2`` (CIFAR-style, 32x32 inputs) for
-benchmarks, and a user model given as ``module:callable`` returning an ``nn.Sequential`` or a list of
-modules. Every device builds the whole model from the same seed and keeps its own range, so initial
-weights agree everywhere without moving them.
+benchmarks, and a user model given as ``module:callable`` returning an ``nn.Sequential`` or a
+list of modules. Every device builds the whole model from the same seed and keeps its own range,
+so initial weights agree everywhere without moving them.
 """
 
 from __future__ import annotations

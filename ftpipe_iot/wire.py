@@ -106,6 +106,34 @@ class WireOptions:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
 
 
+_SAFE_KINDS = frozenset("biufc")
+
+
+def _encode_hook(obj: Any) -> Any:
+    """msgpack-numpy encoding for plain numeric arrays only: object arrays would be pickled."""
+    if isinstance(obj, (np.ndarray, np.generic)) and obj.dtype.kind not in _SAFE_KINDS:
+        raise TypeError(f"arrays of dtype {obj.dtype} cannot go on the wire (numeric only)")
+    return msgpack_numpy.encode(obj)
+
+
+def _decode_hook(obj: dict) -> Any:
+    """msgpack-numpy decoding that refuses anything but numeric dtypes (never unpickles)."""
+    if b"nd" in obj:
+        kind = obj.get(b"kind", b"")
+        try:
+            dtype = np.dtype(msgpack_numpy._unpack_dtype(obj[b"type"])) if kind != b"V" \
+                else None
+        except (TypeError, ValueError, KeyError) as exc:
+            raise MalformedFrame(f"bad array dtype: {exc}") from exc
+        if kind in (b"O", b"V") or dtype is None or dtype.kind not in _SAFE_KINDS:
+            raise MalformedFrame("array of a non-numeric dtype on the wire (refused)")
+        try:
+            return msgpack_numpy.decode(obj)
+        except (TypeError, ValueError) as exc:
+            raise MalformedFrame(f"bad array: {exc}") from exc
+    return obj
+
+
 def _to_wire_dtype(value: Any, wire_dtype: WireDtype) -> Any:
     if wire_dtype is WireDtype.FP16 and isinstance(value, np.ndarray) and value.dtype in (
         np.float32, np.float64
@@ -129,7 +157,7 @@ def _from_wire_dtype(value: Any) -> Any:
 
 
 def _pack_body(body: dict[str, Any], options: WireOptions) -> tuple[bytes, bool]:
-    raw = msgpack.packb(_to_wire_dtype(body, options.wire_dtype), default=msgpack_numpy.encode,
+    raw = msgpack.packb(_to_wire_dtype(body, options.wire_dtype), default=_encode_hook,
                         use_bin_type=True)
     if options.compress and len(raw) >= COMPRESS_MIN_BYTES:
         packed = lz4.frame.compress(raw)
@@ -148,7 +176,7 @@ def _unpack_body(data: bytes, compressed: bool, max_body_bytes: int) -> dict[str
                 raise Oversized(f"decompressed body exceeds {max_body_bytes} bytes")
             if not decompressor.eof:
                 raise MalformedFrame("truncated lz4 frame")
-        body = msgpack.unpackb(data, object_hook=msgpack_numpy.decode, raw=False,
+        body = msgpack.unpackb(data, object_hook=_decode_hook, raw=False,
                                strict_map_key=False)
     except WireError:
         raise

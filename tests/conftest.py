@@ -28,3 +28,15 @@ def mosquitto_clients() -> None:
     """Fail clearly when the mosquitto_pub/mosquitto_sub clients are missing."""
     if not (shutil.which("mosquitto_pub") and shutil.which("mosquitto_sub")):
         pytest.fail("mosquitto-clients are not installed; .ci/run installs them")
+
+
+@pytest.fixture
+def processes(tmp_path):
+    """Child processes of the package's CLI, killed at the end of the test."""
+    from helpers import Processes
+
+    procs = Processes(tmp_path / "logs")
+    try:
+        yield procs
+    finally:
+        procs.stop_all()

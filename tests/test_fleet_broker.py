@@ -24,8 +24,10 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from click.testing import CliRunner
 
 from ftpipe_iot.broker import BrokerProcess, find_free_port, mosquitto_binary
+from ftpipe_iot.cli.fleet import fleet as fleet_cli
 from ftpipe_iot.config import load_bundle
 from ftpipe_iot.fleet import ca, fleet
 from ftpipe_iot.fleet.brokerconf import message_size_limit
@@ -214,6 +216,17 @@ def _password(bundle_dir: Path) -> str:
     return (bundle_dir / "password").read_text().strip()
 
 
+def test_cli_check_command(live: LiveFleet, tmp_path: Path) -> None:
+    ok = CliRunner().invoke(fleet_cli, ["check", "--config", str(live.config("dev-a"))])
+    assert ok.exit_code == 0 and ok.output.startswith("ok: dev-a connected"), ok.output
+    bad = live.copy_bundle("dev-a", tmp_path / "bad")
+    (bad.parent / "password").write_text("wrong-password\n")
+    result = CliRunner().invoke(fleet_cli, ["check", "--config", str(bad)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.startswith("Error: the broker at 127.0.0.1:")
+    assert "refused username 'dev-a'" in result.output and "wrong-password" not in result.output
+
+
 def test_cli_client_with_full_credentials_is_accepted(live: LiveFleet) -> None:
     bdir = live.config("dev-a").parent
     result = _mosquitto_pub(live, *_tls_args(bdir), "-i", "dev-a", "-u", "dev-a",
@@ -247,7 +260,7 @@ def test_plain_tcp_client_is_refused_on_tls_listener(live: LiveFleet, tmp_path: 
     raw = json.loads(plain.read_text())
     raw["broker"].update(tls=False, ca_file=None, cert_file=None, key_file=None)
     plain.write_text(json.dumps(raw))
-    with pytest.raises(ConnectionCheckError, match="closed the connection") as err:
+    with pytest.raises(ConnectionCheckError, match="closed the connection.*plain-TCP") as err:
         check_connection(load_bundle(plain), timeout_s=WAIT_S)
     assert err.value.kind is CheckFailure.REFUSED
 

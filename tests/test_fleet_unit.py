@@ -6,6 +6,7 @@ import datetime as dt
 import ipaddress
 import json
 import shutil
+import ssl
 import stat
 import subprocess
 from pathlib import Path
@@ -14,10 +15,11 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from ftpipe_iot.config import load_bundle
+from ftpipe_iot.config import BrokerConfig, Bundle, load_bundle
 from ftpipe_iot.fleet import acl, ca, fleet, passwd
-from ftpipe_iot.fleet.errors import FleetError, UnknownIdentityError
-from ftpipe_iot.fleet.model import BrokerSettings, Role, load_state
+from ftpipe_iot.fleet.check import _tls_error, _verify_error
+from ftpipe_iot.fleet.errors import CheckFailure, FleetError, UnknownIdentityError
+from ftpipe_iot.fleet.model import BrokerSettings, Identity, Role, load_state
 
 
 def _mode(path: Path) -> int:
@@ -96,8 +98,8 @@ def test_client_certificate_checks() -> None:
 
 # ---- ACL text ---------------------------------------------------------------------------------
 
-def _ident(name: str, role: Role, job: str = "j1") -> fleet.Identity:
-    return fleet.Identity(name=name, role=role, job=job, cert_serial=1, cert_not_after="x")
+def _ident(name: str, role: Role, job: str = "j1") -> Identity:
+    return Identity(name=name, role=role, job=job, cert_serial=1, cert_not_after="x")
 
 
 def _user_block(text: str, user: str) -> list[str]:
@@ -222,3 +224,34 @@ def test_reload_without_running_broker_is_reported(fleet_dir: Path) -> None:
     # a stale pid file naming a non-mosquitto process must never be signalled
     (fleet_dir / "broker" / "mosquitto.pid").write_text("1\n")
     assert fleet.reload_broker(fleet_dir) is False
+
+
+# ---- classification of TLS failures (the cases a loopback broker cannot produce) ---------------
+
+def _verify_failure(code: int, message: str) -> ssl.SSLCertVerificationError:
+    exc = ssl.SSLCertVerificationError(1, f"certificate verify failed: {message}")
+    exc.verify_code, exc.verify_message = code, message
+    return exc
+
+
+@pytest.mark.parametrize(("code", "kind", "fragment"), [
+    (20, CheckFailure.WRONG_CA, "not signed by the CA"),
+    (19, CheckFailure.WRONG_CA, "not signed by the CA"),
+    (10, CheckFailure.CERT_EXPIRED, "validity period"),
+    (62, CheckFailure.HOSTNAME, "does not name 'mqtt.lan'"),
+])
+def test_verify_errors_are_classified(code: int, kind: CheckFailure, fragment: str) -> None:
+    bundle = Bundle(name="dev-a", broker=BrokerConfig(host="mqtt.lan", port=8883, tls=True,
+                                                      ca_file="ca.crt"))
+    err = _verify_error(_verify_failure(code, "x"), bundle)
+    assert err.kind is kind and fragment in str(err)
+
+
+def test_tls_alerts_and_plain_listeners_are_classified() -> None:
+    alert = ssl.SSLError(1, "tlsv13 alert certificate required")
+    alert.reason = "TLSV13_ALERT_CERTIFICATE_REQUIRED"
+    assert _tls_error(alert, "h:1").kind is CheckFailure.CERT_REJECTED
+    wrong = ssl.SSLError(1, "wrong version number")
+    wrong.reason = "WRONG_VERSION_NUMBER"
+    err = _tls_error(wrong, "h:1")
+    assert err.kind is CheckFailure.TLS and "does not speak TLS" in str(err)

@@ -205,7 +205,11 @@ def config_cmd(fleet_dir: Path, port: int | None) -> None:
               help="Seconds to wait for the broker.")
 @_clear_errors
 def check_cmd(config_file: Path, timeout: float) -> None:
-    """Connect with a bundle and report exactly what is wrong, if anything."""
+    """Connect with a bundle and report exactly what is wrong, if anything.
+
+    The client id is the identity's name: checking a device whose agent is connected takes over
+    the agent's session (it reconnects), so run it before starting the agent.
+    """
     bundle = load_bundle(config_file)
     check_connection(bundle, timeout_s=timeout)
     click.echo(f"ok: {bundle.name} connected to {bundle.broker.url}")

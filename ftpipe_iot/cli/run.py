@@ -1,4 +1,4 @@
-"""``broker``, ``device``, ``controller`` and ``demo`` commands: parse arguments, call the library."""
+"""``broker``, ``device``, ``controller`` and ``demo``: parse arguments, call the library."""
 
 from __future__ import annotations
 
@@ -99,13 +99,15 @@ def _training_args(kw: dict[str, Any]) -> list[str]:
 
 
 def _broker_config(url: str, config_file: str | None, protocol: str, max_message: int,
-                   keepalive: int) -> tuple[BrokerConfig, str | None]:
+                   keepalive: int, job: str | None) -> tuple[BrokerConfig, str | None, str]:
+    """Broker settings, identity name and job from a bundle file or from the options."""
     try:
         if config_file:
             bundle = load_bundle(config_file)
-            return bundle.broker, bundle.name
-        return BrokerConfig.from_url(url, protocol=parse_protocol(protocol),
-                                     max_message_bytes=max_message, keepalive_s=keepalive), None
+            return bundle.broker, bundle.name, job or bundle.job
+        config = BrokerConfig.from_url(url, protocol=parse_protocol(protocol),
+                                       max_message_bytes=max_message, keepalive_s=keepalive)
+        return config, None, job or "default"
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
 
@@ -166,11 +168,11 @@ def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
 
 @click.command()
 @click.option("--name", default=None, help="device name (= MQTT client id and username)")
-@click.option("--job", default="default", show_default=True)
+@click.option("--job", default=None, help="job name [default: the bundle's, else 'default']")
 @click.option("--heartbeat-interval", type=click.FloatRange(min=0.05), default=1.0,
               show_default=True, help="seconds between heartbeats")
 @connection_options
-def device(name: str | None, job: str, heartbeat_interval: float, broker_url: str,
+def device(name: str | None, job: str | None, heartbeat_interval: float, broker_url: str,
            config_file: str | None, mqtt_protocol: str, max_message_bytes: int, keepalive: int,
            metrics_port: int, threads: int, log_level: str) -> None:
     """Run a device agent: announce, take a stage from the plan, compute, report."""
@@ -178,8 +180,8 @@ def device(name: str | None, job: str, heartbeat_interval: float, broker_url: st
     from ftpipe_iot.runner import ProcessOptions, run_device
     from ftpipe_iot.transport import TransportError
 
-    config, bundle_name = _broker_config(broker_url, config_file, mqtt_protocol,
-                                         max_message_bytes, keepalive)
+    config, bundle_name, job = _broker_config(broker_url, config_file, mqtt_protocol,
+                                              max_message_bytes, keepalive, job)
     name = name or bundle_name
     if not name:
         raise click.UsageError("give --name or a --config bundle")
@@ -192,7 +194,7 @@ def device(name: str | None, job: str, heartbeat_interval: float, broker_url: st
 
 
 @click.command()
-@click.option("--job", default="default", show_default=True)
+@click.option("--job", default=None, help="job name [default: the bundle's, else 'default']")
 @click.option("--devices", type=click.IntRange(min=1), default=3, show_default=True,
               help="devices to wait for")
 @click.option("--device-names", default=None, help="comma-separated device names to use")
@@ -208,7 +210,7 @@ def device(name: str | None, job: str, heartbeat_interval: float, broker_url: st
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON on stdout")
 @connection_options
 @training_options
-def controller(job: str, devices: int, device_names: str | None, wait_devices: float,
+def controller(job: str | None, devices: int, device_names: str | None, wait_devices: float,
                stall_timeout: float, save_weights: str | None, summary_json: str | None,
                stop_devices: bool, as_json: bool, broker_url: str, config_file: str | None,
                mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
@@ -221,8 +223,8 @@ def controller(job: str, devices: int, device_names: str | None, wait_devices: f
     from ftpipe_iot.runner import ProcessOptions, run_controller
     from ftpipe_iot.transport import TransportError
 
-    config, bundle_name = _broker_config(broker_url, config_file, mqtt_protocol,
-                                         max_message_bytes, keepalive)
+    config, bundle_name, job = _broker_config(broker_url, config_file, mqtt_protocol,
+                                              max_message_bytes, keepalive, job)
     names = tuple(n.strip() for n in device_names.split(",")) if device_names else ()
     if names and len(names) != devices:
         raise click.UsageError(f"--device-names lists {len(names)} devices, --devices is "

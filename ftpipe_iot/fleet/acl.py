@@ -40,6 +40,7 @@ class Rule:
     pattern: bool = False
 
     def render(self) -> str:
+        """The line as Mosquitto reads it."""
         return f"{'pattern' if self.pattern else 'topic'} {self.access.value} {self.topic}"
 
 

@@ -43,6 +43,7 @@ def config_name(role: Role) -> str:
 
 
 def bundle_dir(fleet_dir: Path, name: str) -> Path:
+    """The bundle directory of identity ``name`` inside a fleet directory."""
     return Path(fleet_dir) / "bundles" / name
 
 

@@ -12,14 +12,18 @@ from __future__ import annotations
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import paho.mqtt.client as mqtt
 
 from ftpipe_iot.config import BrokerConfig, Bundle, ConfigError, MqttProtocol
 from ftpipe_iot.fleet import ca
 from ftpipe_iot.fleet.errors import CheckFailure, ConnectionCheckError, FleetError
+
+T = TypeVar("T")
 
 # OpenSSL X509_V_ERR_* codes that mean "the broker's chain does not lead to our CA".
 _UNTRUSTED_CODES = {2, 18, 19, 20, 21, 27}
@@ -72,8 +76,7 @@ def check_connection(bundle: Bundle, timeout_s: float = 10.0) -> None:
                 raise ConnectionCheckError(
                     CheckFailure.REFUSED,
                     f"the broker at {where} closed the connection before accepting it "
-                    f"({mqtt.error_string(rc)}); if it requires client certificates, check "
-                    "that this bundle's certificate is from the fleet CA and not revoked")
+                    f"({mqtt.error_string(rc)}); {_closed_hint(broker)}")
     except ConnectionCheckError:
         raise
     except ssl.SSLCertVerificationError as exc:
@@ -98,6 +101,15 @@ def check_connection(bundle: Bundle, timeout_s: float = 10.0) -> None:
         _close(client)
     if outcome.connack is None or outcome.connack.is_failure:
         raise _connack_error(outcome.connack or outcome.disconnected, bundle, where)
+
+
+def _closed_hint(broker: BrokerConfig) -> str:
+    if broker.tls:
+        # Under TLS 1.3 a rejected client certificate shows up only as a closed connection.
+        return ("if it requires client certificates, check that this bundle's certificate is "
+                "from the broker's fleet CA and still valid")
+    return ("a TLS listener drops plain-TCP clients: set tls to true and give the CA and client "
+            "certificate (a fleet bundle does)")
 
 
 def _preflight(bundle: Bundle) -> str | None:
@@ -145,7 +157,7 @@ def _preflight(bundle: Bundle) -> str | None:
     return password
 
 
-def _load(loader, path: str):  # type: ignore[no-untyped-def]
+def _load(loader: Callable[[Path], T], path: str) -> T:
     try:
         return loader(Path(path))
     except FleetError as exc:
@@ -194,7 +206,7 @@ def _verify_error(exc: ssl.SSLCertVerificationError, bundle: Bundle) -> Connecti
 
 
 def _tls_error(exc: ssl.SSLError, where: str) -> ConnectionCheckError:
-    reason = (exc.reason or str(exc)).lower()
+    reason = (exc.reason or str(exc)).lower().replace("_", " ")
     if "alert" in reason:
         # The broker aborted the handshake: it did not like our certificate (or none was sent).
         return ConnectionCheckError(
@@ -231,4 +243,6 @@ def _close(client: mqtt.Client) -> None:
             client.disconnect()
             client.loop(timeout=0.1)
     finally:
-        client.socket() and client.socket().close()  # type: ignore[union-attr]
+        sock = client.socket()
+        if sock is not None:
+            sock.close()

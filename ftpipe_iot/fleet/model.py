@@ -103,6 +103,7 @@ class FleetState:
 
 
 def state_path(fleet_dir: Path) -> Path:
+    """Path of ``fleet.json`` in a fleet directory."""
     return Path(fleet_dir) / STATE_FILE
 
 

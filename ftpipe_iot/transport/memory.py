@@ -32,7 +32,8 @@ class MemoryBroker:
 
 
 class MemoryTransport:
-    """Transport backed by a MemoryBroker. ``crash()`` simulates a lost connection (fires the Will)."""
+    """Transport backed by a MemoryBroker; ``crash()`` simulates a lost connection (fires the
+    Will)."""
 
     def __init__(self, broker: MemoryBroker, client_id: str, will: Will | None = None) -> None:
         self.broker = broker

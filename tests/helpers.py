@@ -1,0 +1,112 @@
+"""Test helpers shared by several test modules."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from ftpipe_iot.controller import Controller, ControllerConfig, Phase
+from ftpipe_iot.device import DeviceAgent, device_will
+from ftpipe_iot.transport.memory import MemoryBroker
+
+
+class MemoryJob:
+    """A controller and devices on an in-memory broker, pumped in one thread."""
+
+    def __init__(self, config: ControllerConfig, devices: int = 3, job: str = "t") -> None:
+        self.broker = MemoryBroker()
+        self.controller = Controller(job, config, self.broker.transport("controller"),
+                                     CollectorRegistry())
+        self.devices = [
+            DeviceAgent(f"d{i}", job, self.broker.transport(f"d{i}", device_will(f"d{i}", job)),
+                        CollectorRegistry())
+            for i in range(devices)
+        ]
+
+    def start(self) -> None:
+        for device in self.devices:
+            device.start()
+        self.controller.start()
+
+    def pump_once(self) -> None:
+        ctrl = self.controller
+        while not ctrl.transport.inbox.empty():
+            ctrl.handle(ctrl.transport.inbox.get())
+        ctrl.tick()
+        for device in self.devices:
+            if device.transport.connected:
+                device.pump()
+
+    def run(self, limit_s: float = 120.0) -> Phase:
+        deadline = time.monotonic() + limit_s
+        while self.controller.phase not in (Phase.DONE, Phase.FAILED):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job stuck in {self.controller.phase}")
+            self.pump_once()
+        return self.controller.phase
+
+
+def max_weight_diff(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> float:
+    """Largest absolute difference between two per-layer weight lists (same keys required)."""
+    assert len(a) == len(b), f"{len(a)} layers vs {len(b)}"
+    worst = 0.0
+    for layer_a, layer_b in zip(a, b):
+        assert set(layer_a) == set(layer_b)
+        for key in layer_a:
+            if layer_a[key].size:
+                diff = np.abs(layer_a[key].astype(np.float64) - layer_b[key].astype(np.float64))
+                worst = max(worst, float(diff.max()))
+    return worst
+
+
+class Processes:
+    """Starts ``python -m ftpipe_iot ...`` children with logs in ``log_dir``; kills leftovers."""
+
+    def __init__(self, log_dir) -> None:
+        import pathlib
+
+        self.log_dir = pathlib.Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, object] = {}
+
+    def start(self, name: str, *args: str):
+        import subprocess
+        import sys
+
+        log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed by the child exit
+        proc = subprocess.Popen([sys.executable, "-m", "ftpipe_iot", *args],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+                                start_new_session=True, text=True)
+        self.procs[name] = proc
+        return proc
+
+    def device(self, name: str, job: str, broker_url: str, *extra: str):
+        return self.start(name, "device", "--name", name, "--job", job, "--broker", broker_url,
+                          "--heartbeat-interval", "0.2", *extra)
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text()
+
+    def wait(self, name: str, timeout_s: float) -> int:
+        proc = self.procs[name]
+        try:
+            return proc.wait(timeout_s)
+        except Exception as exc:
+            raise AssertionError(f"{name} did not exit within {timeout_s}s; log:\n"
+                                 f"{self.log(name)[-3000:]}") from exc
+
+    def stop_all(self) -> None:
+        import os
+        import signal
+
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+            if proc.stdout:
+                proc.stdout.close()

@@ -1,0 +1,111 @@
+"""Controller and device agents together on the in-memory transport (pure logic, no broker)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import MemoryJob, max_weight_diff
+
+from ftpipe_iot.controller import ControllerConfig, Phase
+from ftpipe_iot.data import DataSpec
+from ftpipe_iot.models import ModelSpec
+from ftpipe_iot.plan import OptimizerName, TrainConfig
+from ftpipe_iot.reference import train_reference
+from ftpipe_iot.topics import Topics
+from ftpipe_iot.wire import Envelope, MessageKind, encode
+
+
+# Adam divides by the root of the second moment, which magnifies last-bit float differences in
+# near-zero gradients; SGD keeps them at rounding level.
+@pytest.mark.parametrize(("model", "devices", "micro_batches", "optimizer", "tolerance"), [
+    ("cnn", 3, 4, OptimizerName.SGD, 1e-5),
+    ("mlp", 2, 3, OptimizerName.ADAM, 1e-4),
+    ("cnn", 1, 2, OptimizerName.SGD, 1e-5),
+])
+def test_pipeline_equals_single_process(model, devices, micro_batches, optimizer, tolerance):
+    train = TrainConfig(model=ModelSpec(model), micro_batches=micro_batches, micro_batch_size=6,
+                        optimizer=optimizer, lr=0.01, max_steps=7, max_in_flight=2)
+    job = MemoryJob(ControllerConfig(train=train, devices=devices), devices=devices)
+    job.start()
+    assert job.run() is Phase.DONE
+    gathered = [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    reference = train_reference(train, job.controller.data, steps=7)
+    assert max_weight_diff(gathered, reference) < tolerance
+    # and training actually moved the weights away from their initial values
+    initial = train_reference(train, job.controller.data, steps=0)
+    assert max_weight_diff(gathered, initial) > 1e-3
+    assert job.controller.summary.steps == 7
+    assert len(job.controller.plan.stages) == devices
+
+
+def test_mobilenet_with_batchnorm_is_exact_too():
+    train = TrainConfig(model=ModelSpec("mobilenetv2", width=0.25),
+                        data=DataSpec("synthetic", shape=(3, 32, 32), samples=64),
+                        micro_batches=2, micro_batch_size=4, max_steps=2, lr=0.01)
+    job = MemoryJob(ControllerConfig(train=train, devices=3), devices=3)
+    job.start()
+    assert job.run() is Phase.DONE
+    gathered = [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    # running BatchNorm statistics are part of the state and must match as well
+    assert any("running_mean" in layer for layer in gathered) or any(
+        any("running_mean" in k for k in layer) for layer in gathered)
+    assert max_weight_diff(gathered, train_reference(train, job.controller.data, 2)) < 1e-5
+
+
+def test_garbage_and_stale_messages_are_dropped_and_counted():
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8, max_steps=4)
+    job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
+    job.start()
+    while job.controller.phase is not Phase.TRAINING:
+        job.pump_once()
+    topics = Topics("t")
+    raw = job.broker.transport("attacker")
+    raw.connect()
+    raw.publish(topics.stage_act(0), b"\x00garbage")
+    stale = Envelope(MessageKind.ACTIVATION, "t", "attacker", plan_version=1, step=0,
+                     micro_batch=0, body={"x": np.zeros((8, 1, 8, 8), np.float32),
+                                          "y": np.zeros(8, np.int64), "train": True})
+    raw.publish(topics.stage_act(1), encode(stale)[0])
+    raw.publish(topics.results, b"\xc1")
+    assert job.run() is Phase.DONE
+    dev0, dev1 = job.devices
+    assert dev0.messenger.drops.counts.get("malformed") == 1
+    assert dev1.messenger.drops.counts.get("stale_plan") == 1
+    assert job.controller.messenger.drops.counts.get("malformed") == 1
+    reference = train_reference(train, job.controller.data, 4)
+    gathered = [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    assert max_weight_diff(gathered, reference) < 1e-5
+
+
+def test_device_loss_fails_the_job_with_a_clear_reason():
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8)
+    job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
+    job.start()
+    while job.controller.phase is not Phase.TRAINING:
+        job.pump_once()
+    job.devices[1].transport.crash()  # the broker publishes its Last Will
+    assert job.run() is Phase.FAILED
+    assert "d1 went offline" in job.controller.summary.error
+
+
+def test_controller_waits_for_enough_devices():
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8)
+    job = MemoryJob(ControllerConfig(train=train, devices=3, wait_devices_s=60), devices=2)
+    job.start()
+    for _ in range(20):
+        job.pump_once()
+    assert job.controller.phase is Phase.WAITING_DEVICES
+    assert job.controller.plan is None
+
+
+def test_device_of_another_job_is_not_used():
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8, max_steps=2)
+    job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
+    from prometheus_client import CollectorRegistry
+
+    from ftpipe_iot.device import DeviceAgent
+    stranger = DeviceAgent("a0", "other-job", job.broker.transport("a0"), CollectorRegistry())
+    stranger.start()
+    job.start()
+    assert job.run() is Phase.DONE
+    assert {s.device for s in job.controller.plan.stages} == {"d0", "d1"}

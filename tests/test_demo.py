@@ -1,0 +1,97 @@
+"""The demo end to end, as a user runs it: over Mosquitto and over the embedded broker, and its
+clean-up on Ctrl-C and on a failing process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from ftpipe_iot.broker import mosquitto_binary
+
+pytestmark = pytest.mark.slow
+
+
+def _job() -> str:
+    return f"demo-{uuid.uuid4().hex[:8]}"
+
+
+def _leftovers(job: str) -> list[str]:
+    """Device and controller processes of this job still alive (the demo itself excluded)."""
+    out = subprocess.run(["pgrep", "-af", "--", f"--job {job}"], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines()
+            if "pgrep" not in line and "ftpipe_iot demo" not in line]
+
+
+def _run_demo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ftpipe_iot", "demo", *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("broker", ["mosquitto", "embedded"])
+def test_demo_runs_end_to_end_and_prints_json(broker, tmp_path):
+    if broker == "mosquitto" and mosquitto_binary() is None:
+        pytest.fail("mosquitto is not installed; .ci/run installs it")
+    job = _job()
+    extra = ["--embedded-broker"] if broker == "embedded" else []
+    result = _run_demo("--json", "--job", job, "--devices", "3", "--epochs", "1",
+                       "--max-steps", "25", "--work-dir", str(tmp_path), *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("test_accuracy", "samples_per_s", "steps", "devices", "broker", "wall_s"):
+        assert key in summary
+    assert summary["broker"] == broker
+    assert summary["steps"] == 25 and summary["devices"] == 3
+    assert summary["samples_per_s"] > 0 and 0.0 <= summary["test_accuracy"] <= 1.0
+    assert summary["error"] is None
+    assert "test accuracy" in result.stderr  # progress and the per-epoch evaluation are shown
+    assert _leftovers(job) == []
+
+
+def _start_demo_and_wait_for_training(job: str, tmp_path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "ftpipe_iot", "demo", "--job", job,
+                             "--epochs", "50", "--work-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    seen = []
+    for line in proc.stderr:  # blocks until the controller reports its plan
+        seen.append(line)
+        if line.startswith("plan "):
+            return proc
+    proc.wait(10)
+    raise AssertionError("demo ended before training started:\n" + "".join(seen)[-3000:])
+
+
+def test_ctrl_c_stops_every_process_the_demo_started(tmp_path):
+    job = _job()
+    proc = _start_demo_and_wait_for_training(job, tmp_path)
+    assert len(_leftovers(job)) == 4  # three devices and the controller are running
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "interrupted" in err
+    assert _leftovers(job) == []
+    assert not any("mosquitto" in p for p in _broker_processes(tmp_path))
+
+
+def test_a_failing_device_stops_the_whole_demo(tmp_path):
+    job = _job()
+    proc = _start_demo_and_wait_for_training(job, tmp_path)
+    victim = next(line for line in _leftovers(job) if "--name dev1" in line)
+    os.kill(int(victim.split()[0]), signal.SIGKILL)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode != 0
+    assert "dev1" in err
+    assert _leftovers(job) == []
+    assert _broker_processes(tmp_path) == []
+
+
+def _broker_processes(tmp_path) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if "pgrep" not in line]

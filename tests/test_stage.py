@@ -1,0 +1,105 @@
+"""Pure stage logic: micro-batch accumulation, one optimizer step per step, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ftpipe_iot.models import ModelSpec, build_layers, cut_shapes
+from ftpipe_iot.plan import TrainConfig
+from ftpipe_iot.stage import (
+    MicroBatchDone,
+    MicroBatchResult,
+    SendActivation,
+    SendGradient,
+    Stage,
+    StageInputError,
+    StepDone,
+)
+
+CONFIG = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=4)
+
+
+def _stages():
+    layers = build_layers(CONFIG.model, (1, 8, 8), 10, seed=0)
+    shapes = cut_shapes(layers, (1, 8, 8), 10)
+    first = Stage(0, 2, layers[:3], 0, CONFIG, shapes[0], 10)
+    last = Stage(1, 2, layers[3:], 3, CONFIG, shapes[3], 10)
+    return first, last
+
+
+def _batch(seed):
+    rng = np.random.default_rng(seed)
+    return rng.random((4, 1, 8, 8), dtype=np.float32), rng.integers(0, 10, 4)
+
+
+def test_optimizer_steps_once_after_all_micro_batches():
+    first, last = _stages()
+    before = [p.detach().clone() for p in first.module.parameters()]
+    for mb in range(2):
+        x, y = _batch(mb)
+        (act,) = first.forward(0, mb, x, y, True)
+        assert isinstance(act, SendActivation)
+        out = last.forward(0, mb, act.x, act.y, True)
+        kinds = [type(o) for o in out]
+        assert kinds[:2] == [MicroBatchResult, SendGradient]
+        assert (StepDone in kinds) == (mb == 1)
+        grad = next(o for o in out if isinstance(o, SendGradient))
+        back = first.backward(0, mb, grad.grad)
+        assert isinstance(back[0], MicroBatchDone)
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, first.module.parameters()))
+        assert unchanged == (mb == 0), "weights must change only after the M-th backward"
+        assert (len(back) == 2 and isinstance(back[1], StepDone)) == (mb == 1)
+
+
+def test_duplicate_and_unexpected_inputs_are_rejected():
+    first, last = _stages()
+    x, y = _batch(0)
+    first.forward(0, 0, x, y, True)
+    with pytest.raises(StageInputError) as err:
+        first.forward(0, 0, x, y, True)
+    assert err.value.reason == "duplicate"
+    with pytest.raises(StageInputError) as err:
+        first.backward(0, 1, np.zeros((4, 128), dtype=np.float32))
+    assert err.value.reason == "unexpected"
+
+
+@pytest.mark.parametrize(("x", "y", "reason"), [
+    (np.zeros((4, 1, 7, 8), np.float32), np.zeros(4, np.int64), "bad_shape"),
+    (np.zeros((4, 1, 8, 8), np.float32), np.zeros(3, np.int64), "bad_shape"),
+    (np.zeros((4, 1, 8, 8), np.int64), np.zeros(4, np.int64), "bad_tensor"),
+])
+def test_wrong_shapes_are_rejected(x, y, reason):
+    first, _ = _stages()
+    with pytest.raises(StageInputError) as err:
+        first.forward(0, 0, x, y, True)
+    assert err.value.reason == reason
+
+
+def test_gradient_of_wrong_shape_is_rejected_and_state_kept():
+    first, _ = _stages()
+    x, y = _batch(0)
+    (act,) = first.forward(0, 0, x, y, True)
+    with pytest.raises(StageInputError):
+        first.backward(0, 0, np.zeros((4, 3), dtype=np.float32))
+    out = first.backward(0, 0, np.ones_like(act.x))
+    assert isinstance(out[0], MicroBatchDone)
+
+
+def test_labels_out_of_range_rejected_at_last_stage():
+    _, last = _stages()
+    with pytest.raises(StageInputError) as err:
+        last.forward(0, 0, np.zeros((4, 128), np.float32), np.array([0, 1, 2, 10]), True)
+    assert err.value.reason == "bad_label"
+
+
+def test_evaluation_does_not_touch_gradients_or_steps():
+    first, last = _stages()
+    x, y = _batch(5)
+    (act,) = first.forward(9, 0, x, y, False)
+    (result,) = last.forward(9, 0, act.x, act.y, False)
+    assert isinstance(result, MicroBatchResult) and not result.train
+    assert 0 <= result.correct <= 4 and result.count == 4
+    assert all(p.grad is None for p in first.module.parameters())
+    assert first.pending == {} and last.completed_steps == set()
