@@ -3,6 +3,7 @@ amqtt broker when no Mosquitto binary exists (MQTT 3.1.1 only, slower; a warning
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
 import shutil
@@ -64,7 +65,7 @@ def render_config(port: int, data_dir: Path, bind: str = "127.0.0.1",
     """Fill the Mosquitto config template for one broker instance."""
     text = template if template is not None else template_text()
     # Envelope overhead on top of a full chunk is well under 4 KiB.
-    return text.format(port=port, bind=bind, data_dir=str(data_dir),
+    return text.format(port=port, bind=bind, data_dir=str(data_dir), user=getpass.getuser(),
                        message_size_limit=max_message_bytes + 4096)
 
 

@@ -1,10 +1,15 @@
-"""The controller: waits for devices, publishes the plan, feeds data in a deterministic order with a
-bounded number of micro-batches in flight, collects losses, evaluates every epoch, snapshots the
-trained weights. The bookkeeping lives in ``feed`` (pure); this class wires it to messages."""
+"""The controller: waits for devices, publishes plans, feeds data in a deterministic order with a
+bounded number of micro-batches in flight, collects losses, evaluates every epoch, watches
+liveness, recovers from failures, rebalances, and gathers the trained weights.
+
+Decisions live in pure modules (``feed``, ``liveness``, ``recovery``, ``capacity``, ``solver``);
+this class wires them to messages and keeps the phase.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 from collections.abc import Callable
@@ -15,18 +20,29 @@ from pathlib import Path
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from ftpipe_iot.capacity import CapacityEstimator
 from ftpipe_iot.data import Dataset, load_dataset
 from ftpipe_iot.device import CommandOp, DeviceState, ResultType
 from ftpipe_iot.feed import EvalRound, StepSummary, TrainFeed
+from ftpipe_iot.liveness import Failure, FailureCause, LivenessTracker
 from ftpipe_iot.messenger import Messenger
 from ftpipe_iot.metrics import ControllerMetrics
 from ftpipe_iot.models import build_layers, cut_shapes, measure_layer_costs
-from ftpipe_iot.partition import balanced_split
-from ftpipe_iot.plan import Plan, StageAssignment, TrainConfig
+from ftpipe_iot.partition import RepartitionPolicy, balanced_split
+from ftpipe_iot.plan import Plan, PlanError, StageAssignment, TrainConfig
 from ftpipe_iot.progress import ProgressReporter, SilentProgress
+from ftpipe_iot.recovery import choose_devices, recovery_plan
+from ftpipe_iot.replication import ReplicaStore, replica_body, replica_from_body
 from ftpipe_iot.schedule import SyncSchedule
+from ftpipe_iot.solver import (
+    DeviceSpec,
+    LayerCosts,
+    PartitionError,
+    predict_bottleneck,
+    solve_partition,
+)
 from ftpipe_iot.topics import Topics
-from ftpipe_iot.transport.base import Incoming, Transport, Will
+from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, Transport, Will
 from ftpipe_iot.wire import Envelope, MessageKind, WireOptions, encode
 
 log = logging.getLogger("ftpipe_iot.controller")
@@ -35,13 +51,17 @@ log = logging.getLogger("ftpipe_iot.controller")
 class Phase(str, Enum):
     """Where the controller is in the job."""
 
+    RESUMING = "resuming"
     WAITING_DEVICES = "waiting_devices"
     DEPLOYING = "deploying"
     TRAINING = "training"
     EVALUATING = "evaluating"
-    SNAPSHOTTING = "snapshotting"
+    REPLICATING = "replicating"
     DONE = "done"
     FAILED = "failed"
+
+
+_ACTIVE = (Phase.DEPLOYING, Phase.TRAINING, Phase.EVALUATING, Phase.REPLICATING)
 
 
 class EventType(str, Enum):
@@ -50,27 +70,46 @@ class EventType(str, Enum):
     PLAN_CHANGED = "plan_changed"
     TRAINING_STARTED = "training_started"
     EPOCH_EVALUATED = "epoch_evaluated"
-    JOB_DONE = "job_done"
     FAILURE_DETECTED = "failure_detected"
+    RECOVERY_DONE = "recovery_done"
+    REPARTITIONED = "repartitioned"
+    JOB_DONE = "job_done"
+    JOB_FAILED = "job_failed"
+
+
+class ReplanReason(str, Enum):
+    """Why a plan changes at a step boundary (failures re-plan at once instead)."""
+
+    REBALANCE = "rebalance"
+    REJOIN = "rejoin"
+    FINAL = "final"
 
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    """What job to run and how patient to be."""
+    """What job to run, how patient to be, and when to re-plan."""
 
     train: TrainConfig = field(default_factory=TrainConfig)
     devices: int = 3
     device_names: tuple[str, ...] = ()
     wait_devices_s: float = 120.0
-    stall_timeout_s: float = 60.0
+    stall_timeout_s: float = 30.0
+    heartbeat_timeout_s: float = 5.0
     save_weights: Path | None = None
+    checkpoint_dir: Path | None = None
     stop_devices: bool = False
+    resume: bool = False
+    repartition: bool = True
+    repartition_threshold: float = 0.10
+    repartition_cooldown_steps: int = 10
 
     def __post_init__(self) -> None:
         if self.devices < 1:
             raise ValueError(f"devices must be >= 1, got {self.devices}")
         if self.device_names and len(self.device_names) != self.devices:
             raise ValueError("device_names must name exactly `devices` devices")
+        if self.heartbeat_timeout_s <= 0 or self.stall_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0")
 
 
 @dataclass
@@ -88,10 +127,18 @@ class RunSummary:
     train_s: float = 0.0
     final_loss: float = 0.0
     stages: list[dict] = field(default_factory=list)
+    failures_detected: int = 0
+    recoveries: int = 0
+    repartitions: int = 0
+    detect_s: list[float] = field(default_factory=list)
+    recover_s: list[float] = field(default_factory=list)
+    recomputed_steps: int = 0
+    replicated_bytes: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     device_dropped: dict[str, dict[str, int]] = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
     error: str | None = None
 
     def to_dict(self, with_history: bool = True) -> dict:
@@ -104,7 +151,7 @@ class RunSummary:
 def controller_will(job: str) -> Will:
     """Last Will on the retained state topic: the controller vanished."""
     env = Envelope(kind=MessageKind.STATE, job=job, sender="controller",
-                   body={"state": "offline"})
+                   body={"state": "offline", "job": job})
     return Will(Topics(job).state, encode(env)[0], qos=1, retain=True)
 
 
@@ -117,52 +164,85 @@ class Controller:
                  data: Dataset | None = None) -> None:
         self.job = job
         self.config = config
-        self.train = config.train
         self.topics = Topics(job)
         self.transport = transport
         self.metrics = ControllerMetrics(registry)
-        self.messenger = Messenger(transport, "controller", job, self.metrics,
-                                   WireOptions(compress=self.train.compress,
-                                               wire_dtype=self.train.wire_dtype), logger=log)
+        self.messenger = Messenger(transport, "controller", job, self.metrics, logger=log)
         self.progress = progress or SilentProgress()
         self.clock = clock
-        self.data = data if data is not None else load_dataset(self.train.data)
-        layers = build_layers(self.train.model, self.data.input_shape, self.data.num_classes,
-                              self.train.seed)
-        self.cut_shapes = cut_shapes(layers, self.data.input_shape, self.data.num_classes,
-                                     self.train.model.name)
-        self.layer_costs = measure_layer_costs(layers, self.data.input_shape,
-                                               self.train.micro_batch_size)
-        self.num_layers = len(layers)
-        self.schedule = SyncSchedule(len(self.data.x_train), self.train.micro_batches,
-                                     self.train.micro_batch_size, self.train.seed)
-        self.total_steps = self.schedule.total_steps(self.train.epochs, self.train.max_steps)
-        self.phase = Phase.WAITING_DEVICES
+        self._given_data = data
+        self.summary = RunSummary(job=job)
+        self.phase = Phase.RESUMING if config.resume else Phase.WAITING_DEVICES
         self.online: set[str] = set()
-        self.heartbeats: dict[str, dict] = {}
+        self.capabilities: dict[str, dict] = {}
+        self.dead: set[str] = set()
         self.plan: Plan | None = None
         self.ready: set[str] = set()
         self.feed: TrainFeed | None = None
         self.eval_round: EvalRound | None = None
-        self.weights: dict[int, dict[str, np.ndarray]] = {}
-        self.snapshot_done: set[str] = set()
-        self.summary = RunSummary(job=job)
+        self.liveness = LivenessTracker(config.heartbeat_timeout_s, config.stall_timeout_s)
+        self.policy = RepartitionPolicy(config.repartition_threshold,
+                                        config.repartition_cooldown_steps)
+        self.last_published: dict[int, int] = {}
         self._started = clock()
-        self._last_progress = clock()
         self._train_started: float | None = None
         self._train_time = 0.0
         self._recent: list[tuple[float, int]] = []
+        self._recovering_since: float | None = None
+        self._replan: ReplanReason | None = None
+        self._replan_target: tuple[tuple[str, int, int], ...] | None = None
+        self._replicate_version: int | None = None
+        self._last_change_step: int | None = None
+        self._resume_settle: float | None = None
+        self._failures_in_a_row = 0
+        self._replan_cost_s = 1.0
+        self._replan_started: float | None = None
+        self.train: TrainConfig = config.train
+        if not config.resume:
+            self._setup(config.train)
+
+    # -- job set-up -----------------------------------------------------------------------------
+    def _setup(self, train: TrainConfig) -> None:
+        """Load the data and the reference per-layer cost profile for a training config."""
+        self.train = train
+        self.messenger.options = WireOptions(compress=train.compress, wire_dtype=train.wire_dtype)
+        self.data = self._given_data if self._given_data is not None else \
+            load_dataset(train.data)
+        layers = build_layers(train.model, self.data.input_shape, self.data.num_classes,
+                              train.seed)
+        self.cut_shapes = cut_shapes(layers, self.data.input_shape, self.data.num_classes,
+                                     train.model.name)
+        self.layer_costs = measure_layer_costs(layers, self.data.input_shape,
+                                               train.micro_batch_size)
+        params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+        acts = [4 * train.micro_batch_size * int(np.prod(s)) for s in self.cut_shapes[1:]]
+        self.cost_model = LayerCosts.from_dict({
+            "layer_cost_s": self.layer_costs, "activation_bytes": acts,
+            "layer_memory_bytes": [12 * p + 4 * a for p, a in zip(params, acts)],
+            "micro_batch_size": train.micro_batch_size})
+        self.num_layers = len(layers)
+        self.schedule = SyncSchedule(len(self.data.x_train), train.micro_batches,
+                                     train.micro_batch_size, train.seed)
+        self.total_steps = self.schedule.total_steps(train.epochs, train.max_steps)
+        self.replicas = ReplicaStore(self.num_layers)
+        self.capacity = CapacityEstimator(self.layer_costs)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self.transport.connect()
-        self._publish_state("online")
-        for topic in (Topics.ALL_STATUS, Topics.ALL_HEARTBEATS, self.topics.results,
-                      self.topics.weights_all):
+        topics = [Topics.ALL_STATUS, Topics.ALL_HEARTBEATS, self.topics.results,
+                  self.topics.weights_all]
+        if self.config.resume:
+            topics.append(self.topics.plan)
+        for topic in topics:
             self.transport.subscribe(topic)
-        log.info("controller for job %s: %s on %s, %d layers, %d steps; waiting for %d devices",
-                 self.job, self.train.model.name, self.data.name, self.num_layers,
-                 self.total_steps, self.config.devices)
+        self._publish_state("online")
+        if self.config.resume:
+            log.info("controller resuming job %s from the retained plan and weights", self.job)
+        else:
+            log.info("controller for job %s: %s on %s, %d layers, %d steps; waiting for %d "
+                     "devices", self.job, self.train.model.name, self.data.name,
+                     self.num_layers, self.total_steps, self.config.devices)
 
     def run(self, poll_s: float = 0.02) -> RunSummary:
         """Run the job to the end (or failure); returns the summary."""
@@ -175,8 +255,7 @@ class Controller:
                     incoming = None
                 if incoming is not None:
                     self.handle(incoming)
-                    # Drain what is already queued before the periodic work.
-                    while True:
+                    while True:  # drain what is queued before the periodic work
                         try:
                             self.handle(self.transport.inbox.get_nowait())
                         except queue.Empty:
@@ -193,13 +272,13 @@ class Controller:
         return self.summary
 
     def fail(self, reason: str) -> None:
-        """Stop the job with a clear reason (recovery from failures lands with fault tolerance)."""
+        """Stop the job for good with a clear reason."""
         if self.phase in (Phase.DONE, Phase.FAILED):
             return
         log.error("job %s failed: %s", self.job, reason)
         self.progress.message(f"FAILED: {reason}")
         self.summary.error = reason
-        self._event(EventType.FAILURE_DETECTED, reason=reason)
+        self._event(EventType.JOB_FAILED, reason=reason)
         self.phase = Phase.FAILED
         self.finish_summary()
 
@@ -207,6 +286,9 @@ class Controller:
     def handle(self, incoming: Incoming) -> None:
         """Handle one received message; bad input is dropped and counted, never raised."""
         self.metrics.queue_depth.set(self.transport.inbox.qsize())
+        if incoming.topic == RECONNECTED_TOPIC:
+            self._on_reconnected()
+            return
         env = self.messenger.receive(incoming)
         if env is None:
             return
@@ -219,7 +301,9 @@ class Controller:
                 self._on_result(env)
             elif env.kind is MessageKind.WEIGHTS:
                 self._on_weights(env)
-            elif env.kind in (MessageKind.STATE, MessageKind.EVENT, MessageKind.PLAN):
+            elif env.kind is MessageKind.PLAN:
+                self._on_retained_plan(env)
+            elif env.kind in (MessageKind.STATE, MessageKind.EVENT):
                 pass  # our own retained messages echoed back
             else:
                 self.messenger.drops.drop("unexpected_kind", env.kind.value)
@@ -231,78 +315,139 @@ class Controller:
         if device is None or env.body.get("job") != self.job or device != env.sender:
             return
         state = DeviceState(env.body["state"])
+        now = self.clock()
         if state is DeviceState.ONLINE:
             self.online.add(device)
+            self.capabilities[device] = dict(env.body.get("capabilities") or {})
+            self.liveness.seen(device, now)
+            if device in self.dead:
+                self.dead.discard(device)
+                self.capacity.forget(device)
+                self.progress.message(f"device {device} is back online")
+            self._maybe_take_in(device)
         else:
             self.online.discard(device)
-            if self.plan is not None and self.plan.stage_of(device) is not None and \
-                    self.phase in (Phase.DEPLOYING, Phase.TRAINING, Phase.EVALUATING,
-                                   Phase.SNAPSHOTTING):
-                self.fail(f"device {device} went offline (stage "
-                          f"{self.plan.stage_of(device).stage}); recovery is not available "
-                          "in this version, restart the job")
+            if self._in_plan(device) and self.phase in _ACTIVE:
+                self._on_failure(Failure(frozenset({device}), FailureCause.LAST_WILL,
+                                         self.liveness.silence(device, now)))
         self.metrics.devices_online.set(len(self.online))
 
+    def _in_plan(self, device: str) -> bool:
+        return self.plan is not None and self.plan.stage_of(device) is not None
+
     def _on_heartbeat(self, env: Envelope) -> None:
-        self.heartbeats[env.sender] = {"at": time.time(), **{k: env.body.get(k) for k in (
-            "stage", "forward_s", "backward_s", "queue_depth")}, "step": env.step}
+        now = self.clock()
+        self.liveness.seen(env.sender, now)
+        if env.sender in self.dead and env.sender in self.online:
+            self.dead.discard(env.sender)  # a hung device that woke up: a spare again
+            self._maybe_take_in(env.sender)
         self.metrics.device_heartbeat_age.labels(device=env.sender).set(time.time())
         compute = float(env.body.get("forward_s", 0.0)) + float(env.body.get("backward_s", 0.0))
         self.metrics.device_step_seconds.labels(device=env.sender).set(compute)
 
+    def _on_reconnected(self) -> None:
+        # Messages may have been lost while we were away: restart from the last complete version.
+        self.liveness.reset(self.online, self.clock())
+        if self.phase in _ACTIVE:
+            self._on_failure(Failure(frozenset(), FailureCause.CONNECTION_LOST, 0.0))
+
     def _on_result(self, env: Envelope) -> None:
+        kind = ResultType(env.body["type"])
+        body = env.body
+        self.liveness.seen(env.sender, self.clock())
+        if kind is ResultType.REPLICATED:
+            self.summary.replicated_bytes += int(body.get("bytes", 0))
+            self.summary.device_dropped[env.sender] = dict(body.get("drops", {}))
+            return
         if self.plan is None or env.plan_version != self.plan.version:
             self.messenger.drops.drop("stale_plan", f"result of plan {env.plan_version}")
             return
-        kind = ResultType(env.body["type"])
-        body = env.body
         if kind is ResultType.ERROR:
             self.fail(f"device {env.sender}: {body.get('message')}")
         elif kind is ResultType.READY and self.phase is Phase.DEPLOYING:
             self.ready.add(env.sender)
             if self.ready >= {s.device for s in self.plan.stages}:
                 self._start_training()
+        elif kind is ResultType.MISSING:
+            self._republish(int(body["version"]), [int(x) for x in body["layers"]])
         elif kind is ResultType.LOSS and self.feed is not None:
             self._progressed(self.feed.on_loss(env.step, env.micro_batch, float(body["loss"]),
                                                int(body["correct"]), int(body["count"])))
         elif kind is ResultType.MICRO_BATCH_DONE and self.feed is not None:
             self._progressed(self.feed.on_micro_batch_done(env.step, env.micro_batch))
         elif kind is ResultType.STEP_DONE and self.feed is not None:
-            compute = float(body["forward_s"]) + float(body["backward_s"])
-            summary = self.feed.on_stage_step_done(env.step, int(body["stage"]), compute)
-            self._progressed(True)
-            if summary is not None:
-                self._on_step_complete(summary)
+            self._on_stage_step_done(env)
         elif kind is ResultType.EVAL and self.eval_round is not None:
             if self.eval_round.on_result(env.micro_batch, float(body["loss"]),
                                          int(body["correct"]), int(body["count"])):
                 self._progressed(True)
                 if self.eval_round.done:
                     self._on_eval_complete()
-        elif kind is ResultType.SNAPSHOT_DONE and self.phase is Phase.SNAPSHOTTING:
-            self.snapshot_done.add(env.sender)
-            self.summary.device_dropped[env.sender] = dict(body.get("drops", {}))
-            self._maybe_finish_snapshot()
+
+    def _on_stage_step_done(self, env: Envelope) -> None:
+        assert self.feed is not None and self.plan is not None
+        body = env.body
+        stage = int(body["stage"])
+        compute = float(body["forward_s"]) + float(body["backward_s"])
+        if env.step == self.feed.step and 0 <= stage < self.plan.n_stages:
+            assignment = self.plan.stages[stage]
+            factor = self.capacity.observe(assignment.device, assignment.start, assignment.end,
+                                           compute, self.train.micro_batches)
+            if factor is not None:
+                self.metrics.device_capacity.labels(device=assignment.device).set(factor)
+        summary = self.feed.on_stage_step_done(env.step, stage, compute)
+        self._progressed(True)
+        if summary is not None:
+            self._on_step_complete(summary)
 
     def _on_weights(self, env: Envelope) -> None:
-        if self.phase is not Phase.SNAPSHOTTING:
+        if not hasattr(self, "replicas"):
+            return  # resuming: the plan (and so the model) is not known yet
+        replica = replica_from_body(env.body)
+        self.last_published[replica.layer] = replica.version
+        if not self.replicas.add(replica):
             return
-        self.weights[int(env.body["layer"])] = dict(env.body["state"])
-        self._maybe_finish_snapshot()
+        if self._resume_settle is not None:
+            self._resume_settle = self.clock()
+        self._maybe_checkpoint(replica.version)
+        if self.phase is Phase.REPLICATING and self._replicate_version is not None and \
+                self.replicas.complete(self._replicate_version):
+            self._on_replicated(self._replicate_version)
+
+    def _on_retained_plan(self, env: Envelope) -> None:
+        if self.phase is not Phase.RESUMING or self.plan is not None:
+            return
+        try:
+            plan = Plan.from_dict(env.body["plan"])
+        except PlanError as exc:
+            self.fail(f"cannot resume: the retained plan is unusable: {exc}")
+            return
+        self._setup(plan.train)
+        self.plan = plan
+        self._resume_settle = self.clock()
+        self.transport.unsubscribe(self.topics.plan)
+        # The weights were retained before we knew the model; ask for them again.
+        self.transport.unsubscribe(self.topics.weights_all)
+        self.transport.subscribe(self.topics.weights_all)
+        self.progress.message(f"resuming job {self.job}: plan {plan.version} with "
+                              f"{plan.n_stages} stages; collecting retained weights")
 
     def _progressed(self, ok: bool) -> None:
         if ok:
-            self._last_progress = self.clock()
+            self.liveness.progressed(self.clock())
 
     # -- periodic -------------------------------------------------------------------------------
     def tick(self) -> None:
-        """Periodic work: deploy when devices are there, feed, detect stalls."""
+        """Periodic work: deploy when devices are there, feed, detect failures."""
         now = self.clock()
+        if self.phase is Phase.RESUMING:
+            self._tick_resume(now)
+            return
         if self.phase is Phase.WAITING_DEVICES:
-            candidates = self._choose_devices()
-            if candidates is not None:
-                self._deploy(candidates)
-            elif now - self._started > self.config.wait_devices_s:
+            devices = self._choose_devices()
+            if devices is not None:
+                self._deploy(devices, self._pending_version())
+            elif now - self._started > self.config.wait_devices_s and self.plan is None:
                 self.fail(f"only {len(self.online)} of {self.config.devices} devices came online "
                           f"within {self.config.wait_devices_s:.0f}s: {sorted(self.online)}")
             return
@@ -310,56 +455,268 @@ class Controller:
             self._send_train()
         elif self.phase is Phase.EVALUATING and self.eval_round is not None:
             self._send_eval()
-        if self.phase in (Phase.DEPLOYING, Phase.TRAINING, Phase.EVALUATING,
-                          Phase.SNAPSHOTTING) and \
-                now - self._last_progress > self.config.stall_timeout_s:
-            self.fail(f"no progress for {self.config.stall_timeout_s:.0f}s in phase "
-                      f"{self.phase.value}")
+        if self.phase in _ACTIVE and self.plan is not None:
+            failure = self.liveness.check({s.device for s in self.plan.stages}, now)
+            if failure is not None:
+                if self.phase is Phase.DEPLOYING and failure.cause is FailureCause.STALLED_STEP:
+                    failure = Failure(frozenset(d for d in (s.device for s in self.plan.stages)
+                                                if d not in self.ready),
+                                      FailureCause.NOT_READY, failure.silent_s)
+                self._on_failure(failure)
+
+    def _tick_resume(self, now: float) -> None:
+        if self.plan is None:
+            if now - self._started > self.config.wait_devices_s:
+                self.fail("cannot resume: no retained plan for this job on the broker")
+            return
+        assert self._resume_settle is not None
+        if now - self._resume_settle < 1.0:
+            return  # retained weights are still arriving
+        self._resume_settle = None
+        self.phase = Phase.WAITING_DEVICES
+        self._recovering_since = now
+        version = self.replicas.latest_complete() or 0
+        self.progress.message(f"resume from step {version} (latest complete checkpoint)")
+
+    def _pending_version(self) -> int:
+        return self.replicas.latest_complete() or 0 if self._recovering_since is not None else 0
 
     def _choose_devices(self) -> list[str] | None:
+        alive = self.online - self.dead
         if self.config.device_names:
             wanted = list(self.config.device_names)
-            return wanted if set(wanted) <= self.online else None
-        if len(self.online) < self.config.devices:
+            return wanted if set(wanted) <= alive else None
+        if self._recovering_since is not None and alive:
+            current = [s.device for s in self.plan.stages] if self.plan else []
+            return list(choose_devices(current, alive, self.dead, self.config.devices))
+        if len(alive) < self.config.devices:
             return None
-        return sorted(self.online)[: self.config.devices]
+        return sorted(alive)[: self.config.devices]
 
-    # -- plan and feed --------------------------------------------------------------------------
-    def _deploy(self, devices: list[str]) -> None:
-        n_stages = min(len(devices), self.num_layers)
-        ranges = balanced_split(self.layer_costs, n_stages)
-        stages = tuple(StageAssignment(i, devices[i], lo, hi) for i, (lo, hi) in enumerate(ranges))
+    # -- plans ----------------------------------------------------------------------------------
+    def _device_specs(self, devices: list[str]) -> list[DeviceSpec]:
+        specs = []
+        for name in devices:
+            caps = self.capabilities.get(name, {})
+            bandwidth = caps.get("bandwidth_bytes_per_s") or float("inf")
+            memory = caps.get("memory_bytes") or float("inf")
+            specs.append(DeviceSpec(name, self.capacity.factor(name), float(bandwidth),
+                                    float(memory)))
+        return specs
+
+    def _solve(self, devices: list[str]) -> list[tuple[str, int, int]]:
+        """Partition for these devices: the solver when anything tells them apart, otherwise a
+        cost-balanced split in the given order (stable, and the solver's ties are arbitrary)."""
+        devices = devices[: self.num_layers]
+        specs = self._device_specs(devices)
+        uniform = all(s.factor == 1.0 and math.isinf(s.bandwidth_bytes_per_s)
+                      and math.isinf(s.memory_bytes) for s in specs)
+        if not uniform:
+            try:
+                partition = solve_partition(self.cost_model, specs)
+                return [(s.device, s.start, s.end) for s in partition.stages]
+            except PartitionError as exc:
+                log.warning("partition solver: %s; falling back to an even split", exc)
+        ranges = balanced_split(self.layer_costs, len(devices))
+        return [(d, lo, hi) for d, (lo, hi) in zip(devices, ranges)]
+
+    def _deploy(self, devices: list[str], resume_step: int,
+                assignment: list[tuple[str, int, int]] | None = None) -> None:
+        assignment = assignment or self._solve(devices)
+        stages = tuple(StageAssignment(i, d, lo, hi) for i, (d, lo, hi) in enumerate(assignment))
         # Plan versions are millisecond timestamps: they increase across controller restarts
         # too, so a device never mistakes an old job's plan for a newer one.
         version = max(int(time.time() * 1000), (self.plan.version + 1) if self.plan else 0)
         self.plan = Plan(version=version, job=self.job, stages=stages, train=self.train,
                          num_layers=self.num_layers, input_shape=self.data.input_shape,
-                         num_classes=self.data.num_classes)
+                         num_classes=self.data.num_classes, resume_step=resume_step)
         self.ready = set()
+        self.feed = None
+        self.eval_round = None
+        self._pause_train_clock()
         self.phase = Phase.DEPLOYING
-        self._last_progress = self.clock()
+        self.liveness.reset({s.device for s in stages}, self.clock())
         self.messenger.send(self.topics.plan, self.messenger.make(
             MessageKind.PLAN, version, plan=self.plan.to_dict()), retain=True)
         self.metrics.plan_version.set(version)
-        self.metrics.stages.set(n_stages)
-        self.summary.devices = n_stages
+        self.metrics.stages.set(len(stages))
+        for device in self.online | {s.device for s in stages}:
+            stage = self.plan.stage_of(device)
+            self.metrics.device_stage.labels(device=device).set(-1 if stage is None
+                                                                else stage.stage)
+        self.summary.devices = len(stages)
         self.summary.stages = [asdict(s) for s in stages]
         table = ", ".join(f"stage {s.stage}: {s.device} layers [{s.start},{s.end})"
                           for s in stages)
-        self.progress.message(f"plan {version}: {table}")
-        self._event(EventType.PLAN_CHANGED, plan=self.plan.to_dict())
+        self.progress.message(f"plan {version} from step {resume_step}: {table}")
+        self._event(EventType.PLAN_CHANGED, plan=version, resume_step=resume_step,
+                    stages=[asdict(s) for s in stages])
 
     def _start_training(self) -> None:
-        self.phase = Phase.TRAINING
         assert self.plan is not None
-        self.feed = TrainFeed(self.schedule, self.plan.n_stages, 0, self.total_steps,
+        self.phase = Phase.TRAINING
+        start = self.plan.resume_step
+        if self.summary.steps > start:
+            self.summary.recomputed_steps += self.summary.steps - start
+        self.summary.steps = start
+        self.summary.history = [h for h in self.summary.history if h["step"] < start]
+        self.feed = TrainFeed(self.schedule, self.plan.n_stages, start, self.total_steps,
                               self.train.max_in_flight)
-        self.progress.start(self.total_steps)
-        self._train_started = self.clock()
-        self._last_progress = self.clock()
-        self._event(EventType.TRAINING_STARTED, steps=self.total_steps)
+        now = self.clock()
+        if self._recovering_since is not None:
+            recover_s = now - self._recovering_since
+            self._recovering_since = None
+            self._failures_in_a_row = 0
+            self.summary.recoveries += 1
+            self.summary.recover_s.append(round(recover_s, 3))
+            self.metrics.recoveries.inc()
+            self.metrics.recovery_seconds.observe(recover_s)
+            self.progress.message(f"recovered in {recover_s:.2f}s: resuming at step {start}")
+            self._event(EventType.RECOVERY_DONE, recover_s=recover_s, resume_step=start)
+        if self._last_change_step is None:
+            self.progress.start(self.total_steps)
+            self._event(EventType.TRAINING_STARTED, steps=self.total_steps)
+        self._last_change_step = start
+        if self._replan_started is not None:
+            self._replan_cost_s = 0.5 * self._replan_cost_s + 0.5 * (now - self._replan_started)
+            self._replan_started = None
+        self._train_started = now
+        self.liveness.progressed(now)
+        if self.feed.finished:
+            self._request_replan(ReplanReason.FINAL)
+            self._begin_replication()
+            return
         self._send_train()
 
+    # -- failures -------------------------------------------------------------------------------
+    def _on_failure(self, failure: Failure) -> None:
+        now = self.clock()
+        cause = failure.cause
+        named = ", ".join(sorted(failure.devices)) or "no device"
+        self.summary.failures_detected += 1
+        self.summary.detect_s.append(round(failure.silent_s, 3))
+        self.metrics.failures.labels(cause=cause.value).inc()
+        if failure.devices:
+            self.metrics.detection_seconds.observe(failure.silent_s)
+        self.dead |= set(failure.devices)
+        for device in failure.devices:
+            self.capacity.forget(device)
+        self._failures_in_a_row += 1
+        if self._failures_in_a_row > 20:
+            self.fail(f"gave up after {self._failures_in_a_row} failed recoveries in a row "
+                      f"(last: {cause.value} of {named})")
+            return
+        if self._recovering_since is None:
+            self._recovering_since = now
+        self.progress.message(f"failure: {cause.value} ({named}); recovering")
+        self._event(EventType.FAILURE_DETECTED, cause=cause.value,
+                    devices=sorted(failure.devices), silent_s=failure.silent_s)
+        self._replan = None
+        self._replicate_version = None
+        current = [s.device for s in self.plan.stages] if self.plan else []
+        recovery = recovery_plan(self.replicas, self.last_published, current,
+                                 self.online, self.dead, self.config.devices)
+        self.replicas.drop_newer_than(recovery.version)
+        self._republish(recovery.version, list(recovery.republish))
+        if not recovery.devices:
+            self.phase = Phase.WAITING_DEVICES
+            self.feed = None
+            self.progress.message("no device left: waiting for one to come online")
+            return
+        self._deploy(list(recovery.devices), recovery.version)
+
+    def _republish(self, version: int, layers: list[int]) -> None:
+        """Publish the controller's copies of ``layers`` at ``version`` (retained)."""
+        for layer in layers:
+            replica = self.replicas.get(layer, version)
+            if replica is None:
+                continue
+            env = self.messenger.make(MessageKind.WEIGHTS, self.plan.version if self.plan else 0,
+                                      step=version, **replica_body(replica))
+            self.messenger.send_chunked_retained(
+                self.topics.weights(layer), env,
+                WireOptions(compress=False,
+                            max_message_bytes=self.messenger.options.max_message_bytes))
+            self.last_published[layer] = version
+
+    def _maybe_take_in(self, device: str) -> None:
+        """A device came (back) online: use it at once when the job is short of devices."""
+        if self.phase is Phase.WAITING_DEVICES or self.plan is None:
+            return
+        if self.plan.stage_of(device) is None and self.plan.n_stages < self.config.devices:
+            self._request_replan(ReplanReason.REJOIN)
+
+    # -- planned re-plans at step boundaries ----------------------------------------------------
+    def _request_replan(self, reason: ReplanReason,
+                        target: list[tuple[str, int, int]] | None = None) -> None:
+        if self._replan is None or reason is ReplanReason.FINAL:
+            self._replan = reason
+            self._replan_target = tuple(target) if target else None
+
+    def _begin_replication(self) -> None:
+        """Every stage replicates at the current boundary; the re-plan follows when complete."""
+        assert self.feed is not None and self.plan is not None
+        version = self.feed.step
+        self._pause_train_clock()
+        self._replan_started = self.clock()
+        self.phase = Phase.REPLICATING
+        self._replicate_version = version
+        if self.replicas.complete(version):
+            self._on_replicated(version)
+            return
+        for stage in self.plan.stages:
+            self._command(stage.device, CommandOp.REPLICATE)
+
+    def _on_replicated(self, version: int) -> None:
+        reason = self._replan
+        self._replan = None
+        self._replicate_version = None
+        if reason is ReplanReason.FINAL:
+            self._finish(version)
+            return
+        alive = sorted(self.online - self.dead)
+        if reason is ReplanReason.REBALANCE and self._replan_target:
+            self.metrics.repartitions.inc()
+            self.summary.repartitions += 1
+            self._event(EventType.REPARTITIONED, at_step=version,
+                        stages=[list(s) for s in self._replan_target])
+            self._deploy([d for d, _, _ in self._replan_target], version,
+                         list(self._replan_target))
+        else:
+            current = [s.device for s in self.plan.stages] if self.plan else []
+            self._deploy(list(choose_devices(current, alive, self.dead, self.config.devices)),
+                         version)
+
+    def _consider_rebalance(self, step: int) -> None:
+        """At a step boundary: would another partition beat the current one by the threshold?"""
+        if not self.config.repartition or self.plan is None or self._replan is not None:
+            return
+        current = [s.device for s in self.plan.stages]
+        candidates = [d for d in sorted(self.online - self.dead)]
+        if not self.capacity.settled(current):
+            return
+        specs = self._device_specs(candidates)
+        try:
+            proposed = solve_partition(self.cost_model, specs)
+            now_s = predict_bottleneck([(s.device, s.start, s.end) for s in self.plan.stages],
+                                       self.cost_model, specs)
+        except PartitionError:
+            return
+        new = [(s.device, s.start, s.end) for s in proposed.stages]
+        if new == [(s.device, s.start, s.end) for s in self.plan.stages]:
+            return
+        # Pays off only when the time saved over the rest of the job beats what a re-plan costs
+        # (replicate, reload, refill the pipeline), measured on the previous re-plans.
+        saved_s = (now_s - proposed.bottleneck_s) * self.train.micro_batches * \
+            (self.total_steps - step)
+        if saved_s > self._replan_cost_s and \
+                self.policy.decide(step, self._last_change_step, now_s, proposed.bottleneck_s):
+            self.progress.message(
+                f"rebalancing at step {step}: predicted bottleneck {now_s * 1e3:.1f} ms -> "
+                f"{proposed.bottleneck_s * 1e3:.1f} ms per micro-batch")
+            self._request_replan(ReplanReason.REBALANCE, new)
+
+    # -- feeding --------------------------------------------------------------------------------
     def _send_train(self) -> None:
         assert self.feed is not None and self.plan is not None
         for mb in self.feed.next_to_send():
@@ -389,14 +746,30 @@ class Controller:
         rate = self._recent_rate()
         self.metrics.samples_per_second.set(rate)
         self.summary.history.append({"step": summary.step, "t": now - self._started,
-                                     "loss": summary.loss, "samples_per_s": rate})
+                                     "loss": summary.loss, "samples_per_s": rate,
+                                     "plan_version": self.plan.version if self.plan else 0})
         self.progress.step(summary.step + 1, summary.loss, rate)
+        self._publish_state("training")
         if self.schedule.is_last_of_epoch(summary.step) or self.feed.finished:
             self._pause_train_clock()
             self.phase = Phase.EVALUATING
             self.eval_round = EvalRound(len(self.data.x_test), self.train.eval_batch_size,
                                         self.train.max_in_flight, tag=summary.step)
             self._send_eval()
+            return
+        self._at_boundary(summary.step + 1)
+
+    def _at_boundary(self, step: int) -> None:
+        """Between steps: finish, re-plan, or keep feeding."""
+        assert self.feed is not None
+        if self.feed.finished:
+            self._request_replan(ReplanReason.FINAL)
+        else:
+            self._consider_rebalance(step)
+        if self._replan is not None:
+            self._begin_replication()
+        else:
+            self._send_train()
 
     def _recent_rate(self) -> float:
         if len(self._recent) < 2:
@@ -422,43 +795,44 @@ class Controller:
         self.progress.message(f"epoch {epoch + 1}: test accuracy {accuracy:.4f}, "
                               f"test loss {loss:.4f}")
         self._event(EventType.EPOCH_EVALUATED, epoch=epoch, test_accuracy=accuracy)
+        step = self.eval_round.tag + 1
         self.eval_round = None
-        if not self.feed.finished:
-            self.phase = Phase.TRAINING
-            self._train_started = self.clock()
-            self._send_train()
-            return
-        self._begin_snapshot()
+        self.phase = Phase.TRAINING
+        self._train_started = self.clock()
+        self._at_boundary(step)
 
     # -- end of job -----------------------------------------------------------------------------
-    def _begin_snapshot(self) -> None:
+    def _finish(self, version: int) -> None:
         assert self.plan is not None
-        self.phase = Phase.SNAPSHOTTING
-        self._last_progress = self.clock()
-        for stage in self.plan.stages:
-            self._command(stage.device, CommandOp.SNAPSHOT)
-
-    def _maybe_finish_snapshot(self) -> None:
-        assert self.plan is not None
-        if len(self.weights) < self.num_layers or \
-                self.snapshot_done < {s.device for s in self.plan.stages}:
-            return
         if self.config.save_weights is not None:
-            save_weights(self.config.save_weights, self.weights, self.num_layers)
-        self._finish()
-
-    def _finish(self) -> None:
-        assert self.plan is not None
+            save_weights(self.config.save_weights, self._weights_at(version), self.num_layers)
         if self.config.stop_devices:
-            for stage in self.plan.stages:
-                self._command(stage.device, CommandOp.SHUTDOWN)
+            for device in sorted(self.online | {s.device for s in self.plan.stages}):
+                self._command(device, CommandOp.SHUTDOWN)
         self.summary.train_s = self._train_time
-        steps_samples = self.summary.steps * self.train.batch_size
-        self.summary.samples_per_s = steps_samples / self._train_time if self._train_time else 0
+        samples = (self.summary.steps - 0) * self.train.batch_size
+        self.summary.samples_per_s = samples / self._train_time if self._train_time else 0.0
         self.finish_summary()
         self._event(EventType.JOB_DONE, steps=self.summary.steps,
                     test_accuracy=self.summary.test_accuracy)
         self.phase = Phase.DONE
+
+    def _weights_at(self, version: int) -> dict[int, dict[str, np.ndarray]]:
+        return {layer: self.replicas.get(layer, version).state  # type: ignore[union-attr]
+                for layer in range(self.num_layers)}
+
+    @property
+    def weights(self) -> dict[int, dict[str, np.ndarray]]:
+        """The newest complete set of layer weights the controller holds."""
+        version = self.replicas.latest_complete()
+        return {} if version is None else self._weights_at(version)
+
+    def _maybe_checkpoint(self, version: int) -> None:
+        if self.config.checkpoint_dir is None or not self.replicas.complete(version):
+            return
+        path = self.config.checkpoint_dir / f"step-{version:07d}.npz"
+        if not path.exists():
+            save_weights(path, self._weights_at(version), self.num_layers)
 
     def _command(self, device: str, op: CommandOp) -> None:
         assert self.plan is not None
@@ -466,11 +840,16 @@ class Controller:
         self.messenger.send(self.topics.cmd(device), command)
 
     def _publish_state(self, state: str) -> None:
+        complete = self.replicas.latest_complete() if hasattr(self, "replicas") else None
         env = self.messenger.make(MessageKind.STATE, self.plan.version if self.plan else 0,
-                                  self.summary.steps, state=state, job=self.job)
+                                  self.summary.steps, state=state, job=self.job,
+                                  phase=self.phase.value, complete_version=complete)
         self.messenger.send(self.topics.state, env, retain=True)
 
     def _event(self, kind: EventType, **body: object) -> None:
+        self.summary.events.append({"t": self.clock() - self._started, "type": kind.value,
+                                    "step": self.summary.steps,
+                                    **{k: v for k, v in body.items() if k != "stages"}})
         env = self.messenger.make(MessageKind.EVENT, self.plan.version if self.plan else 0,
                                   self.summary.steps, type=kind.value, **body)
         self.messenger.send(self.topics.events, env)
@@ -480,6 +859,7 @@ def save_weights(path: Path, weights: dict[int, dict[str, np.ndarray]], num_laye
     """Write gathered layer states to an ``.npz`` with keys ``<layer>/<tensor name>``."""
     arrays = {f"{layer}/{name}": value for layer in range(num_layers)
               for name, value in weights[layer].items()}
+    arrays["__num_layers__"] = np.array(num_layers)
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, **arrays)
 
@@ -487,8 +867,11 @@ def save_weights(path: Path, weights: dict[int, dict[str, np.ndarray]], num_laye
 def load_weights(path: Path) -> list[dict[str, np.ndarray]]:
     """Read a file written by ``save_weights`` back into per-layer dicts."""
     with np.load(path) as archive:
-        layers: dict[int, dict[str, np.ndarray]] = {}
+        count = int(archive["__num_layers__"])
+        layers: list[dict[str, np.ndarray]] = [{} for _ in range(count)]
         for key in archive.files:
+            if key == "__num_layers__":
+                continue
             layer, _, name = key.partition("/")
-            layers.setdefault(int(layer), {})[name] = archive[key]
-    return [layers.get(i, {}) for i in range(max(layers, default=-1) + 1)]
+            layers[int(layer)][name] = archive[key]
+    return layers

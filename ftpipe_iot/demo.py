@@ -14,12 +14,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from ftpipe_iot.broker import BrokerKind, BrokerProcess
+from ftpipe_iot.report import ReportError, write_report
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,12 @@ def _die_with_parent() -> None:
 
 @dataclass
 class DemoOptions:
-    """What the demo runs. ``controller_args`` are passed through to ``ftpipe-iot controller``."""
+    """What the demo runs. ``controller_args`` are passed through to ``ftpipe-iot controller``.
+
+    ``work_dir`` keeps logs, the summary and the report (default: ``default_work_dir``).
+    ``metrics_port_base`` N > 0 serves ``/metrics`` on port N for the controller and N+1..N+k for
+    the devices dev0..dev(k-1); 0 serves none.
+    """
 
     devices: int = 3
     job: str = "demo"
@@ -50,6 +56,19 @@ class DemoOptions:
     device_args: list[str] = field(default_factory=list)
     work_dir: Path | None = None
     timeout_s: float = 900.0
+    metrics_port_base: int = 0
+
+    def __post_init__(self) -> None:
+        if self.metrics_port_base and not 1024 <= self.metrics_port_base <= 65535 - self.devices:
+            raise ValueError(f"metrics_port_base {self.metrics_port_base} leaves no room for "
+                             f"{self.devices} device ports below 65536 (or is privileged)")
+
+
+def default_work_dir(job: str, now: datetime | None = None, root: Path | None = None) -> Path:
+    """``runs/<job>-<YYYYmmdd-HHMMSS>`` under ``root`` (the current directory): kept after the
+    demo, so its logs, summary and report can be looked at later."""
+    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return (root or Path.cwd()) / "runs" / f"{job}-{stamp}"
 
 
 @dataclass
@@ -65,8 +84,7 @@ class Demo:
         self.options = options
         self.broker: BrokerProcess | None = None
         self.children: list[_Child] = []
-        self._tmp = tempfile.TemporaryDirectory(prefix="ftpipe-demo-")
-        self.work_dir = options.work_dir or Path(self._tmp.name)
+        self.work_dir = options.work_dir or default_work_dir(options.job)
         self.work_dir.mkdir(parents=True, exist_ok=True)
 
     def _spawn(self, name: str, args: list[str]) -> None:
@@ -97,21 +115,37 @@ class Demo:
             for index in range(self.options.devices):
                 name = f"dev{index}"
                 self._spawn(name, ["device", "--name", name, *common,
+                                   *self._metrics_args(index + 1),
                                    *self.options.device_args])
             self._spawn("controller", ["controller", *common, "--devices",
                                        str(self.options.devices), "--stop-devices",
                                        "--summary-json", str(summary_path),
+                                       *self._metrics_args(0),
                                        *self.options.controller_args])
             self._supervise(started)
             summary = json.loads(summary_path.read_text())
             summary["broker"] = kind.value
             summary["wall_s"] = round(time.monotonic() - started, 3)
             summary["work_dir"] = str(self.work_dir)
+            try:
+                paths = write_report(summary, self.work_dir)
+            except (ReportError, OSError) as exc:
+                # The training result stands without its pictures: say so, do not fail.
+                log.warning("could not write the run report: %s", exc)
+                summary["report_error"] = str(exc)
+            else:
+                summary["report_json"] = str(paths.json)
+                summary["report_png"] = str(paths.png)
             return summary
         finally:
             self.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _metrics_args(self, offset: int) -> list[str]:
+        """``--metrics-port`` for the process at ``offset`` (0 = controller, i+1 = dev i)."""
+        base = self.options.metrics_port_base
+        return ["--metrics-port", str(base + offset)] if base else []
 
     def _start_broker(self) -> tuple[str, BrokerKind]:
         if self.options.broker_url:

@@ -1,7 +1,8 @@
-"""The device agent: announces itself, takes a stage from the plan, computes, reports.
+"""The device agent: announces itself, takes a stage from the plan, computes, replicates, reports.
 
 Network callbacks only fill the transport's inbox; ``run`` is the worker loop that takes messages
-from it and does the compute, so keepalive never starves behind a long backward pass.
+from it and does the compute, so keepalive never starves behind a long backward pass. Heartbeats
+go out from their own thread for the same reason: a device busy computing is not a dead one.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from enum import Enum
 from prometheus_client import CollectorRegistry
 
 from ftpipe_iot import __version__
+from ftpipe_iot.loader import StageLoader
 from ftpipe_iot.messenger import Messenger
 from ftpipe_iot.metrics import DeviceMetrics
 from ftpipe_iot.models import ModelError, build_layers, cut_shapes
 from ftpipe_iot.plan import Plan, PlanError
+from ftpipe_iot.profiles import DeviceProfile
+from ftpipe_iot.replication import LayerReplica, ReplicaStore, replica_body, replica_from_body
 from ftpipe_iot.stage import (
     MicroBatchDone,
     MicroBatchResult,
@@ -32,7 +36,7 @@ from ftpipe_iot.stage import (
     StepDone,
 )
 from ftpipe_iot.topics import Topics
-from ftpipe_iot.transport.base import Incoming, Transport, Will
+from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, Transport, Will
 from ftpipe_iot.wire import Envelope, MessageKind, WireOptions, encode
 
 log = logging.getLogger("ftpipe_iot.device")
@@ -48,7 +52,7 @@ class DeviceState(str, Enum):
 class CommandOp(str, Enum):
     """Commands the controller sends to one device."""
 
-    SNAPSHOT = "snapshot"
+    REPLICATE = "replicate"
     SHUTDOWN = "shutdown"
 
 
@@ -60,14 +64,22 @@ class ResultType(str, Enum):
     EVAL = "eval"
     MICRO_BATCH_DONE = "mb_done"
     STEP_DONE = "step_done"
-    SNAPSHOT_DONE = "snapshot_done"
+    REPLICATED = "replicated"
+    MISSING = "missing"
     ERROR = "error"
 
 
-def status_envelope(name: str, job: str, state: DeviceState) -> Envelope:
+def status_envelope(name: str, job: str, state: DeviceState,
+                    profile: DeviceProfile | None = None) -> Envelope:
     """The retained status message (also used as the Last Will with state offline)."""
+    capabilities: dict[str, object] = {}
+    if profile is not None:
+        capabilities = {"profile": profile.name,
+                        "bandwidth_bytes_per_s": profile.bandwidth_bytes_per_s,
+                        "memory_bytes": profile.memory_bytes}
     return Envelope(kind=MessageKind.STATUS, job=job, sender=name, timestamp=time.time(),
-                    body={"state": state.value, "version": __version__, "job": job})
+                    body={"state": state.value, "version": __version__, "job": job,
+                          "capabilities": capabilities})
 
 
 def device_will(name: str, job: str) -> Will:
@@ -81,6 +93,7 @@ class DeviceOptions:
     """Tunables of the agent."""
 
     heartbeat_interval_s: float = 1.0
+    missing_request_s: float = 3.0
 
 
 class DeviceAgent:
@@ -88,8 +101,9 @@ class DeviceAgent:
 
     def __init__(self, name: str, job: str, transport: Transport, registry: CollectorRegistry,
                  options: DeviceOptions = DeviceOptions(),
-                 compute_hook: Callable[[float], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 profile: DeviceProfile | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.name = name
         self.job = job
         self.topics = Topics(job)
@@ -97,26 +111,38 @@ class DeviceAgent:
         self.metrics = DeviceMetrics(registry)
         self.messenger = Messenger(transport, name, job, self.metrics, logger=log)
         self.options = options
-        self.compute_hook = compute_hook
+        self.profile = profile
         self.clock = clock
+        self.sleep = sleep
         self.plan: Plan | None = None
         self.stage: Stage | None = None
+        self.loader: StageLoader | None = None
         self.stopped = threading.Event()
+        self.own_replicas: dict[int, LayerReplica] = {}
+        self.neighbour = ReplicaStore(num_layers=1 << 16, keep=2)
+        self._neighbour_layers: set[int] = set()
+        self._weight_subscriptions: set[int] = set()
         self._subscribed_stage: int | None = None
+        self._started = clock()
         self._next_heartbeat = 0.0
         self._last_step = -1
         self._last_step_compute = (0.0, 0.0)
+        self._loader_since = 0.0
         self.metrics.stage.set(-1)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         """Connect, announce (retained status), and listen for the plan and commands."""
         self.transport.connect()
-        self.messenger.send(Topics.dev_status(self.name),
-                            status_envelope(self.name, self.job, DeviceState.ONLINE), retain=True)
+        self._announce()
         self.transport.subscribe(self.topics.plan)
         self.transport.subscribe(self.topics.cmd(self.name))
         log.info("device %s online for job %s", self.name, self.job)
+
+    def _announce(self) -> None:
+        self.messenger.send(Topics.dev_status(self.name),
+                            status_envelope(self.name, self.job, DeviceState.ONLINE, self.profile),
+                            retain=True)
 
     def stop(self) -> None:
         """Say offline (retained) and disconnect cleanly."""
@@ -128,7 +154,9 @@ class DeviceAgent:
             self.transport.close()
 
     def run(self, poll_s: float = 0.05) -> None:
-        """Worker loop until a shutdown command or ``stopped`` is set."""
+        """Worker loop until a shutdown command or ``stopped`` is set; heartbeats in a thread."""
+        beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        beat.start()
         while not self.stopped.is_set():
             try:
                 incoming = self.transport.inbox.get(timeout=poll_s)
@@ -136,7 +164,14 @@ class DeviceAgent:
                 incoming = None
             if incoming is not None:
                 self.handle(incoming)
-            self.tick()
+            self.tick(heartbeat=False)
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stopped.wait(self.options.heartbeat_interval_s):
+            try:
+                self.heartbeat()
+            except Exception:  # a heartbeat must never kill the agent
+                log.exception("heartbeat failed")
 
     def pump(self) -> int:
         """Handle everything already in the inbox (for single-threaded tests); returns count."""
@@ -153,6 +188,9 @@ class DeviceAgent:
     def handle(self, incoming: Incoming) -> None:
         """Handle one received message; never raises for bad input (it is dropped and counted)."""
         self.metrics.queue_depth.set(self.transport.inbox.qsize())
+        if incoming.topic == RECONNECTED_TOPIC:
+            self._announce()  # our Last Will may have fired while we were away
+            return
         env = self.messenger.receive(incoming)
         if env is None:
             return
@@ -163,6 +201,8 @@ class DeviceAgent:
                 self._on_command(env)
             elif env.kind in (MessageKind.ACTIVATION, MessageKind.GRADIENT):
                 self._on_data(env)
+            elif env.kind is MessageKind.WEIGHTS:
+                self._on_weights(env)
             else:
                 self.messenger.drops.drop("unexpected_kind",
                                           f"{env.kind.value} on {incoming.topic}")
@@ -177,14 +217,94 @@ class DeviceAgent:
         except (PlanError, KeyError, TypeError) as exc:
             self.messenger.drops.drop("bad_plan", str(exc))
             return
+        if plan.job != self.job:
+            self.messenger.drops.drop("wrong_job", f"plan for job {plan.job!r}")
+            return
         if self.plan is not None and plan.version <= self.plan.version:
             return
+        local = self._local_replicas(plan.resume_step)
         self.plan = plan
+        self._drop_stage()
+        self.messenger.options = WireOptions(
+            compress=plan.train.compress, wire_dtype=plan.train.wire_dtype,
+            max_message_bytes=self.messenger.options.max_message_bytes)
         assignment = plan.stage_of(self.name)
+        self._follow_neighbour(plan)
         if assignment is None:
-            self._set_stage(None)
             log.info("plan %d: no stage for %s (standing by)", plan.version, self.name)
             return
+        layers = range(assignment.start, assignment.end)
+        if plan.resume_step == 0:
+            self._build_stage({})
+            return
+        self.loader = StageLoader(layers, plan.resume_step, local)
+        self._loader_since = self.clock()
+        for layer in self.loader.missing:
+            self._subscribe_weights(layer)
+        log.info("plan %d: %s loads layers [%d, %d) at version %d (%d local, %d to fetch)",
+                 plan.version, self.name, assignment.start, assignment.end, plan.resume_step,
+                 len(layers) - len(self.loader.missing), len(self.loader.missing))
+        self._maybe_finish_loading()
+
+    def _local_replicas(self, version: int) -> dict[int, LayerReplica]:
+        """Copies of layers at ``version`` this device already has: live, own, neighbour's."""
+        local: dict[int, LayerReplica] = {}
+        if self.stage is not None and self.stage.at_step_boundary and \
+                self.stage.version == version:
+            local.update({r.layer: r for r in self.stage.export()})
+        for layer, replica in self.own_replicas.items():
+            if replica.version == version:
+                local.setdefault(layer, replica)
+        for layer in self._neighbour_layers:
+            replica = self.neighbour.get(layer, version)
+            if replica is not None:
+                local.setdefault(layer, replica)
+        return local
+
+    def _follow_neighbour(self, plan: Plan) -> None:
+        """Keep in-memory copies of the previous stage's layers (FTPipeHD's neighbour replica)."""
+        assignment = plan.stage_of(self.name)
+        wanted: set[int] = set()
+        if assignment is not None and assignment.stage > 0:
+            previous = plan.stages[assignment.stage - 1]
+            wanted = set(range(previous.start, previous.end))
+        for layer in self._neighbour_layers - wanted:
+            self._unsubscribe_weights(layer)
+        for layer in wanted:
+            self._subscribe_weights(layer)
+        self._neighbour_layers = wanted
+
+    def _subscribe_weights(self, layer: int) -> None:
+        if layer not in self._weight_subscriptions:
+            self.transport.subscribe(self.topics.weights_of_layer(layer))
+            self._weight_subscriptions.add(layer)
+
+    def _unsubscribe_weights(self, layer: int) -> None:
+        if layer in self._weight_subscriptions:
+            self.transport.unsubscribe(self.topics.weights_of_layer(layer))
+            self._weight_subscriptions.discard(layer)
+
+    def _on_weights(self, env: Envelope) -> None:
+        replica = replica_from_body(env.body)
+        if replica.layer in self._neighbour_layers:
+            self.neighbour.add(replica)
+        if self.loader is not None and self.loader.offer(replica):
+            self._maybe_finish_loading()
+
+    def _maybe_finish_loading(self) -> None:
+        if self.loader is None or not self.loader.done:
+            return
+        replicas = self.loader.replicas()
+        self.loader = None
+        for layer in list(self._weight_subscriptions - self._neighbour_layers):
+            self._unsubscribe_weights(layer)
+        self._build_stage(replicas)
+
+    def _build_stage(self, replicas: dict[int, LayerReplica]) -> None:
+        plan = self.plan
+        assert plan is not None
+        assignment = plan.stage_of(self.name)
+        assert assignment is not None
         try:
             layers = build_layers(plan.train.model, plan.input_shape, plan.num_classes,
                                   plan.train.seed)
@@ -197,15 +317,18 @@ class DeviceAgent:
                       layers=layers[assignment.start:assignment.end],
                       first_layer=assignment.start, config=plan.train,
                       expected_shape=shapes[assignment.start], num_classes=plan.num_classes,
-                      compute_hook=self.compute_hook)
+                      compute_hook=self._emulate_compute, start_step=plan.resume_step)
+        if replicas:
+            stage.load(replicas)
         self._set_stage(stage)
-        self.messenger.options = WireOptions(compress=plan.train.compress,
-                                             wire_dtype=plan.train.wire_dtype,
-                                             max_message_bytes=self.messenger.options
-                                             .max_message_bytes)
-        log.info("plan %d: %s holds stage %d, layers [%d, %d)", plan.version, self.name,
-                 assignment.stage, assignment.start, assignment.end)
+        log.info("plan %d: %s holds stage %d, layers [%d, %d), from step %d", plan.version,
+                 self.name, assignment.stage, assignment.start, assignment.end,
+                 plan.resume_step)
         self._report(ResultType.READY, stage=assignment.stage)
+
+    def _drop_stage(self) -> None:
+        self.loader = None
+        self._set_stage(None)
 
     def _set_stage(self, stage: Stage | None) -> None:
         if self._subscribed_stage is not None:
@@ -224,29 +347,51 @@ class DeviceAgent:
         if op is CommandOp.SHUTDOWN:
             log.info("device %s: shutdown requested by the controller", self.name)
             self.stopped.set()
-        elif op is CommandOp.SNAPSHOT:
-            self._snapshot(env)
+        elif op is CommandOp.REPLICATE:
+            if self.plan is None or env.plan_version != self.plan.version:
+                self.messenger.drops.drop("stale_plan", f"replicate for plan {env.plan_version}")
+                return
+            if "layers" in env.body:
+                self._resend_layers(int(env.body["version"]), list(env.body["layers"]))
+            else:
+                self._replicate()
 
-    def _snapshot(self, env: Envelope) -> None:
+    def _replicate(self) -> None:
+        """Publish every held layer at the current version (retained, chunked)."""
         if self.stage is None or self.plan is None:
-            self._report(ResultType.ERROR, message="snapshot requested but no stage held")
             return
-        version = self.stage.last_completed_step + 1
-        for offset in range(len(self.stage.layers)):
-            layer = self.stage.first_layer + offset
-            weights = self.messenger.make(MessageKind.WEIGHTS, self.plan.version, step=version,
-                                          layer=layer, state=self.stage.layer_state(offset))
-            self.messenger.send(self.topics.weights(layer), weights,
-                                options=WireOptions(compress=True,
-                                                    max_message_bytes=self.messenger.options
-                                                    .max_message_bytes))
-        self._report(ResultType.SNAPSHOT_DONE, layers=[self.stage.first_layer,
-                                                      self.stage.first_layer
-                                                      + len(self.stage.layers)],
-                     version=version, drops=self.messenger.drops.counts)
+        if not self.stage.at_step_boundary:
+            self._report(ResultType.ERROR, message="replicate asked in the middle of a step")
+            return
+        total = 0
+        replicas = self.stage.export()
+        for replica in replicas:
+            total += self._publish_replica(replica)
+            self.own_replicas[replica.layer] = replica
+        self.metrics.replication_bytes.inc(total)
+        self._report(ResultType.REPLICATED, version=self.stage.version,
+                     layers=[self.stage.first_layer, self.stage.first_layer + len(replicas)],
+                     bytes=total, drops=self.messenger.drops.counts)
+
+    def _publish_replica(self, replica: LayerReplica) -> int:
+        assert self.plan is not None
+        env = self.messenger.make(MessageKind.WEIGHTS, self.plan.version, step=replica.version,
+                                  **replica_body(replica))
+        # Weights are dense: lz4 rarely pays, and a fixed size keeps the chunk count stable.
+        options = WireOptions(compress=False,
+                              max_message_bytes=self.messenger.options.max_message_bytes)
+        sent, _ = self.messenger.send_chunked_retained(self.topics.weights(replica.layer), env,
+                                                       options)
+        return sent
+
+    def _resend_layers(self, version: int, layers: list[int]) -> None:
+        for layer in layers:
+            replica = self.own_replicas.get(layer)
+            if replica is not None and replica.version == version:
+                self._publish_replica(replica)
 
     def _on_data(self, env: Envelope) -> None:
-        if self.stage is None or self.plan is None:
+        if self.plan is None or (self.stage is None and self.loader is None):
             self.messenger.drops.drop("no_stage", f"{env.kind.value} before a plan")
             return
         if env.plan_version < self.plan.version:
@@ -257,6 +402,10 @@ class DeviceAgent:
             self.messenger.drops.drop("future_plan", f"plan {env.plan_version} > "
                                       f"{self.plan.version}")
             return
+        if self.stage is None:
+            self.messenger.drops.drop("not_ready", "data before the stage finished loading")
+            return
+        self._current_step = env.step
         if env.kind is MessageKind.ACTIVATION:
             train = bool(env.body["train"])
             outputs = self.stage.forward(env.step, env.micro_batch, env.body["x"], env.body["y"],
@@ -268,6 +417,22 @@ class DeviceAgent:
         for output in outputs:
             self._emit(output)
 
+    # -- emulated heterogeneity -----------------------------------------------------------------
+    _current_step = 0
+
+    def _emulate_compute(self, real_s: float) -> None:
+        if self.profile is not None:
+            delay = self.profile.compute_delay_s(real_s, self._current_step,
+                                                 self.clock() - self._started)
+            if delay > 0:
+                self.sleep(delay)
+
+    def _emulate_link(self, n_bytes: int) -> None:
+        if self.profile is not None:
+            delay = self.profile.transfer_delay_s(n_bytes)
+            if delay > 0:
+                self.sleep(delay)
+
     # -- outputs --------------------------------------------------------------------------------
     def _emit(self, output: StageOutput) -> None:
         assert self.stage is not None and self.plan is not None
@@ -276,11 +441,13 @@ class DeviceAgent:
             env = self.messenger.make(MessageKind.ACTIVATION, version, output.step,
                                       output.micro_batch, x=output.x, y=output.y,
                                       train=output.train)
-            self.messenger.send(self.topics.stage_act(self.stage.index + 1), env)
+            self._emulate_link(self.messenger.send(self.topics.stage_act(self.stage.index + 1),
+                                                   env))
         elif isinstance(output, SendGradient):
             env = self.messenger.make(MessageKind.GRADIENT, version, output.step,
                                       output.micro_batch, g=output.grad)
-            self.messenger.send(self.topics.stage_grad(self.stage.index - 1), env)
+            self._emulate_link(self.messenger.send(self.topics.stage_grad(self.stage.index - 1),
+                                                   env))
         elif isinstance(output, MicroBatchResult):
             kind = ResultType.LOSS if output.train else ResultType.EVAL
             self._report(kind, step=output.step, micro_batch=output.micro_batch,
@@ -289,13 +456,20 @@ class DeviceAgent:
             self._report(ResultType.MICRO_BATCH_DONE, step=output.step,
                          micro_batch=output.micro_batch)
         elif isinstance(output, StepDone):
-            self.metrics.forward_seconds.observe(output.forward_s)
-            self.metrics.backward_seconds.observe(output.backward_s)
-            self.metrics.steps.inc()
-            self._last_step = output.step
-            self._last_step_compute = (output.forward_s, output.backward_s)
-            self._report(ResultType.STEP_DONE, step=output.step, stage=self.stage.index,
-                         forward_s=output.forward_s, backward_s=output.backward_s)
+            self._on_step_done(output)
+
+    def _on_step_done(self, output: StepDone) -> None:
+        assert self.stage is not None and self.plan is not None
+        self.metrics.forward_seconds.observe(output.forward_s)
+        self.metrics.backward_seconds.observe(output.backward_s)
+        self.metrics.steps.inc()
+        self._last_step = output.step
+        self._last_step_compute = (output.forward_s, output.backward_s)
+        self._report(ResultType.STEP_DONE, step=output.step, stage=self.stage.index,
+                     forward_s=output.forward_s, backward_s=output.backward_s)
+        every = self.plan.train.replicate_every
+        if every and (output.step + 1) % every == 0:
+            self._replicate()
 
     def _report(self, kind: ResultType, step: int = -1, micro_batch: int = -1,
                 **body: object) -> None:
@@ -304,16 +478,26 @@ class DeviceAgent:
                                   type=kind.value, **body)
         self.messenger.send(self.topics.results, env)
 
-    def tick(self) -> None:
-        """Periodic work: heartbeats."""
+    def tick(self, heartbeat: bool = True) -> None:
+        """Periodic work: heartbeats (when not sent by the thread), loading retries."""
         now = self.clock()
-        if now < self._next_heartbeat:
-            return
-        self._next_heartbeat = now + self.options.heartbeat_interval_s
+        if self.loader is not None and now - self._loader_since > self.options.missing_request_s:
+            self._loader_since = now
+            assert self.plan is not None
+            # A retained copy may have been overwritten by a newer version: ask for ours.
+            self._report(ResultType.MISSING, version=self.loader.version,
+                         layers=sorted(self.loader.missing))
+        if heartbeat and now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.options.heartbeat_interval_s
+            self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """Publish one heartbeat: step, stage, last step's compute time, queue depth, drops."""
         forward_s, backward_s = self._last_step_compute
+        stage = self.stage
         env = self.messenger.make(
             MessageKind.HEARTBEAT, self.plan.version if self.plan else 0, self._last_step,
-            stage=-1 if self.stage is None else self.stage.index, forward_s=forward_s,
+            stage=-1 if stage is None else stage.index, forward_s=forward_s,
             backward_s=backward_s, queue_depth=self.transport.inbox.qsize(),
             drops=self.messenger.drops.counts,
         )

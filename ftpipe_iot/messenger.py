@@ -48,6 +48,22 @@ class Messenger:
         self.metrics.bytes_sent.inc(sent)
         return sent
 
+    def send_chunked_retained(self, base_topic: str, env: Envelope,
+                              options: WireOptions | None = None) -> tuple[int, int]:
+        """Publish a possibly large message as retained chunks on ``<base_topic>/<i>``.
+
+        A retained topic holds one message, so each chunk gets its own topic; a subscriber to
+        ``<base_topic>/+`` receives every chunk and reassembles them. Returns (bytes, chunks).
+        """
+        frames = encode(env, options or self.options)
+        sent = 0
+        for index, frame in enumerate(frames):
+            self.transport.publish(f"{base_topic}/{index}", frame, qos=1, retain=True)
+            sent += len(frame)
+        self.metrics.messages_sent.labels(kind=env.kind.value).inc()
+        self.metrics.bytes_sent.inc(sent)
+        return sent, len(frames)
+
     def receive(self, incoming: Incoming) -> Envelope | None:
         """Decode one MQTT message; None when it is a partial chunk or was dropped (counted)."""
         self.metrics.bytes_received.inc(len(incoming.payload))

@@ -7,11 +7,38 @@ from __future__ import annotations
 
 import logging
 import threading
+from enum import Enum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from ftpipe_iot.liveness import FailureCause
+
 _TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                  10.0)
+
+
+class DropReason(str, Enum):
+    """Known ``reason`` labels of ``ftpipe_messages_dropped_total``. ``DropLog.drop`` accepts any
+    string; these are only the ones exported at zero from the start, so that dashboards and
+    alerts see a series (and a rate of 0) before the first drop happens."""
+
+    MALFORMED = "malformed"
+    UNKNOWN_VERSION = "unknown_version"
+    UNKNOWN_KIND = "unknown_kind"
+    BAD_CHECKSUM = "bad_checksum"
+    OVERSIZED = "oversized"
+    WRONG_JOB = "wrong_job"
+    STALE_PLAN = "stale_plan"
+    FUTURE_PLAN = "future_plan"
+    BAD_PLAN = "bad_plan"
+    BAD_BODY = "bad_body"
+    UNEXPECTED_KIND = "unexpected_kind"
+    NO_STAGE = "no_stage"
+    BAD_TENSOR = "bad_tensor"
+    BAD_SHAPE = "bad_shape"
+    BAD_LABEL = "bad_label"
+    DUPLICATE = "duplicate"
+    UNEXPECTED = "unexpected"
 
 
 class MessagingMetrics:
@@ -31,6 +58,8 @@ class MessagingMetrics:
         self.dropped = Counter("ftpipe_messages_dropped_total",
                                "Messages dropped as unusable, by reason", ["reason"],
                                registry=registry)
+        for reason in DropReason:
+            self.dropped.labels(reason=reason.value)
         self.queue_depth = Gauge("ftpipe_inbox_queue_depth",
                                  "Messages waiting in the inbox for the worker thread",
                                  registry=registry)
@@ -92,6 +121,10 @@ class ControllerMetrics(MessagingMetrics):
                                   ["device"], registry=registry)
         self.failures = Counter("ftpipe_failures_total", "Device failures detected, by signal",
                                 ["cause"], registry=registry)
+        # Labelled counters export nothing until a label set is used: start every known cause
+        # at zero so that rate()/increase() work from the first scrape.
+        for cause in FailureCause:
+            self.failures.labels(cause=cause.value)
         self.recoveries = Counter("ftpipe_recoveries_total", "Completed recoveries",
                                   registry=registry)
         self.detection_seconds = Histogram("ftpipe_failure_detection_seconds",

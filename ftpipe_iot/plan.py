@@ -44,6 +44,7 @@ class TrainConfig:
     eval_batch_size: int = 64
     wire_dtype: WireDtype = WireDtype.NATIVE
     compress: bool = True
+    replicate_every: int = 10
 
     def __post_init__(self) -> None:
         checks = [
@@ -58,6 +59,9 @@ class TrainConfig:
             (self.max_in_flight >= 1, f"max_in_flight must be >= 1, got {self.max_in_flight}"),
             (self.eval_batch_size >= 1,
              f"eval_batch_size must be >= 1, got {self.eval_batch_size}"),
+            (self.replicate_every >= 0,
+             f"replicate_every must be >= 0 (0 = only at plan changes), got "
+             f"{self.replicate_every}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -101,7 +105,11 @@ class StageAssignment:
 
 @dataclass(frozen=True)
 class Plan:
-    """Plan version (term), stage assignments, training config and the step to resume from."""
+    """Plan version (term), stage assignments, training config and the step to resume from.
+
+    ``resume_step`` is also the replica version every stage starts from: 0 means the initial
+    weights built from the seed; otherwise each device loads its layers at that version.
+    """
 
     version: int
     job: str

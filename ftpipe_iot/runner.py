@@ -19,6 +19,7 @@ from ftpipe_iot.config import BrokerConfig
 from ftpipe_iot.controller import Controller, ControllerConfig, RunSummary, controller_will
 from ftpipe_iot.device import DeviceAgent, DeviceOptions, device_will
 from ftpipe_iot.metrics import serve_metrics
+from ftpipe_iot.profiles import DeviceProfile
 from ftpipe_iot.progress import ProgressReporter
 from ftpipe_iot.topics import check_name
 from ftpipe_iot.transport.mqtt import MqttTransport
@@ -51,7 +52,7 @@ def _on_signals(handler: Callable[[], None]) -> None:
 
 def run_device(name: str, job: str, broker: BrokerConfig, options: ProcessOptions,
                device_options: DeviceOptions = DeviceOptions(),
-               compute_hook: Callable[[float], None] | None = None) -> int:
+               profile: DeviceProfile | None = None) -> int:
     """Run a device agent until shutdown (controller command, SIGTERM or Ctrl-C)."""
     check_name("device", name)
     check_name("job", job)
@@ -59,7 +60,7 @@ def run_device(name: str, job: str, broker: BrokerConfig, options: ProcessOption
     registry = CollectorRegistry()
     serve_metrics(registry, options.metrics_port)
     transport = MqttTransport(broker, client_id=name, will=device_will(name, job))
-    agent = DeviceAgent(name, job, transport, registry, device_options, compute_hook)
+    agent = DeviceAgent(name, job, transport, registry, device_options, profile)
     _on_signals(agent.stopped.set)
     agent.start()
     try:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ftpipe_iot.plan import OptimizerName, TrainConfig
+from ftpipe_iot.replication import LayerReplica, export_layer, import_layer
 
 
 class StageInputError(ValueError):
@@ -119,6 +120,7 @@ class Stage:
     expected_shape: tuple[int, ...]
     num_classes: int
     compute_hook: Callable[[float], None] | None = None
+    start_step: int = 0
     module: nn.Sequential = field(init=False)
     optimizers: list[torch.optim.Optimizer | None] = field(init=False)
     pending: dict[tuple[int, int], _Pending] = field(init=False, default_factory=dict)
@@ -129,6 +131,8 @@ class Stage:
     def __post_init__(self) -> None:
         self.module = nn.Sequential(*self.layers)
         self.optimizers = [make_optimizer(layer, self.config) for layer in self.layers]
+        if self.start_step > 0:
+            self.completed_steps = {self.start_step - 1}
 
     @property
     def is_first(self) -> bool:
@@ -141,6 +145,26 @@ class Stage:
     @property
     def last_completed_step(self) -> int:
         return max(self.completed_steps, default=-1)
+
+    @property
+    def version(self) -> int:
+        """Steps applied so far: the replica version of this stage's current weights."""
+        return self.last_completed_step + 1
+
+    @property
+    def at_step_boundary(self) -> bool:
+        """No micro-batch of the current step is half done (weights equal ``version``)."""
+        return not self.pending and not self.backward_done
+
+    def export(self) -> list[LayerReplica]:
+        """Replicas of every layer at the current version (call at a step boundary)."""
+        return [export_layer(layer, optimizer, self.first_layer + offset, self.version)
+                for offset, (layer, optimizer) in enumerate(zip(self.layers, self.optimizers))]
+
+    def load(self, replicas: dict[int, LayerReplica]) -> None:
+        """Load every layer's weights and optimizer state from replicas (one version)."""
+        for offset, (layer, optimizer) in enumerate(zip(self.layers, self.optimizers)):
+            import_layer(replicas[self.first_layer + offset], layer, optimizer)
 
     def _check_input(self, x: np.ndarray, y: np.ndarray) -> None:
         if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):

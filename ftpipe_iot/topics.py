@@ -64,11 +64,18 @@ class Topics:
         return f"{self.base}/results"
 
     def weights(self, layer: int) -> str:
+        """Base topic of a layer's replica; chunk ``i`` is retained at ``<base>/<i>``."""
         return f"{self.base}/weights/{layer}"
+
+    def weights_chunk(self, layer: int, chunk: int) -> str:
+        return f"{self.weights(layer)}/{chunk}"
+
+    def weights_of_layer(self, layer: int) -> str:
+        return f"{self.weights(layer)}/+"
 
     @property
     def weights_all(self) -> str:
-        return f"{self.base}/weights/+"
+        return f"{self.base}/weights/+/+"
 
     # per-device
     @staticmethod

@@ -38,6 +38,7 @@ class MemoryJob:
         for device in self.devices:
             if device.transport.connected:
                 device.pump()
+                device.tick()
 
     def run(self, limit_s: float = 120.0) -> Phase:
         deadline = time.monotonic() + limit_s

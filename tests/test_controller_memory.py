@@ -77,15 +77,23 @@ def test_garbage_and_stale_messages_are_dropped_and_counted():
     assert max_weight_diff(gathered, reference) < 1e-5
 
 
-def test_device_loss_fails_the_job_with_a_clear_reason():
-    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8)
+def test_device_loss_recovers_at_the_last_complete_version_and_stays_exact():
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8,
+                        max_steps=12, replicate_every=4)
     job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
     job.start()
-    while job.controller.phase is not Phase.TRAINING:
+    while job.controller.summary.steps < 6:
         job.pump_once()
     job.devices[1].transport.crash()  # the broker publishes its Last Will
-    assert job.run() is Phase.FAILED
-    assert "d1 went offline" in job.controller.summary.error
+    assert job.run() is Phase.DONE
+    summary = job.controller.summary
+    assert summary.failures_detected == 1 and summary.recoveries == 1
+    recovered = [e for e in summary.events if e["type"] == "recovery_done"]
+    assert [e["resume_step"] for e in recovered] == [4]  # the newest complete version
+    assert summary.recomputed_steps >= 2
+    assert [s.device for s in job.controller.plan.stages] == ["d0"]
+    gathered = [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    assert max_weight_diff(gathered, train_reference(train, job.controller.data, 12)) < 1e-5
 
 
 def test_controller_waits_for_enough_devices():

@@ -47,7 +47,8 @@ def test_three_device_processes_equal_single_process_training(mosquitto, process
         assert processes.wait(f"dev{i}", 30) == 0  # --stop-devices shut them down cleanly
     summary = json.loads(controller.stdout.read().strip().splitlines()[-1])
     assert summary["steps"] == STEPS and summary["devices"] == 3
-    assert [s["device"] for s in summary["stages"]] == ["dev0", "dev1", "dev2"]
+    # the controller may have rebalanced on measured speeds; the weights must not care
+    assert sorted(s["device"] for s in summary["stages"]) == ["dev0", "dev1", "dev2"]
     gathered = load_weights(tmp_path / "weights.npz")
     assert max_weight_diff(gathered, _reference(STEPS)) < 1e-5
     assert max_weight_diff(gathered, _reference(0)) > 1e-3

@@ -43,6 +43,8 @@ _TRAINING_OPTIONS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
     click.option("--wire-dtype", type=click.Choice(["native", "fp16"]), default="native",
                  show_default=True, help="fp16 halves activation traffic but breaks exactness"),
     click.option("--no-compress", is_flag=True, help="never lz4-compress message bodies"),
+    click.option("--replicate-every", type=click.IntRange(min=0), default=10, show_default=True,
+                 help="replicate weights every R steps (0 = only at plan changes)"),
 ]
 
 
@@ -80,7 +82,7 @@ def _train_config(kw: dict[str, Any]):
             optimizer=OptimizerName(kw["optimizer"]), lr=kw["lr"], momentum=kw["momentum"],
             seed=kw["seed"], epochs=kw["epochs"], max_steps=kw["max_steps"],
             max_in_flight=kw["max_in_flight"], wire_dtype=WireDtype(kw["wire_dtype"]),
-            compress=not kw["no_compress"],
+            compress=not kw["no_compress"], replicate_every=kw["replicate_every"],
         )
     except (ModelError, DataError, PlanError) as exc:
         raise click.UsageError(str(exc)) from exc
@@ -171,12 +173,16 @@ def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
 @click.option("--job", default=None, help="job name [default: the bundle's, else 'default']")
 @click.option("--heartbeat-interval", type=click.FloatRange(min=0.05), default=1.0,
               show_default=True, help="seconds between heartbeats")
+@click.option("--profile", "profile_file", type=click.Path(dir_okay=False), default=None,
+              help="device profile (devices/profiles/*.json) emulating a slower device")
 @connection_options
-def device(name: str | None, job: str | None, heartbeat_interval: float, broker_url: str,
+def device(name: str | None, job: str | None, heartbeat_interval: float,
+           profile_file: str | None, broker_url: str,
            config_file: str | None, mqtt_protocol: str, max_message_bytes: int, keepalive: int,
            metrics_port: int, threads: int, log_level: str) -> None:
     """Run a device agent: announce, take a stage from the plan, compute, report."""
     from ftpipe_iot.device import DeviceOptions
+    from ftpipe_iot.profiles import ProfileError, load_profile
     from ftpipe_iot.runner import ProcessOptions, run_device
     from ftpipe_iot.transport import TransportError
 
@@ -186,9 +192,13 @@ def device(name: str | None, job: str | None, heartbeat_interval: float, broker_
     if not name:
         raise click.UsageError("give --name or a --config bundle")
     try:
+        profile = load_profile(profile_file) if profile_file else None
+    except ProfileError as exc:
+        raise click.UsageError(str(exc)) from exc
+    try:
         sys.exit(run_device(name, job, config,
                             ProcessOptions(metrics_port, threads, log_level),
-                            DeviceOptions(heartbeat_interval_s=heartbeat_interval)))
+                            DeviceOptions(heartbeat_interval_s=heartbeat_interval), profile))
     except (TransportError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -200,8 +210,20 @@ def device(name: str | None, job: str | None, heartbeat_interval: float, broker_
 @click.option("--device-names", default=None, help="comma-separated device names to use")
 @click.option("--wait-devices", type=click.FloatRange(min=1), default=120.0, show_default=True,
               help="seconds to wait for the devices")
-@click.option("--stall-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
-              help="fail when no progress for this many seconds")
+@click.option("--stall-timeout", type=click.FloatRange(min=1), default=30.0, show_default=True,
+              help="recover when no progress for this many seconds (lost messages)")
+@click.option("--heartbeat-timeout", type=click.FloatRange(min=0.1), default=5.0,
+              show_default=True, help="a device silent this long is declared failed")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
+              help="also write every complete checkpoint version here (.npz)")
+@click.option("--resume", is_flag=True,
+              help="continue the job from the retained plan, state and weights on the broker")
+@click.option("--repartition/--no-repartition", default=True, show_default=True,
+              help="move layers between devices when that pays off")
+@click.option("--repartition-threshold", type=click.FloatRange(0, 1, max_open=True),
+              default=0.10, show_default=True, help="minimum predicted gain to repartition")
+@click.option("--repartition-cooldown", type=click.IntRange(min=0), default=10,
+              show_default=True, help="steps between repartitions")
 @click.option("--save-weights", type=click.Path(dir_okay=False), default=None,
               help="write the trained weights (.npz) here")
 @click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
@@ -211,7 +233,9 @@ def device(name: str | None, job: str | None, heartbeat_interval: float, broker_
 @connection_options
 @training_options
 def controller(job: str | None, devices: int, device_names: str | None, wait_devices: float,
-               stall_timeout: float, save_weights: str | None, summary_json: str | None,
+               stall_timeout: float, heartbeat_timeout: float, checkpoint_dir: str | None,
+               resume: bool, repartition: bool, repartition_threshold: float,
+               repartition_cooldown: int, save_weights: str | None, summary_json: str | None,
                stop_devices: bool, as_json: bool, broker_url: str, config_file: str | None,
                mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
                threads: int, log_level: str, **training: Any) -> None:
@@ -232,6 +256,10 @@ def controller(job: str | None, devices: int, device_names: str | None, wait_dev
     ctrl_config = ControllerConfig(
         train=_train_config(training), devices=devices, device_names=names,
         wait_devices_s=wait_devices, stall_timeout_s=stall_timeout,
+        heartbeat_timeout_s=heartbeat_timeout,
+        checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None, resume=resume,
+        repartition=repartition, repartition_threshold=repartition_threshold,
+        repartition_cooldown_steps=repartition_cooldown,
         save_weights=Path(save_weights) if save_weights else None, stop_devices=stop_devices)
     try:
         summary = run_controller(job, config, ctrl_config,
@@ -254,12 +282,17 @@ def controller(job: str | None, devices: int, device_names: str | None, wait_dev
               help="start the embedded amqtt broker instead of Mosquitto")
 @click.option("--job", default="demo", show_default=True)
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None,
-              help="keep logs and the summary here (default: a temporary directory)")
+              help="keep logs, the summary and the report here "
+                   "[default: runs/<job>-<YYYYmmdd-HHMMSS>]")
+@click.option("--metrics-port-base", type=click.IntRange(min=0, max=65535), default=0,
+              show_default=True,
+              help="serve /metrics: the controller on this port, device i on port+1+i "
+                   "(0 = off)")
 @click.option("--json", "as_json", is_flag=True,
               help="print the summary as one JSON object on the last line of stdout")
 @training_options
 def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
-         work_dir: str | None, as_json: bool, **training: Any) -> None:
+         work_dir: str | None, metrics_port_base: int, as_json: bool, **training: Any) -> None:
     """Train the CNN on digits with a broker, a controller and N device processes."""
     from ftpipe_iot.broker import BrokerError
     from ftpipe_iot.demo import Demo, DemoError, DemoOptions
@@ -267,9 +300,13 @@ def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
     if broker_url and embedded_broker:
         raise click.UsageError("--broker and --embedded-broker exclude each other")
     _train_config(training)  # validate here, before any process starts
-    options = DemoOptions(devices=devices, job=job, broker_url=broker_url,
-                          embedded=embedded_broker, controller_args=_training_args(training),
-                          work_dir=Path(work_dir) if work_dir else None)
+    try:
+        options = DemoOptions(devices=devices, job=job, broker_url=broker_url,
+                              embedded=embedded_broker, controller_args=_training_args(training),
+                              work_dir=Path(work_dir) if work_dir else None,
+                              metrics_port_base=metrics_port_base)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--metrics-port-base") from exc
     try:
         summary = Demo(options).run()
     except KeyboardInterrupt:
@@ -278,6 +315,10 @@ def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
     except (DemoError, BrokerError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(_summary_text(summary), err=as_json)
+    if "report_png" in summary:
+        click.echo(f"report: {summary['report_png']} and {summary['report_json']}", err=True)
+    elif "report_error" in summary:
+        click.echo(f"no report: {summary['report_error']}", err=True)
     if as_json:
         summary.pop("history", None)
         click.echo(json.dumps(summary))

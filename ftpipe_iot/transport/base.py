@@ -6,6 +6,9 @@ import queue
 from dataclasses import dataclass
 from typing import Protocol
 
+# Put on the inbox by a transport after it reconnected, so the worker can re-announce itself.
+RECONNECTED_TOPIC = "$local/reconnected"
+
 
 class TransportError(ConnectionError):
     """The broker could not be reached or refused us; the message says why."""

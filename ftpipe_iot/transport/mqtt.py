@@ -17,7 +17,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.reasoncodes import ReasonCode
 
 from ftpipe_iot.config import BrokerConfig, MqttProtocol
-from ftpipe_iot.transport.base import Incoming, TransportError, Will
+from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, TransportError, Will
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class MqttTransport:
         if self._ever_connected:
             self.reconnects += 1
             log.info("%s reconnected to %s", self.client_id, self.config.url)
+            self.inbox.put(Incoming(RECONNECTED_TOPIC, b""))
         self._ever_connected = True
         with self._lock:
             subs = list(self._subscriptions.items())

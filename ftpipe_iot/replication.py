@@ -1,0 +1,135 @@
+"""Layer replicas: a layer's weights, buffers and optimizer state at a version, as plain arrays.
+
+A version is a step boundary: version ``v`` is the state after ``v`` optimizer steps (before step
+``v``). A checkpoint version is complete when every layer has it; recovery restores one complete
+version on every stage and never mixes versions (DESIGN.md section 6). All of this is pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerReplica:
+    """One layer at one version: ``state`` is the module's state_dict, ``optim`` the state of
+    its optimizer (None for a layer without parameters)."""
+
+    layer: int
+    version: int
+    state: dict[str, np.ndarray]
+    optim: dict[str, Any] | None
+
+    @property
+    def nbytes(self) -> int:
+        total = sum(int(v.nbytes) for v in self.state.values())
+        if self.optim:
+            for slot in self.optim.get("state", {}).values():
+                total += sum(int(v.nbytes) for v in slot.values() if isinstance(v, np.ndarray))
+        return total
+
+
+def _to_numpy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy().copy()
+    if isinstance(value, dict):
+        return {str(k): _to_numpy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_numpy(v) for v in value]
+    return value
+
+
+def export_layer(layer: nn.Module, optimizer: torch.optim.Optimizer | None, index: int,
+                 version: int) -> LayerReplica:
+    """Copy a live layer (and its optimizer) into a replica."""
+    state = {k: v.detach().cpu().numpy().copy() for k, v in layer.state_dict().items()}
+    optim = None
+    if optimizer is not None:
+        raw = optimizer.state_dict()
+        optim = {"state": {str(k): _to_numpy(v) for k, v in raw["state"].items()},
+                 "param_groups": _to_numpy(raw["param_groups"])}
+    return LayerReplica(index, version, state, optim)
+
+
+def import_layer(replica: LayerReplica, layer: nn.Module,
+                 optimizer: torch.optim.Optimizer | None) -> None:
+    """Load a replica into a freshly built layer and optimizer (exact copy of the state)."""
+    layer.load_state_dict({k: torch.from_numpy(np.array(v, copy=True))
+                           for k, v in replica.state.items()})
+    if optimizer is not None and replica.optim is not None:
+        state = {int(k): {name: torch.from_numpy(np.array(v, copy=True))
+                          if isinstance(v, np.ndarray) else v for name, v in slot.items()}
+                 for k, slot in replica.optim["state"].items()}
+        optimizer.load_state_dict({"state": state,
+                                   "param_groups": replica.optim["param_groups"]})
+
+
+def replica_body(replica: LayerReplica) -> dict[str, Any]:
+    """Message body for a replica (the wire module packs it)."""
+    return {"layer": replica.layer, "version": replica.version, "state": replica.state,
+            "optim": replica.optim}
+
+
+def replica_from_body(body: dict[str, Any]) -> LayerReplica:
+    """Parse a replica body; raises KeyError/TypeError/ValueError on a malformed one."""
+    state = body["state"]
+    if not isinstance(state, dict) or not all(isinstance(v, np.ndarray) for v in state.values()):
+        raise TypeError("replica state must map names to arrays")
+    optim = body.get("optim")
+    if optim is not None and not isinstance(optim, dict):
+        raise TypeError("replica optimizer state must be a map")
+    return LayerReplica(int(body["layer"]), int(body["version"]), dict(state), optim)
+
+
+@dataclass
+class ReplicaStore:
+    """In-memory replicas per layer, the newest ``keep`` versions of each."""
+
+    num_layers: int
+    keep: int = 3
+    _replicas: dict[int, dict[int, LayerReplica]] = field(default_factory=dict)
+
+    def add(self, replica: LayerReplica) -> bool:
+        """Store a replica; False when its layer is out of range or it is older than all kept."""
+        if not 0 <= replica.layer < self.num_layers or replica.version < 0:
+            return False
+        versions = self._replicas.setdefault(replica.layer, {})
+        if len(versions) >= self.keep and replica.version < min(versions):
+            return False
+        versions[replica.version] = replica
+        for old in sorted(versions)[:-self.keep]:
+            del versions[old]
+        return True
+
+    def get(self, layer: int, version: int) -> LayerReplica | None:
+        return self._replicas.get(layer, {}).get(version)
+
+    def versions(self, layer: int) -> list[int]:
+        return sorted(self._replicas.get(layer, {}))
+
+    def latest_complete(self, layers: Iterable[int] | None = None) -> int | None:
+        """Newest version that every layer (of ``layers``, default all) has, or None."""
+        wanted = list(range(self.num_layers)) if layers is None else list(layers)
+        common: set[int] | None = None
+        for layer in wanted:
+            have = set(self._replicas.get(layer, {}))
+            common = have if common is None else common & have
+            if not common:
+                return None
+        return max(common) if common else None
+
+    def complete(self, version: int, layers: Iterable[int] | None = None) -> bool:
+        wanted = range(self.num_layers) if layers is None else layers
+        return all(self.get(layer, version) is not None for layer in wanted)
+
+    def drop_newer_than(self, version: int) -> None:
+        """Forget versions past a rollback point (they belong to steps being recomputed)."""
+        for versions in self._replicas.values():
+            for v in [v for v in versions if v > version]:
+                del versions[v]
