@@ -6,6 +6,7 @@ from __future__ import annotations
 import getpass
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -34,8 +35,32 @@ class BrokerError(RuntimeError):
     """The broker could not be started or did not come up."""
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_handed_out: set[int] = set()
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
+    """A TCP port free on ``host`` now, chosen *below* the ephemeral range: a port from bind(0)
+    is ephemeral, and while a process is still starting, an outgoing connection of another one
+    can take it as its local port before the server binds it."""
+    low = min(_ephemeral_low(), 32768)
+    for _ in range(500):
+        port = random.randint(20000, low - 1)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])

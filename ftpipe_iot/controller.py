@@ -196,6 +196,7 @@ class Controller:
         self._resume_settle: float | None = None
         self._failures_in_a_row = 0
         self._replan_cost_s = 1.0
+        self._since: int | None = None
         self._replan_started: float | None = None
         self.train: TrainConfig = config.train
         if not config.resume:
@@ -403,6 +404,10 @@ class Controller:
     def _on_weights(self, env: Envelope) -> None:
         if not hasattr(self, "replicas"):
             return  # resuming: the plan (and so the model) is not known yet
+        if self._since is not None and env.plan_version < self._since:
+            return  # a left-over of an earlier run of this job name
+        if self._since is None and not self.config.resume:
+            return  # before our first plan nothing of ours can have been replicated
         replica = replica_from_body(env.body)
         self.last_published[replica.layer] = replica.version
         if not self.replicas.add(replica):
@@ -424,6 +429,7 @@ class Controller:
             return
         self._setup(plan.train)
         self.plan = plan
+        self._since = plan.since or plan.version
         self._resume_settle = self.clock()
         self.transport.unsubscribe(self.topics.plan)
         # The weights were retained before we knew the model; ask for them again.
@@ -479,7 +485,9 @@ class Controller:
         self.progress.message(f"resume from step {version} (latest complete checkpoint)")
 
     def _pending_version(self) -> int:
-        return self.replicas.latest_complete() or 0 if self._recovering_since is not None else 0
+        if self._recovering_since is None:
+            return 0
+        return self.replicas.latest_complete() or 0
 
     def _choose_devices(self) -> list[str] | None:
         alive = self.online - self.dead
@@ -527,9 +535,12 @@ class Controller:
         # Plan versions are millisecond timestamps: they increase across controller restarts
         # too, so a device never mistakes an old job's plan for a newer one.
         version = max(int(time.time() * 1000), (self.plan.version + 1) if self.plan else 0)
+        if self._since is None:
+            self._since = version
         self.plan = Plan(version=version, job=self.job, stages=stages, train=self.train,
                          num_layers=self.num_layers, input_shape=self.data.input_shape,
-                         num_classes=self.data.num_classes, resume_step=resume_step)
+                         num_classes=self.data.num_classes, resume_step=resume_step,
+                         since=self._since)
         self.ready = set()
         self.feed = None
         self.eval_round = None

@@ -20,7 +20,10 @@ from datetime import datetime
 from pathlib import Path
 
 from ftpipe_iot.broker import BrokerKind, BrokerProcess
+from ftpipe_iot.config import BrokerConfig, parse_protocol
+from ftpipe_iot.faults import Fault, FaultAction
 from ftpipe_iot.report import ReportError, write_report
+from ftpipe_iot.watch import JobWatcher
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class DemoOptions:
     work_dir: Path | None = None
     timeout_s: float = 900.0
     metrics_port_base: int = 0
+    faults: list[Fault] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.metrics_port_base and not 1024 <= self.metrics_port_base <= 65535 - self.devices:
@@ -86,13 +90,37 @@ class Demo:
         self.children: list[_Child] = []
         self.work_dir = options.work_dir or default_work_dir(options.job)
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.common: list[str] = []
+        self.summary_path = self.work_dir / "summary.json"
+        self.watcher: JobWatcher | None = None
+        self.pending_faults = list(options.faults)
+        self.injected: list[dict] = []
+        self.expected_exit: set[str] = set()
+        self.hung: set[str] = set()
+        self._next_device = options.devices
 
     def _spawn(self, name: str, args: list[str]) -> None:
         cmd = [sys.executable, "-m", "ftpipe_iot", *args]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=None if name == "controller" else self._log(name),
                                 start_new_session=True, preexec_fn=_die_with_parent)
+        self.children = [c for c in self.children if c.name != name]
         self.children.append(_Child(name, proc))
+
+    def _child(self, name: str) -> _Child | None:
+        return next((c for c in self.children if c.name == name), None)
+
+    def _spawn_device(self, index: int) -> None:
+        name = f"dev{index}"
+        self._spawn(name, ["device", "--name", name, *self.common,
+                           *self._metrics_args(index + 1), *self.options.device_args])
+
+    def _spawn_controller(self, resume: bool = False) -> None:
+        self._spawn("controller", ["controller", *self.common, "--devices",
+                                   str(self.options.devices), "--stop-devices",
+                                   "--summary-json", str(self.summary_path),
+                                   *(["--resume"] if resume else []),
+                                   *self._metrics_args(0), *self.options.controller_args])
 
     def _log(self, name: str):
         return open(self.work_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the child
@@ -108,22 +136,20 @@ class Demo:
         signal.signal(signal.SIGTERM, interrupt)
         try:
             broker_url, kind = self._start_broker()
-            summary_path = self.work_dir / "summary.json"
-            common = ["--job", self.options.job, "--broker", broker_url]
+            self.common = ["--job", self.options.job, "--broker", broker_url]
             if kind is BrokerKind.EMBEDDED:
-                common += ["--mqtt-protocol", "3.1.1"]
+                self.common += ["--mqtt-protocol", "3.1.1"]
+            if self.options.faults:
+                protocol = parse_protocol("3.1.1" if kind is BrokerKind.EMBEDDED else "auto")
+                self.watcher = JobWatcher(BrokerConfig.from_url(broker_url, protocol=protocol),
+                                          self.options.job).start()
             for index in range(self.options.devices):
-                name = f"dev{index}"
-                self._spawn(name, ["device", "--name", name, *common,
-                                   *self._metrics_args(index + 1),
-                                   *self.options.device_args])
-            self._spawn("controller", ["controller", *common, "--devices",
-                                       str(self.options.devices), "--stop-devices",
-                                       "--summary-json", str(summary_path),
-                                       *self._metrics_args(0),
-                                       *self.options.controller_args])
+                self._spawn_device(index)
+            self._spawn_controller()
             self._supervise(started)
-            summary = json.loads(summary_path.read_text())
+            summary = json.loads(self.summary_path.read_text())
+            if self.options.faults:
+                summary.update(self._fault_figures(summary))
             summary["broker"] = kind.value
             summary["wall_s"] = round(time.monotonic() - started, 3)
             summary["work_dir"] = str(self.work_dir)
@@ -157,16 +183,19 @@ class Demo:
         return self.broker.url, self.broker.kind
 
     def _supervise(self, started: float) -> None:
-        controller = next(c for c in self.children if c.name == "controller")
         while True:
+            self._inject_due()
+            controller = self._child("controller")
+            assert controller is not None
             code = controller.proc.poll()
-            if code is not None:
+            if code is not None and "controller" not in self.expected_exit:
                 if code != 0:
                     raise DemoError(f"controller exited with code {code}")
                 self._wait_devices()
                 return
             for child in self.children:
-                if child.name != "controller" and child.proc.poll() not in (None, 0):
+                if child.name != "controller" and child.name not in self.expected_exit and \
+                        child.proc.poll() not in (None, 0):
                     raise DemoError(f"{child.name} exited with code {child.proc.returncode}; "
                                     f"its log: {self.work_dir / (child.name + '.log')}")
             if self.broker is not None and self.broker.proc is not None and \
@@ -176,7 +205,72 @@ class Demo:
                 raise DemoError(f"demo did not finish within {self.options.timeout_s:.0f}s")
             time.sleep(0.1)
 
+    # -- fault injection --------------------------------------------------------------------------
+    def _inject_due(self) -> None:
+        if self.watcher is None:
+            return
+        while self.pending_faults and self.watcher.job.step >= self.pending_faults[0].step:
+            fault = self.pending_faults.pop(0)
+            self._inject(fault)
+
+    def _inject(self, fault: Fault) -> None:
+        at = time.time()
+        name = f"dev{fault.target}" if fault.target is not None else None
+        log.warning("injecting fault %s", fault)
+        print(f"fault: {fault}", file=sys.stderr, flush=True)
+        if fault.action in (FaultAction.KILL, FaultAction.HANG, FaultAction.CONT):
+            child = self._child(name or "")
+            if child is None or child.proc.poll() is not None:
+                log.warning("fault %s: %s is not running", fault, name)
+                return
+            sig = {FaultAction.KILL: signal.SIGKILL, FaultAction.HANG: signal.SIGSTOP,
+                   FaultAction.CONT: signal.SIGCONT}[fault.action]
+            os.killpg(child.proc.pid, sig)
+            if fault.action is FaultAction.KILL:
+                self.expected_exit.add(child.name)
+            elif fault.action is FaultAction.HANG:
+                self.hung.add(child.name)
+            else:
+                self.hung.discard(child.name)
+        elif fault.action is FaultAction.JOIN:
+            self._spawn_device(self._next_device)
+            self._next_device += 1
+        elif fault.action is FaultAction.BROKER_RESTART:
+            if self.broker is None:
+                log.warning("fault %s: the demo did not start the broker", fault)
+                return
+            self.broker.restart()
+        elif fault.action is FaultAction.CONTROLLER_RESTART:
+            controller = self._child("controller")
+            assert controller is not None
+            self.expected_exit.add("controller")
+            os.killpg(controller.proc.pid, signal.SIGKILL)
+            controller.proc.wait()
+            self._spawn_controller(resume=True)
+            self.expected_exit.discard("controller")
+        self.injected.append({"fault": str(fault), "action": fault.action.value,
+                              "device": name, "at": at})
+
+    def _fault_figures(self, summary: dict) -> dict:
+        """Detection delay of each device fault, measured from the moment it was injected."""
+        assert self.watcher is not None
+        detections = self.watcher.events_of("failure_detected")
+        detect = []
+        for fault in self.injected:
+            if fault["action"] not in ("kill", "hang"):
+                continue
+            later = [e["timestamp"] - fault["at"] for e in detections
+                     if e["timestamp"] >= fault["at"] and fault["device"] in e.get("devices", [])]
+            if later:
+                detect.append(round(min(later), 3))
+        return {"faults": [f["fault"] for f in self.injected],
+                "detect_silence_s": summary.get("detect_s", []), "detect_s": detect}
+
     def _wait_devices(self, timeout_s: float = 10.0) -> None:
+        for name in list(self.hung):  # a stopped process cannot act on its shutdown command
+            child = self._child(name)
+            if child is not None and child.proc.poll() is None:
+                os.killpg(child.proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + timeout_s
         for child in self.children:
             try:
@@ -185,10 +279,14 @@ class Demo:
                 log.warning("%s did not exit after shutdown; stopping it", child.name)
 
     def stop(self) -> None:
-        """Terminate every child (SIGTERM, then SIGKILL) and the broker."""
+        """Terminate every child (SIGCONT, SIGTERM, then SIGKILL) and the broker."""
+        if self.watcher is not None:
+            self.watcher.close()
+            self.watcher = None
         for child in self.children:
             if child.proc.poll() is None:
                 try:
+                    os.killpg(child.proc.pid, signal.SIGCONT)  # a stopped child ignores TERM
                     os.killpg(child.proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass

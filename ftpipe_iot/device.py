@@ -285,6 +285,9 @@ class DeviceAgent:
             self._weight_subscriptions.discard(layer)
 
     def _on_weights(self, env: Envelope) -> None:
+        if self.plan is None or env.plan_version < self.plan.since:
+            self.messenger.drops.drop("stale_run", f"replica of plan {env.plan_version}")
+            return
         replica = replica_from_body(env.body)
         if replica.layer in self._neighbour_layers:
             self.neighbour.add(replica)

@@ -109,6 +109,8 @@ class Plan:
 
     ``resume_step`` is also the replica version every stage starts from: 0 means the initial
     weights built from the seed; otherwise each device loads its layers at that version.
+    ``since`` is the version of this job run's first plan: replicas tagged with an older plan
+    version are left-overs of an earlier run under the same job name and are never loaded.
     """
 
     version: int
@@ -119,6 +121,7 @@ class Plan:
     input_shape: tuple[int, ...]
     num_classes: int
     resume_step: int = 0
+    since: int = 0
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -150,7 +153,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, "job": self.job, "num_layers": self.num_layers,
                 "input_shape": list(self.input_shape), "num_classes": self.num_classes,
-                "resume_step": self.resume_step, "train": self.train.to_dict(),
+                "resume_step": self.resume_step, "since": self.since, "train": self.train.to_dict(),
                 "stages": [asdict(s) for s in self.stages]}
 
     @classmethod
@@ -161,7 +164,8 @@ class Plan:
                        train=TrainConfig.from_dict(raw["train"]),
                        num_layers=int(raw["num_layers"]),
                        input_shape=tuple(int(d) for d in raw["input_shape"]),
-                       num_classes=int(raw["num_classes"]), resume_step=int(raw["resume_step"]))
+                       num_classes=int(raw["num_classes"]), resume_step=int(raw["resume_step"]),
+                       since=int(raw.get("since", 0)))
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError) as exc:

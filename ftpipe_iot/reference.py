@@ -16,9 +16,23 @@ from ftpipe_iot.schedule import SyncSchedule
 from ftpipe_iot.stage import make_optimizer, micro_batch_loss
 
 
-def train_reference(config: TrainConfig, data: Dataset, steps: int
+def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int = 1
                     ) -> list[dict[str, np.ndarray]]:
-    """Train ``steps`` synchronous steps in one process; return each layer's state as numpy."""
+    """Train ``steps`` synchronous steps in one process; return each layer's state as numpy.
+
+    Runs with ``threads`` intra-op threads (devices use one by default): CPU kernels split their
+    reductions by thread count, so a different count gives last-bit differences that training
+    amplifies over a hundred steps.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _train(config, data, steps)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _train(config: TrainConfig, data: Dataset, steps: int) -> list[dict[str, np.ndarray]]:
     layers = build_layers(config.model, data.input_shape, data.num_classes, config.seed)
     model = torch.nn.Sequential(*layers)
     model.train()

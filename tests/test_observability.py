@@ -9,10 +9,8 @@ looks at processes that are still training.
 from __future__ import annotations
 
 import json
-import random
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -26,7 +24,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from ftpipe_iot.broker import BrokerKind, BrokerProcess, mosquitto_binary
+from ftpipe_iot.broker import BrokerKind, BrokerProcess, find_free_port, mosquitto_binary
 from ftpipe_iot.liveness import FailureCause
 from ftpipe_iot.metrics import DropReason
 
@@ -116,33 +114,9 @@ def dashboard_metric_names() -> list[str]:
     return sorted(set().union(*(q.metrics for q in dashboard_queries())))
 
 
-_handed_out: set[int] = set()
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_port() -> int:
-    """A free port *below* the ephemeral range. A port from bind(0) is ephemeral: while a
-    process is still importing torch, an outgoing connection (MQTT, a scrape) can take it as its
-    local port, and the scrape then talks to that socket instead of a metrics server."""
-    low = min(_ephemeral_low(), 32768)
-    for _ in range(200):
-        port = random.randint(20000, low - 1)
-        if port in _handed_out:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError("no free port below the ephemeral range")
+    """A free port below the ephemeral range (see ``find_free_port``)."""
+    return find_free_port()
 
 
 def scrape(port: int, timeout_s: float = 2.0) -> dict[str, float]:

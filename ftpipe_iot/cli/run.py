@@ -288,23 +288,38 @@ def controller(job: str | None, devices: int, device_names: str | None, wait_dev
               show_default=True,
               help="serve /metrics: the controller on this port, device i on port+1+i "
                    "(0 = off)")
+@click.option("--fault", "faults", multiple=True, metavar="ACTION[:DEVICE]@step=N",
+              help="inject a fault with real signals: kill:2@step=30, hang:1@step=50, "
+                   "cont:1@step=60, join@step=40, broker-restart@step=70, "
+                   "controller-restart@step=80 (repeatable)")
 @click.option("--json", "as_json", is_flag=True,
               help="print the summary as one JSON object on the last line of stdout")
 @training_options
 def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
-         work_dir: str | None, metrics_port_base: int, as_json: bool, **training: Any) -> None:
+         work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...], as_json: bool,
+         **training: Any) -> None:
     """Train the CNN on digits with a broker, a controller and N device processes."""
     from ftpipe_iot.broker import BrokerError
     from ftpipe_iot.demo import Demo, DemoError, DemoOptions
+    from ftpipe_iot.faults import FaultAction, FaultSpecError, fault_schedule
 
     if broker_url and embedded_broker:
         raise click.UsageError("--broker and --embedded-broker exclude each other")
+    try:
+        schedule = fault_schedule(list(faults), devices)
+    except FaultSpecError as exc:
+        raise click.BadParameter(str(exc), param_hint="--fault") from exc
+    if broker_url and any(f.action is FaultAction.BROKER_RESTART for f in schedule):
+        raise click.UsageError("broker-restart needs the demo's own broker (no --broker)")
+    if embedded_broker and any(f.action is FaultAction.BROKER_RESTART for f in schedule):
+        raise click.UsageError("broker-restart needs Mosquitto: the embedded broker keeps "
+                               "nothing across a restart")
     _train_config(training)  # validate here, before any process starts
     try:
         options = DemoOptions(devices=devices, job=job, broker_url=broker_url,
                               embedded=embedded_broker, controller_args=_training_args(training),
                               work_dir=Path(work_dir) if work_dir else None,
-                              metrics_port_base=metrics_port_base)
+                              metrics_port_base=metrics_port_base, faults=schedule)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--metrics-port-base") from exc
     try:
@@ -326,10 +341,15 @@ def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
 
 def _summary_text(summary: dict) -> str:
     stages = ", ".join(f"{s['device']}=[{s['start']},{s['end']})" for s in summary["stages"])
-    return (f"done: test accuracy {summary['test_accuracy']:.4f} after {summary['steps']} steps "
+    text = (f"done: test accuracy {summary['test_accuracy']:.4f} after {summary['steps']} steps "
             f"({summary['epochs']} epochs), {summary['samples_per_s']:.0f} samples/s, "
             f"{summary['devices']} devices [{stages}], broker {summary['broker']}, "
             f"{summary['wall_s']:.1f} s")
+    if summary.get("failures_detected") or summary.get("repartitions"):
+        text += (f"; {summary.get('failures_detected', 0)} failures detected, "
+                 f"{summary.get('recoveries', 0)} recoveries, "
+                 f"{summary.get('repartitions', 0)} repartitions")
+    return text
 
 
 COMMANDS = [broker, device, controller, demo]

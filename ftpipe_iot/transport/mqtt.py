@@ -48,6 +48,14 @@ def _no_delay(client: mqtt.Client, userdata: object, sock: object) -> None:
         pass  # not a TCP socket (e.g. websockets): nothing to tune
 
 
+def _settled(info: mqtt.MQTTMessageInfo) -> bool:
+    """Published, or failed for good (paho raises for a publish made while disconnected)."""
+    try:
+        return info.is_published()
+    except (RuntimeError, ValueError):
+        return True
+
+
 class MqttTransport:
     """Transport over a real MQTT broker via paho-mqtt 2.x."""
 
@@ -177,7 +185,7 @@ class MqttTransport:
         info = self._client.publish(topic, payload, qos=qos, retain=retain)
         if qos > 0:
             # Remember recent QoS>0 publishes so close() can flush them first.
-            self._unacked = [i for i in self._unacked[-256:] if not i.is_published()]
+            self._unacked = [i for i in self._unacked[-256:] if not _settled(i)]
             self._unacked.append(info)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")

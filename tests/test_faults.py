@@ -1,0 +1,207 @@
+"""Fault tolerance with real processes, real signals and a real Mosquitto: after every fault the
+job finishes and its weights equal a failure-free run with the same seed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from helpers import max_weight_diff
+
+from ftpipe_iot.config import BrokerConfig
+from ftpipe_iot.controller import load_weights
+from ftpipe_iot.data import DataSpec, load_dataset
+from ftpipe_iot.models import ModelSpec
+from ftpipe_iot.plan import TrainConfig
+from ftpipe_iot.reference import train_reference
+from ftpipe_iot.topics import Topics
+from ftpipe_iot.transport.mqtt import MqttTransport
+from ftpipe_iot.watch import JobWatcher
+from ftpipe_iot.wire import MessageKind, Reassembler
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+STEPS = 60
+REPLICATE_EVERY = 5
+_REFERENCE: dict[int, list] = {}
+
+
+def reference(steps: int = STEPS):
+    if steps not in _REFERENCE:
+        train = TrainConfig(model=ModelSpec("cnn"), micro_batches=4, micro_batch_size=8)
+        _REFERENCE[steps] = train_reference(train, load_dataset(DataSpec("digits")), steps)
+    return _REFERENCE[steps]
+
+
+class FaultJob:
+    """Devices and a controller of one job as processes, plus a watcher of its progress."""
+
+    def __init__(self, broker, processes, tmp_path, job: str, steps: int = STEPS) -> None:
+        self.broker = broker
+        self.processes = processes
+        self.tmp_path = tmp_path
+        self.job = job
+        self.steps = steps
+        self.watcher = JobWatcher(BrokerConfig(port=broker.port), job).start()
+
+    def device(self, name: str) -> None:
+        self.processes.device(name, self.job, self.broker.url, "--keepalive", "2")
+
+    def controller(self, devices: int, *extra: str, name: str = "controller") -> None:
+        self.processes.start(
+            name, "controller", "--job", self.job, "--broker", self.broker.url,
+            "--devices", str(devices), "--stop-devices", "--max-steps", str(self.steps),
+            "--micro-batches", "4", "--micro-batch-size", "8", "--max-in-flight", "4",
+            "--replicate-every", str(REPLICATE_EVERY), "--no-repartition",
+            "--heartbeat-timeout", "2", "--stall-timeout", "10", "--wait-devices", "60",
+            "--save-weights", str(self.tmp_path / "weights.npz"),
+            "--summary-json", str(self.tmp_path / "summary.json"), *extra)
+
+    def wait_step(self, step: int, timeout_s: float = 120) -> None:
+        assert self.watcher.wait_step(step, timeout_s), \
+            f"job never reached step {step}:\n{self.processes.log('controller')[-3000:]}"
+
+    def signal(self, name: str, sig: int) -> None:
+        os.killpg(self.processes.procs[name].pid, sig)
+
+    def finish(self, name: str = "controller") -> dict:
+        code = self.processes.wait(name, 240)
+        self.watcher.close()
+        assert code == 0, self.processes.log(name)[-4000:]
+        summary = json.loads((self.tmp_path / "summary.json").read_text())
+        assert summary["steps"] == self.steps and summary["error"] is None
+        gathered = load_weights(self.tmp_path / "weights.npz")
+        events = [(e["type"], e.get("resume_step"), e.get("cause"), e.get("devices"))
+                  for e in summary["events"] if e["type"] != "epoch_evaluated"]
+        assert max_weight_diff(gathered, reference(self.steps)) < 1e-5, events
+        return summary
+
+
+@pytest.fixture
+def fault_job(mosquitto, processes, tmp_path, request):
+    job = FaultJob(mosquitto, processes, tmp_path, request.node.name.split("[")[0][5:][:40])
+    yield job
+    job.watcher.close()
+
+
+def test_kill_9_of_one_device_mid_run(fault_job):
+    for i in range(3):
+        fault_job.device(f"dev{i}")
+    fault_job.controller(3)
+    fault_job.wait_step(12)
+    fault_job.signal("dev1", signal.SIGKILL)
+    summary = fault_job.finish()
+    assert summary["failures_detected"] >= 1 and summary["recoveries"] >= 1
+    failures = [e for e in summary["events"] if e["type"] == "failure_detected"]
+    assert failures[0]["cause"] == "last_will" and failures[0]["devices"] == ["dev1"]
+    assert "dev1" not in {s["device"] for s in summary["stages"]}
+    assert summary["recomputed_steps"] >= 0
+
+
+def test_two_adjacent_devices_killed_at_once(fault_job):
+    for i in range(4):
+        fault_job.device(f"dev{i}")
+    fault_job.controller(4)
+    fault_job.wait_step(12)
+    stages = {s["device"]: s["stage"] for s in fault_job.watcher.job.stages}
+    adjacent = sorted(stages, key=stages.get)[1:3]  # stages 1 and 2
+    for name in adjacent:
+        fault_job.signal(name, signal.SIGKILL)
+    summary = fault_job.finish()
+    assert summary["recoveries"] >= 1
+    survivors = {s["device"] for s in summary["stages"]}
+    assert survivors.isdisjoint(adjacent) and len(survivors) == 2
+
+
+def test_hung_device_is_detected_by_missing_heartbeats(fault_job):
+    for i in range(3):
+        fault_job.device(f"dev{i}")
+    fault_job.controller(3)
+    fault_job.wait_step(12)
+    fault_job.signal("dev2", signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        assert fault_job.watcher.wait_for(
+            lambda w: w.events_of("failure_detected"), 60), "the hang was never detected"
+        detected_after = time.monotonic() - stopped_at
+        summary = fault_job.finish()
+    finally:
+        fault_job.signal("dev2", signal.SIGCONT)
+    first = [e for e in summary["events"] if e["type"] == "failure_detected"][0]
+    assert first["cause"] in ("heartbeat_timeout", "last_will") and first["devices"] == ["dev2"]
+    assert detected_after < 30  # a functional bound (2 s heartbeat timeout), not a speed target
+
+
+def test_replacement_device_that_was_not_there_at_start(fault_job):
+    for i in range(3):
+        fault_job.device(f"dev{i}")
+    fault_job.steps = 120
+    fault_job.controller(3)
+    fault_job.wait_step(10)
+    fault_job.signal("dev0", signal.SIGKILL)
+    assert fault_job.watcher.wait_for(
+        lambda w: w.job.stages and "dev0" not in {s["device"] for s in w.job.stages}, 60)
+    fault_job.device("spare")
+    assert fault_job.watcher.wait_for(
+        lambda w: "spare" in {s["device"] for s in w.job.stages}, 90), \
+        "the replacement device was never taken into the plan"
+    summary = fault_job.finish()
+    assert "spare" in {s["device"] for s in summary["stages"]}
+    assert len(summary["stages"]) == 3
+
+
+def test_controller_killed_and_resumed(fault_job):
+    for i in range(3):
+        fault_job.device(f"dev{i}")
+    fault_job.controller(3)
+    fault_job.wait_step(17)  # versions 5, 10, 15 are complete by now
+    fault_job.signal("controller", signal.SIGKILL)
+    fault_job.processes.wait("controller", 10)
+    # --resume takes the training settings from the retained plan: none are repeated here
+    fault_job.processes.start(
+        "resumed", "controller", "--resume", "--job", fault_job.job, "--broker",
+        fault_job.broker.url, "--devices", "3", "--stop-devices", "--no-repartition",
+        "--save-weights", str(fault_job.tmp_path / "weights.npz"),
+        "--summary-json", str(fault_job.tmp_path / "summary.json"), "--wait-devices", "60")
+    summary = fault_job.finish("resumed")
+    resumed = [e for e in summary["events"] if e["type"] == "plan_changed"][0]
+    assert resumed["resume_step"] >= 15  # not from scratch: from the retained checkpoint
+
+
+def _retained_weight_versions(port: int, job: str, layers: int, timeout_s: float = 10
+                              ) -> dict[int, int]:
+    """Versions of the retained layer replicas a brand-new client receives."""
+    transport = MqttTransport(BrokerConfig(port=port), f"probe-{time.time_ns()}")
+    transport.connect()
+    transport.subscribe(Topics(job).weights_all)
+    reassembler = Reassembler()
+    found: dict[int, int] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(found) < layers and time.monotonic() < deadline:
+            try:
+                incoming = transport.inbox.get(timeout=0.5)
+            except Exception:
+                continue
+            env = reassembler.feed(incoming.payload) if incoming.payload else None
+            if env is not None and env.kind is MessageKind.WEIGHTS:
+                found[int(env.body["layer"])] = int(env.body["version"])
+    finally:
+        transport.close()
+    return found
+
+
+def test_broker_restart_keeps_retained_weights_and_the_job_finishes(fault_job):
+    for i in range(3):
+        fault_job.device(f"dev{i}")
+    fault_job.controller(3)
+    fault_job.wait_step(16)
+    fault_job.broker.restart()  # SIGTERM (Mosquitto saves its persistence file), then start
+    versions = _retained_weight_versions(fault_job.broker.port, fault_job.job, 12)
+    assert len(versions) == 12, f"retained weights lost in the restart: {versions}"
+    assert min(versions.values()) >= REPLICATE_EVERY
+    summary = fault_job.finish()
+    assert summary["steps"] == STEPS
