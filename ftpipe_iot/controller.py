@@ -852,15 +852,16 @@ class Controller:
 
     def _publish_state(self, state: str) -> None:
         complete = self.replicas.latest_complete() if hasattr(self, "replicas") else None
+        capacities = dict(self.capacity.factors) if hasattr(self, "capacity") else {}
         env = self.messenger.make(MessageKind.STATE, self.plan.version if self.plan else 0,
                                   self.summary.steps, state=state, job=self.job,
-                                  phase=self.phase.value, complete_version=complete)
+                                  phase=self.phase.value, complete_version=complete,
+                                  capacities=capacities)
         self.messenger.send(self.topics.state, env, retain=True)
 
     def _event(self, kind: EventType, **body: object) -> None:
         self.summary.events.append({"t": self.clock() - self._started, "type": kind.value,
-                                    "step": self.summary.steps,
-                                    **{k: v for k, v in body.items() if k != "stages"}})
+                                    "step": self.summary.steps, **body})
         env = self.messenger.make(MessageKind.EVENT, self.plan.version if self.plan else 0,
                                   self.summary.steps, type=kind.value, **body)
         self.messenger.send(self.topics.events, env)

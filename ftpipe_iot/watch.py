@@ -42,6 +42,7 @@ class JobView:
     step: int = 0
     plan_version: int = 0
     complete_version: int | None = None
+    capacities: dict[str, float] = field(default_factory=dict)
     stages: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
 
@@ -59,6 +60,7 @@ class JobWatcher:
             broker, client_id or f"ftpipe-watch-{job}-{int(time.time() * 1000) % 10**9}")
         self._reassembler = Reassembler()
         self._changed = threading.Condition()
+        self.last_message = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._work, name="watch", daemon=True)
 
@@ -88,6 +90,7 @@ class JobWatcher:
             except queue.Empty:
                 continue
             self._fold(incoming)
+            self.last_message = time.monotonic()
             with self._changed:
                 self._changed.notify_all()
 
@@ -105,6 +108,7 @@ class JobWatcher:
             self.job.step = max(env.step, 0)
             self.job.plan_version = env.plan_version
             self.job.complete_version = body.get("complete_version")
+            self.job.capacities = dict(body.get("capacities") or {})
         elif env.kind is MessageKind.PLAN and env.job == self.job.job:
             self.job.stages = list(body.get("plan", {}).get("stages", []))
             self.job.plan_version = env.plan_version
@@ -143,3 +147,36 @@ class JobWatcher:
 
     def events_of(self, kind: str) -> list[dict]:
         return [e for e in list(self.job.events) if e["type"] == kind]
+
+
+def fleet_table(watcher: JobWatcher, now: float | None = None) -> dict:
+    """The fleet as ``ftpipe-iot status`` shows it: one row per device seen on the broker."""
+    now = time.time() if now is None else now
+    stage_of = {s["device"]: s for s in watcher.job.stages}
+    rows = []
+    for name in sorted(watcher.devices):
+        view = watcher.devices[name]
+        stage = stage_of.get(name)
+        rows.append({
+            "device": name, "state": view.state, "job": view.job,
+            "stage": stage["stage"] if stage else None,
+            "layers": [stage["start"], stage["end"]] if stage else None,
+            "capacity": watcher.job.capacities.get(name),
+            "heartbeat_age_s": None if view.last_heartbeat is None
+            else round(now - view.last_heartbeat, 1),
+            "step": view.step,
+        })
+    job = watcher.job
+    return {"job": job.job, "controller": job.state, "phase": job.phase, "step": job.step,
+            "plan_version": job.plan_version, "complete_version": job.complete_version,
+            "devices": rows}
+
+
+def collect(watcher: JobWatcher, quiet_s: float = 0.5, limit_s: float = 3.0) -> None:
+    """Wait until retained messages stop arriving (``quiet_s`` of silence, ``limit_s`` at most)."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        if time.monotonic() - watcher.last_message >= quiet_s and \
+                time.monotonic() - start >= quiet_s:
+            return
+        time.sleep(0.05)

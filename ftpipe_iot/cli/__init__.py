@@ -16,9 +16,9 @@ def main() -> None:
 def _register() -> None:
     # Each command family lives in its own module; they are added here so `main` stays the one
     # entry point.
-    from ftpipe_iot.cli import fleet, plan, run
+    from ftpipe_iot.cli import fleet, plan, run, status
 
-    for module in (run, plan, fleet):
+    for module in (run, plan, fleet, status):
         for command in module.COMMANDS:
             main.add_command(command)
 

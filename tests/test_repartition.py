@@ -1,0 +1,59 @@
+"""Live repartitioning: a device that slows down mid-run gets fewer layers, and the weights still
+equal a run without repartitioning (real processes over a real Mosquitto)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import max_weight_diff
+
+from ftpipe_iot.capacity import CapacityEstimator
+from ftpipe_iot.controller import load_weights
+from ftpipe_iot.data import DataSpec, load_dataset
+from ftpipe_iot.models import ModelSpec
+from ftpipe_iot.plan import TrainConfig
+from ftpipe_iot.reference import train_reference
+
+
+def test_capacity_estimate_is_smoothed_measured_over_reference():
+    est = CapacityEstimator([0.001, 0.002, 0.003], smoothing=0.5)
+    assert est.factor("a") == 1.0
+    assert est.observe("a", 0, 2, compute_s=0.012, micro_batches=4) == pytest.approx(1.0)
+    assert est.observe("a", 0, 2, compute_s=0.036, micro_batches=4) == pytest.approx(2.0)
+    assert not est.settled(["a"]) and est.observe("a", 0, 2, 0.036, 4) == pytest.approx(2.5)
+    assert est.settled(["a"])
+    assert est.observe("b", 1, 1, 0.5, 4) is None  # no layers, nothing to learn
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_device_slowed_mid_run_gets_fewer_layers_and_weights_stay_exact(mosquitto, processes,
+                                                                        tmp_path):
+    profile = tmp_path / "slows.json"
+    profile.write_text(json.dumps({"version": 1, "name": "slows", "factor": 1,
+                                   "step_schedule": [{"from_step": 0, "factor": 1},
+                                                     {"from_step": 12, "factor": 12}]}))
+    job, steps = "rebalance", 60
+    for i in range(3):
+        extra = ["--profile", str(profile)] if i == 2 else []
+        processes.device(f"dev{i}", job, mosquitto.url, *extra)
+    processes.start(
+        "controller", "controller", "--job", job, "--broker", mosquitto.url, "--devices", "3",
+        "--stop-devices", "--max-steps", str(steps), "--micro-batches", "4",
+        "--micro-batch-size", "8", "--repartition-cooldown", "5", "--wait-devices", "60",
+        "--save-weights", str(tmp_path / "weights.npz"),
+        "--summary-json", str(tmp_path / "summary.json"))
+    assert processes.wait("controller", 240) == 0, processes.log("controller")[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    plans = [e for e in summary["events"] if e["type"] == "plan_changed"]
+    assert summary["repartitions"] >= 1, processes.log("controller")[-3000:]
+
+    def layers_of(stages: list[dict], device: str) -> int:
+        return sum(s["end"] - s["start"] for s in stages if s["device"] == device)
+
+    before, after = layers_of(plans[0]["stages"], "dev2"), layers_of(summary["stages"], "dev2")
+    assert after < before, (before, after)
+    train = TrainConfig(model=ModelSpec("cnn"), micro_batches=4, micro_batch_size=8)
+    reference = train_reference(train, load_dataset(DataSpec("digits")), steps)
+    assert max_weight_diff(load_weights(tmp_path / "weights.npz"), reference) < 1e-5
