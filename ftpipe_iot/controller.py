@@ -102,6 +102,7 @@ class ControllerConfig:
     repartition: bool = True
     repartition_threshold: float = 0.10
     repartition_cooldown_steps: int = 10
+    assignment: tuple[tuple[str, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -110,6 +111,9 @@ class ControllerConfig:
             raise ValueError("device_names must name exactly `devices` devices")
         if self.heartbeat_timeout_s <= 0 or self.stall_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.assignment and self.device_names and \
+                {d for d, _, _ in self.assignment} != set(self.device_names):
+            raise ValueError("assignment and device_names name different devices")
 
 
 @dataclass
@@ -491,6 +495,9 @@ class Controller:
 
     def _choose_devices(self) -> list[str] | None:
         alive = self.online - self.dead
+        if self.config.assignment and self.plan is None:
+            wanted = [d for d, _, _ in self.config.assignment]
+            return wanted if set(wanted) <= alive else None
         if self.config.device_names:
             wanted = list(self.config.device_names)
             return wanted if set(wanted) <= alive else None
@@ -530,6 +537,8 @@ class Controller:
 
     def _deploy(self, devices: list[str], resume_step: int,
                 assignment: list[tuple[str, int, int]] | None = None) -> None:
+        if assignment is None and self.config.assignment and self.plan is None:
+            assignment = list(self.config.assignment)  # pinned by the user for the first plan
         assignment = assignment or self._solve(devices)
         stages = tuple(StageAssignment(i, d, lo, hi) for i, (d, lo, hi) in enumerate(assignment))
         # Plan versions are millisecond timestamps: they increase across controller restarts

@@ -45,6 +45,7 @@ class JobView:
     capacities: dict[str, float] = field(default_factory=dict)
     stages: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
+    progress: list[tuple[int, float]] = field(default_factory=list)
 
 
 class JobWatcher:
@@ -106,6 +107,8 @@ class JobWatcher:
             self.job.state = str(body.get("state", "unknown"))
             self.job.phase = str(body.get("phase", self.job.phase))
             self.job.step = max(env.step, 0)
+            if body.get("state") == "training":
+                self.job.progress.append((env.step, env.timestamp))
             self.job.plan_version = env.plan_version
             self.job.complete_version = body.get("complete_version")
             self.job.capacities = dict(body.get("capacities") or {})

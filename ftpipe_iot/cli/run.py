@@ -100,6 +100,22 @@ def _training_args(kw: dict[str, Any]) -> list[str]:
     return args
 
 
+def _parse_assignment(text: str) -> tuple[tuple[str, int, int], ...]:
+    """``dev3:0-10,dev0:10-22`` -> ((dev3, 0, 10), (dev0, 10, 22))."""
+    stages = []
+    for part in text.split(","):
+        try:
+            device, _, span = part.partition(":")
+            start, _, end = span.partition("-")
+            stages.append((device.strip(), int(start), int(end)))
+        except ValueError as exc:
+            raise click.BadParameter(f"{part!r} is not DEVICE:START-END",
+                                     param_hint="--assignment") from exc
+    if any(not d for d, _, _ in stages):
+        raise click.BadParameter("every stage needs a device name", param_hint="--assignment")
+    return tuple(stages)
+
+
 def _broker_config(url: str, config_file: str | None, protocol: str, max_message: int,
                    keepalive: int, job: str | None) -> tuple[BrokerConfig, str | None, str]:
     """Broker settings, identity name and job from a bundle file or from the options."""
@@ -224,6 +240,8 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
               default=0.10, show_default=True, help="minimum predicted gain to repartition")
 @click.option("--repartition-cooldown", type=click.IntRange(min=0), default=10,
               show_default=True, help="steps between repartitions")
+@click.option("--assignment", default=None, metavar="DEV:START-END,...",
+              help="pin the first plan, e.g. dev3:0-10,dev0:10-22 (stages in order)")
 @click.option("--save-weights", type=click.Path(dir_okay=False), default=None,
               help="write the trained weights (.npz) here")
 @click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
@@ -235,7 +253,8 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 def controller(job: str | None, devices: int, device_names: str | None, wait_devices: float,
                stall_timeout: float, heartbeat_timeout: float, checkpoint_dir: str | None,
                resume: bool, repartition: bool, repartition_threshold: float,
-               repartition_cooldown: int, save_weights: str | None, summary_json: str | None,
+               repartition_cooldown: int, assignment: str | None, save_weights: str | None,
+               summary_json: str | None,
                stop_devices: bool, as_json: bool, broker_url: str, config_file: str | None,
                mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
                threads: int, log_level: str, **training: Any) -> None:
@@ -253,14 +272,20 @@ def controller(job: str | None, devices: int, device_names: str | None, wait_dev
     if names and len(names) != devices:
         raise click.UsageError(f"--device-names lists {len(names)} devices, --devices is "
                                f"{devices}")
-    ctrl_config = ControllerConfig(
-        train=_train_config(training), devices=devices, device_names=names,
-        wait_devices_s=wait_devices, stall_timeout_s=stall_timeout,
-        heartbeat_timeout_s=heartbeat_timeout,
-        checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None, resume=resume,
-        repartition=repartition, repartition_threshold=repartition_threshold,
-        repartition_cooldown_steps=repartition_cooldown,
-        save_weights=Path(save_weights) if save_weights else None, stop_devices=stop_devices)
+    train = _train_config(training)
+    pinned = _parse_assignment(assignment) if assignment else ()
+    try:
+        ctrl_config = ControllerConfig(
+            train=train, devices=devices, device_names=names,
+            wait_devices_s=wait_devices, stall_timeout_s=stall_timeout,
+            heartbeat_timeout_s=heartbeat_timeout,
+            checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None, resume=resume,
+            repartition=repartition, repartition_threshold=repartition_threshold,
+            repartition_cooldown_steps=repartition_cooldown, assignment=pinned,
+            save_weights=Path(save_weights) if save_weights else None,
+            stop_devices=stop_devices)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     try:
         summary = run_controller(job, config, ctrl_config,
                                  ProcessOptions(metrics_port, threads, log_level),

@@ -1,0 +1,118 @@
+"""Shared benchmark plumbing: run one job (devices + controller as processes) on a broker and
+return the controller's summary, with progress on stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ftpipe_iot.broker import BrokerProcess
+from ftpipe_iot.config import BrokerConfig
+from ftpipe_iot.watch import JobWatcher
+
+REPO = Path(__file__).resolve().parent.parent
+PROFILES = REPO / "devices" / "profiles"
+
+
+def say(text: str) -> None:
+    print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class JobSpec:
+    """One benchmark run: device names with optional profiles, and controller arguments."""
+
+    job: str
+    devices: list[tuple[str, Path | None]]
+    controller_args: list[str] = field(default_factory=list)
+    timeout_s: float = 300.0
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ftpipe_iot", *args],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=open(log, "w"),  # noqa: SIM115 - lives as long as the child
+                            start_new_session=True)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGCONT)
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_job(spec: JobSpec, broker: BrokerProcess,
+            during: Callable[[JobWatcher, dict[str, subprocess.Popen]], None] | None = None
+            ) -> dict:
+    """Run a job to completion; ``during`` may inject faults while it runs. Returns the summary
+    (with ``watch_events`` and ``watch_progress`` as seen by an outside observer)."""
+    work = Path(tempfile.mkdtemp(prefix=f"bench-{spec.job}-"))
+    procs: dict[str, subprocess.Popen] = {}
+    watcher = JobWatcher(BrokerConfig(port=broker.port), spec.job).start()
+    try:
+        for name, profile in spec.devices:
+            extra = ["--profile", str(profile)] if profile else []
+            procs[name] = _spawn(["device", "--name", name, "--job", spec.job, "--broker",
+                                  broker.url, *extra], work / f"{name}.log")
+        summary_path = work / "summary.json"
+        procs["controller"] = _spawn(
+            ["controller", "--job", spec.job, "--broker", broker.url,
+             "--devices", str(len(spec.devices)), "--stop-devices", "--summary-json",
+             str(summary_path), "--log-level", "WARNING", *spec.controller_args],
+            work / "controller.log")
+        started = time.monotonic()
+        last_report = 0.0
+        if during is not None:
+            during(watcher, procs)
+        while procs["controller"].poll() is None:
+            if time.monotonic() - started > spec.timeout_s:
+                raise TimeoutError(f"{spec.job} did not finish in {spec.timeout_s}s; see {work}")
+            if time.monotonic() - last_report > 5:
+                last_report = time.monotonic()
+                say(f"{spec.job}: step {watcher.job.step}")
+            time.sleep(0.2)
+        if procs["controller"].returncode != 0:
+            raise RuntimeError(f"{spec.job}: controller failed; see {work}/controller.log")
+        summary = json.loads(summary_path.read_text())
+        summary["watch_events"] = list(watcher.job.events)
+        summary["watch_progress"] = list(watcher.job.progress)
+        summary["work_dir"] = str(work)
+        return summary
+    finally:
+        watcher.close()
+        _stop(list(procs.values()))
+
+
+def steady_rate(summary: dict, batch: int, last: int) -> float:
+    """Samples/s over the last ``last`` completed steps (by the controller's step times)."""
+    history = sorted(summary["history"], key=lambda h: h["step"])[-(last + 1):]
+    if len(history) < 2:
+        return 0.0
+    span = history[-1]["t"] - history[0]["t"]
+    return (len(history) - 1) * batch / span if span > 0 else 0.0
+
+
+def rate_between(summary: dict, batch: int, lo: int, hi: int) -> float:
+    """Samples/s over steps lo..hi (by the controller's step completion times)."""
+    times = {h["step"]: h["t"] for h in summary["history"]}
+    if lo not in times or hi not in times or hi <= lo:
+        return 0.0
+    return (hi - lo) * batch / (times[hi] - times[lo])
