@@ -50,8 +50,10 @@ def oracle_assignment(costs: dict, factors: dict[str, float]) -> tuple[str, floa
 
 
 def scenario_h(broker: BrokerProcess, steps: int, costs: dict) -> dict:
-    names = [f"h{f}" for f in (1, 2, 4, 10)]
-    devices = [(n, PROFILES / f"bench-h-{n[1:]}.json") for n in names]
+    # Names sort in factor order, so the even split gives factors 1, 2, 4, 10 to stages 0..3
+    # exactly as the torch.distributed.pipelining run below does.
+    names = [f"h{i}-x{f}" for i, f in enumerate((1, 2, 4, 10))]
+    devices = [(n, PROFILES / f"bench-h-{n.split('-x')[1]}.json") for n in names]
     factors = {n: load_profile(p).factor for n, p in devices}
     results: dict = {"factors": factors}
 
@@ -61,7 +63,7 @@ def scenario_h(broker: BrokerProcess, steps: int, costs: dict) -> dict:
                        "stages": even["stages"]}
 
     say("scenario H: dynamic partitioning")
-    dyn_steps = steps + 15
+    dyn_steps = steps + 12
     dyn = run_job(JobSpec("h-dynamic", devices,
                           [*_training(dyn_steps), "--repartition-cooldown", "5"]), broker)
     results["dynamic"] = {"samples_per_s": steady_rate(dyn, BATCH, steps // 2),
@@ -81,8 +83,10 @@ def scenario_h(broker: BrokerProcess, steps: int, costs: dict) -> dict:
         split = [(s["start"], s["end"]) for s in even["stages"]]
         torch_result = run_torch_pipelining(TorchPipeliningConfig(
             width=WIDTH, factors=list(factors.values()), micro_batches=M,
-            micro_batch_size=MB, steps=max(6, steps // 3), warmup=2, split=split))
+            micro_batch_size=MB, steps=max(6, steps // 3), warmup=2, split=split,
+            clock="cpu"))
         results["torch_pipelining"] = {"samples_per_s": torch_result["samples_per_s"],
+                                       "clock": "cpu",
                                        "schedule": torch_result["schedule"], "split": split}
     except Exception as exc:  # the comparison is reported as missing, not silently dropped
         results["torch_pipelining"] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -116,9 +120,9 @@ def scenario_v(broker: BrokerProcess, costs: dict, slow_from: int, steps: int) -
                                           "factor": new_factors["v3"]}))
     oracle = run_job(JobSpec("v-oracle", [(n, oracle_profile if n == "v3" else None)
                                           for n in names],
-                             [*_training(20), "--no-repartition", "--assignment", assignment]),
+                             [*_training(14), "--no-repartition", "--assignment", assignment]),
                      broker)
-    oracle_rate = steady_rate(oracle, BATCH, 10)
+    oracle_rate = steady_rate(oracle, BATCH, 8)
     # Throughput per step over a 3-step window; recovered when within 10% of the oracle.
     window = 3
     per_step = []
@@ -165,8 +169,8 @@ def plot(results: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--v-steps", type=int, default=55)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--v-steps", type=int, default=44)
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).resolve().parent / "results" /
                         "heterogeneity.json")

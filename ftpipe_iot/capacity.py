@@ -1,25 +1,27 @@
 """Capacity estimates (pure): how much slower than the reference profile each device runs.
 
 A device's factor is its measured compute time per micro-batch for its own layers divided by
-the reference cost of those layers, smoothed with an exponential moving average so one noisy step
-does not move layers around.
+the reference cost of those layers. The estimate is the median of the last ``window`` steps: one
+noisy step (another process grabbed the core) does not move layers around, while a real change of
+speed is fully seen after ``window // 2 + 1`` steps, which an exponential average would smear
+over many more.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
 @dataclass
 class CapacityEstimator:
-    """Smoothed slow-down factor per device (1.0 = reference speed)."""
+    """Robust slow-down factor per device (1.0 = reference speed)."""
 
     reference_cost_s: Sequence[float]
-    smoothing: float = 0.3
+    window: int = 3
     floor: float = 0.05
-    factors: dict[str, float] = field(default_factory=dict)
-    samples: dict[str, int] = field(default_factory=dict)
+    history: dict[str, list[float]] = field(default_factory=dict)
 
     def observe(self, device: str, start: int, end: int, compute_s: float,
                 micro_batches: int) -> float | None:
@@ -29,19 +31,27 @@ class CapacityEstimator:
         if reference <= 0 or micro_batches < 1 or compute_s < 0:
             return None
         measured = max(compute_s / micro_batches / reference, self.floor)
-        previous = self.factors.get(device)
-        value = measured if previous is None else (
-            self.smoothing * measured + (1 - self.smoothing) * previous)
-        self.factors[device] = value
-        self.samples[device] = self.samples.get(device, 0) + 1
-        return value
+        recent = [*self.history.get(device, []), measured][-self.window:]
+        self.history[device] = recent
+        return self.factor(device)
 
     def factor(self, device: str) -> float:
-        return self.factors.get(device, 1.0)
+        recent = self.history.get(device)
+        return statistics.median(recent) if recent else 1.0
 
-    def settled(self, devices: Sequence[str], min_samples: int = 3) -> bool:
-        return all(self.samples.get(d, 0) >= min_samples for d in devices)
+    def bounds(self, device: str, recent: int = 2) -> tuple[float, float]:
+        """Lowest and highest of the last ``recent`` measurements: a decision that holds for
+        both ends is not an artefact of one noisy step."""
+        values = self.history.get(device, [])[-recent:]
+        return (min(values), max(values)) if values else (1.0, 1.0)
+
+    @property
+    def factors(self) -> dict[str, float]:
+        return {device: self.factor(device) for device in self.history}
+
+    def settled(self, devices: Sequence[str], min_samples: int | None = None) -> bool:
+        needed = self.window if min_samples is None else min_samples
+        return all(len(self.history.get(d, [])) >= needed for d in devices)
 
     def forget(self, device: str) -> None:
-        self.factors.pop(device, None)
-        self.samples.pop(device, None)
+        self.history.pop(device, None)

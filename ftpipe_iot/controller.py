@@ -32,7 +32,7 @@ from ftpipe_iot.partition import RepartitionPolicy, balanced_split
 from ftpipe_iot.plan import Plan, PlanError, StageAssignment, TrainConfig
 from ftpipe_iot.progress import ProgressReporter, SilentProgress
 from ftpipe_iot.recovery import choose_devices, recovery_plan
-from ftpipe_iot.replication import ReplicaStore, replica_body, replica_from_body
+from ftpipe_iot.replication import ReplicaStore, replica_from_body
 from ftpipe_iot.schedule import SyncSchedule
 from ftpipe_iot.solver import (
     DeviceSpec,
@@ -509,14 +509,17 @@ class Controller:
         return sorted(alive)[: self.config.devices]
 
     # -- plans ----------------------------------------------------------------------------------
-    def _device_specs(self, devices: list[str]) -> list[DeviceSpec]:
+    def _device_specs(self, devices: list[str], bound: int | None = None) -> list[DeviceSpec]:
+        """Solver inputs per device; ``bound`` 0/1 takes the lowest/highest recent factor
+        instead of the median."""
         specs = []
         for name in devices:
             caps = self.capabilities.get(name, {})
             bandwidth = caps.get("bandwidth_bytes_per_s") or float("inf")
             memory = caps.get("memory_bytes") or float("inf")
-            specs.append(DeviceSpec(name, self.capacity.factor(name), float(bandwidth),
-                                    float(memory)))
+            factor = self.capacity.factor(name) if bound is None else \
+                self.capacity.bounds(name)[bound]
+            specs.append(DeviceSpec(name, factor, float(bandwidth), float(memory)))
         return specs
 
     def _solve(self, devices: list[str]) -> list[tuple[str, int, int]]:
@@ -651,12 +654,8 @@ class Controller:
             replica = self.replicas.get(layer, version)
             if replica is None:
                 continue
-            env = self.messenger.make(MessageKind.WEIGHTS, self.plan.version if self.plan else 0,
-                                      step=version, **replica_body(replica))
-            self.messenger.send_chunked_retained(
-                self.topics.weights(layer), env,
-                WireOptions(compress=False,
-                            max_message_bytes=self.messenger.options.max_message_bytes))
+            self.messenger.send_replica(self.topics, self.plan.version if self.plan else 0,
+                                        replica)
             self.last_published[layer] = version
 
     def _maybe_take_in(self, device: str) -> None:
@@ -708,32 +707,36 @@ class Controller:
                          version)
 
     def _consider_rebalance(self, step: int) -> None:
-        """At a step boundary: would another partition beat the current one by the threshold?"""
+        """At a step boundary: would another partition beat the current one by the threshold?
+
+        The current plan is judged with each device's best recent speed and the proposal with
+        its worst, so measurement noise among equal devices does not move layers back and forth.
+        """
         if not self.config.repartition or self.plan is None or self._replan is not None:
             return
-        current = [s.device for s in self.plan.stages]
-        candidates = [d for d in sorted(self.online - self.dead)]
-        if not self.capacity.settled(current):
+        current = [(s.device, s.start, s.end) for s in self.plan.stages]
+        candidates = sorted(self.online - self.dead)
+        if not self.capacity.settled([d for d, _, _ in current]):
             return
-        specs = self._device_specs(candidates)
         try:
-            proposed = solve_partition(self.cost_model, specs)
-            now_s = predict_bottleneck([(s.device, s.start, s.end) for s in self.plan.stages],
-                                       self.cost_model, specs)
+            proposed = solve_partition(self.cost_model, self._device_specs(candidates))
+            new = [(s.device, s.start, s.end) for s in proposed.stages]
+            if new == current:
+                return
+            now_s = predict_bottleneck(current, self.cost_model,
+                                       self._device_specs(candidates, bound=0))
+            new_s = predict_bottleneck(new, self.cost_model,
+                                       self._device_specs(candidates, bound=1))
         except PartitionError:
-            return
-        new = [(s.device, s.start, s.end) for s in proposed.stages]
-        if new == [(s.device, s.start, s.end) for s in self.plan.stages]:
             return
         # Pays off only when the time saved over the rest of the job beats what a re-plan costs
         # (replicate, reload, refill the pipeline), measured on the previous re-plans.
-        saved_s = (now_s - proposed.bottleneck_s) * self.train.micro_batches * \
-            (self.total_steps - step)
+        saved_s = (now_s - new_s) * self.train.micro_batches * (self.total_steps - step)
         if saved_s > self._replan_cost_s and \
-                self.policy.decide(step, self._last_change_step, now_s, proposed.bottleneck_s):
+                self.policy.decide(step, self._last_change_step, now_s, new_s):
             self.progress.message(
                 f"rebalancing at step {step}: predicted bottleneck {now_s * 1e3:.1f} ms -> "
-                f"{proposed.bottleneck_s * 1e3:.1f} ms per micro-batch")
+                f"{new_s * 1e3:.1f} ms per micro-batch")
             self._request_replan(ReplanReason.REBALANCE, new)
 
     # -- feeding --------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from ftpipe_iot.metrics import DeviceMetrics
 from ftpipe_iot.models import ModelError, build_layers, cut_shapes
 from ftpipe_iot.plan import Plan, PlanError
 from ftpipe_iot.profiles import DeviceProfile
-from ftpipe_iot.replication import LayerReplica, ReplicaStore, replica_body, replica_from_body
+from ftpipe_iot.replication import LayerReplica, ReplicaStore, replica_from_body
 from ftpipe_iot.stage import (
     MicroBatchDone,
     MicroBatchResult,
@@ -378,14 +378,7 @@ class DeviceAgent:
 
     def _publish_replica(self, replica: LayerReplica) -> int:
         assert self.plan is not None
-        env = self.messenger.make(MessageKind.WEIGHTS, self.plan.version, step=replica.version,
-                                  **replica_body(replica))
-        # Weights are dense: lz4 rarely pays, and a fixed size keeps the chunk count stable.
-        options = WireOptions(compress=False,
-                              max_message_bytes=self.messenger.options.max_message_bytes)
-        sent, _ = self.messenger.send_chunked_retained(self.topics.weights(replica.layer), env,
-                                                       options)
-        return sent
+        return self.messenger.send_replica(self.topics, self.plan.version, replica)
 
     def _resend_layers(self, version: int, layers: list[int]) -> None:
         for layer in layers:

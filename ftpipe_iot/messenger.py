@@ -7,6 +7,8 @@ import itertools
 import logging
 
 from ftpipe_iot.metrics import DropLog, MessagingMetrics
+from ftpipe_iot.replication import LayerReplica, replica_body
+from ftpipe_iot.topics import Topics
 from ftpipe_iot.transport.base import Incoming, Transport
 from ftpipe_iot.wire import Envelope, MessageKind, Reassembler, WireError, WireOptions, encode
 
@@ -63,6 +65,18 @@ class Messenger:
         self.metrics.messages_sent.labels(kind=env.kind.value).inc()
         self.metrics.bytes_sent.inc(sent)
         return sent, len(frames)
+
+    def send_replica(self, topics: Topics, plan_version: int, replica: LayerReplica) -> int:
+        """Publish a layer replica retained on its weights topic; returns the bytes sent.
+
+        Weights are dense: lz4 rarely pays, and an uncompressed size keeps the chunk count of a
+        layer stable from version to version.
+        """
+        env = self.make(MessageKind.WEIGHTS, plan_version, step=replica.version,
+                        **replica_body(replica))
+        options = WireOptions(compress=False, max_message_bytes=self.options.max_message_bytes)
+        sent, _ = self.send_chunked_retained(topics.weights(replica.layer), env, options)
+        return sent
 
     def receive(self, incoming: Incoming) -> Envelope | None:
         """Decode one MQTT message; None when it is a partial chunk or was dropped (counted)."""

@@ -181,11 +181,17 @@ class Stage:
             raise StageInputError("bad_label", f"labels outside 0..{self.num_classes - 1}")
 
     def _timed(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
-        start = time.perf_counter()
+        """Run ``fn``; returns its result and wall seconds (what the capacity estimate sees).
+
+        The emulation hook gets this thread's CPU seconds instead: with one intra-op thread the
+        compute runs on this thread, and CPU time leaves out waits for the GIL (the network
+        thread reading the next activation) or for a core, which a slow-down factor would
+        otherwise multiply into a device far slower than its profile says.
+        """
+        start, cpu_start = time.perf_counter(), time.thread_time()
         result = fn()
-        elapsed = time.perf_counter() - start
         if self.compute_hook is not None:
-            self.compute_hook(elapsed)  # device profiles emulate a slower device here
+            self.compute_hook(time.thread_time() - cpu_start)
         return result, time.perf_counter() - start
 
     def forward(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray, train: bool

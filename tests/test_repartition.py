@@ -16,13 +16,15 @@ from ftpipe_iot.plan import TrainConfig
 from ftpipe_iot.reference import train_reference
 
 
-def test_capacity_estimate_is_smoothed_measured_over_reference():
-    est = CapacityEstimator([0.001, 0.002, 0.003], smoothing=0.5)
+def test_capacity_estimate_is_the_median_of_recent_measurements_over_reference():
+    est = CapacityEstimator([0.001, 0.002, 0.003])
     assert est.factor("a") == 1.0
     assert est.observe("a", 0, 2, compute_s=0.012, micro_batches=4) == pytest.approx(1.0)
-    assert est.observe("a", 0, 2, compute_s=0.036, micro_batches=4) == pytest.approx(2.0)
-    assert not est.settled(["a"]) and est.observe("a", 0, 2, 0.036, 4) == pytest.approx(2.5)
+    assert est.observe("a", 0, 2, compute_s=0.012, micro_batches=4) == pytest.approx(1.0)
+    assert not est.settled(["a"])
+    assert est.observe("a", 0, 2, 0.12, 4) == pytest.approx(1.0)  # one outlier moves nothing
     assert est.settled(["a"])
+    assert est.observe("a", 0, 2, 0.048, 4) == pytest.approx(4.0)  # a real slow-down: 2 steps
     assert est.observe("b", 1, 1, 0.5, 4) is None  # no layers, nothing to learn
 
 
