@@ -140,6 +140,8 @@ class RunSummary:
     replicated_bytes: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     device_dropped: dict[str, dict[str, int]] = field(default_factory=dict)
+    device_layer_seconds: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    device_links: dict[str, dict[str, float]] = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
@@ -349,6 +351,11 @@ class Controller:
         self.metrics.device_heartbeat_age.labels(device=env.sender).set(time.time())
         compute = float(env.body.get("forward_s", 0.0)) + float(env.body.get("backward_s", 0.0))
         self.metrics.device_step_seconds.labels(device=env.sender).set(compute)
+        rate = float(env.body.get("link_bytes_per_s", 0.0) or 0.0)
+        if rate > 0:
+            self.summary.device_links[env.sender] = {
+                "bytes_per_s": rate, "latency_s": float(env.body.get("link_latency_s", 0.0))}
+            self.metrics.device_link_rate.labels(device=env.sender).set(rate)
 
     def _on_reconnected(self) -> None:
         # Messages may have been lost while we were away: restart from the last complete version.
@@ -396,6 +403,10 @@ class Controller:
         compute = float(body["forward_s"]) + float(body["backward_s"])
         if env.step == self.feed.step and 0 <= stage < self.plan.n_stages:
             assignment = self.plan.stages[stage]
+            times = body.get("layer_times") or []
+            if len(times) == assignment.end - assignment.start:
+                self.summary.device_layer_seconds[assignment.device] = {
+                    assignment.start + i: [float(f), float(b)] for i, (f, b) in enumerate(times)}
             factor = self.capacity.observe(assignment.device, assignment.start, assignment.end,
                                            compute, self.train.micro_batches)
             if factor is not None:

@@ -88,6 +88,29 @@ def device_will(name: str, job: str) -> Will:
     return Will(Topics.dev_status(name), frame, qos=1, retain=True)
 
 
+@dataclass
+class LinkMeter:
+    """How long this device's incoming pipeline messages take to move: one-way latency from the
+    sender's timestamp (hosts keep NTP time) and the array bytes it carried, smoothed."""
+
+    smoothing: float = 0.2
+    latency_s: float = 0.0
+    bytes_per_s: float = 0.0
+    samples: int = 0
+
+    def observe(self, env: Envelope, now: float) -> None:
+        latency = max(now - env.timestamp, 1e-4)
+        size = sum(int(v.nbytes) for v in env.body.values() if hasattr(v, "nbytes"))
+        rate = size / latency
+        if self.samples == 0:
+            self.latency_s, self.bytes_per_s = latency, rate
+        else:
+            a = self.smoothing
+            self.latency_s = a * latency + (1 - a) * self.latency_s
+            self.bytes_per_s = a * rate + (1 - a) * self.bytes_per_s
+        self.samples += 1
+
+
 @dataclass(frozen=True)
 class DeviceOptions:
     """Tunables of the agent."""
@@ -127,6 +150,8 @@ class DeviceAgent:
         self._next_heartbeat = 0.0
         self._last_step = -1
         self._last_step_compute = (0.0, 0.0)
+        self._last_layer_times: list[list[float]] = []
+        self.link = LinkMeter()
         self._loader_since = 0.0
         self.metrics.stage.set(-1)
 
@@ -401,6 +426,7 @@ class DeviceAgent:
         if self.stage is None:
             self.messenger.drops.drop("not_ready", "data before the stage finished loading")
             return
+        self.link.observe(env, time.time())
         self._current_step = env.step
         if env.kind is MessageKind.ACTIVATION:
             train = bool(env.body["train"])
@@ -461,8 +487,11 @@ class DeviceAgent:
         self.metrics.steps.inc()
         self._last_step = output.step
         self._last_step_compute = (output.forward_s, output.backward_s)
+        self._last_layer_times = [[f, b] for f, b in zip(output.layer_forward_s,
+                                                         output.layer_backward_s)]
         self._report(ResultType.STEP_DONE, step=output.step, stage=self.stage.index,
-                     forward_s=output.forward_s, backward_s=output.backward_s)
+                     forward_s=output.forward_s, backward_s=output.backward_s,
+                     layer_times=self._last_layer_times)
         every = self.plan.train.replicate_every
         if every and (output.step + 1) % every == 0:
             self._replicate()
@@ -495,6 +524,8 @@ class DeviceAgent:
             MessageKind.HEARTBEAT, self.plan.version if self.plan else 0, self._last_step,
             stage=-1 if stage is None else stage.index, forward_s=forward_s,
             backward_s=backward_s, queue_depth=self.transport.inbox.qsize(),
-            drops=self.messenger.drops.counts,
+            drops=self.messenger.drops.counts, layer_times=self._last_layer_times,
+            first_layer=-1 if stage is None else stage.first_layer,
+            link_bytes_per_s=self.link.bytes_per_s, link_latency_s=self.link.latency_s,
         )
         self.messenger.send(Topics.dev_heartbeat(self.name), env, qos=0)

@@ -116,6 +116,10 @@ class ControllerMetrics(MessagingMetrics):
                                      "Smoothed slow-down of a device vs. the reference profile "
                                      "(1 = reference speed, 4 = four times slower)", ["device"],
                                      registry=registry)
+        self.device_link_rate = Gauge("ftpipe_device_link_bytes_per_second",
+                                      "Payload bytes per second of a device's incoming pipeline "
+                                      "messages (array bytes over one-way latency), smoothed",
+                                      ["device"], registry=registry)
         self.device_stage = Gauge("ftpipe_device_stage_assigned",
                                   "Stage a device holds in the current plan (-1 = none)",
                                   ["device"], registry=registry)

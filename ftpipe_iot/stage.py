@@ -66,14 +66,24 @@ class MicroBatchDone:
 
 @dataclass(frozen=True)
 class StepDone:
-    """This stage applied its optimizer for ``step``; with its measured compute times."""
+    """This stage applied its optimizer for ``step``; with its measured compute times: stage
+    totals in wall seconds (emulated slow-downs included), and per layer the real compute."""
 
     step: int
     forward_s: float
     backward_s: float
+    layer_forward_s: tuple[float, ...] = ()
+    layer_backward_s: tuple[float, ...] = ()
 
 
 StageOutput = SendActivation | SendGradient | MicroBatchResult | MicroBatchDone | StepDone
+
+
+def _stamp(arrivals: dict[int, float], index: int) -> Callable[[torch.Tensor], None]:
+    def hook(_grad: torch.Tensor) -> None:
+        arrivals[index] = time.perf_counter()
+
+    return hook
 
 
 def make_optimizer(layer: nn.Module, config: TrainConfig) -> torch.optim.Optimizer | None:
@@ -97,6 +107,8 @@ def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, micro_batches: 
 class _Pending:
     inputs: torch.Tensor
     outputs: torch.Tensor
+    # perf_counter when the gradient reached each layer's output, filled during backward
+    grad_arrivals: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -105,6 +117,13 @@ class StageTimings:
 
     forward_s: float = 0.0
     backward_s: float = 0.0
+    layer_forward_s: list[float] = field(default_factory=list)
+    layer_backward_s: list[float] = field(default_factory=list)
+
+    def per_layer(self, n_layers: int) -> None:
+        if len(self.layer_forward_s) != n_layers:
+            self.layer_forward_s = [0.0] * n_layers
+            self.layer_backward_s = [0.0] * n_layers
 
 
 @dataclass
@@ -208,10 +227,11 @@ class Stage:
         inputs = torch.from_numpy(np.array(x, dtype=np.float32, copy=True))
         if not self.is_first:
             inputs.requires_grad_(True)
-        outputs, elapsed = self._timed(lambda: self.module(inputs))
+        arrivals: dict[int, float] = {}
+        outputs, elapsed = self._timed(lambda: self._forward_layers(inputs, arrivals))
         self.timings.forward_s += elapsed
         if not self.is_last:
-            self.pending[key] = _Pending(inputs, outputs)
+            self.pending[key] = _Pending(inputs, outputs, arrivals)
             return [SendActivation(step, micro_batch, outputs.detach().numpy(), y, True)]
         labels = torch.from_numpy(y.astype(np.int64))
         loss = micro_batch_loss(outputs, labels, self.config.micro_batches)
@@ -219,8 +239,23 @@ class Stage:
         result = MicroBatchResult(step, micro_batch, True,
                                   float(loss.detach()) * self.config.micro_batches, correct,
                                   int(len(y)))
-        self.pending[key] = _Pending(inputs, loss)
+        self.pending[key] = _Pending(inputs, loss, arrivals)
         return [result, *self._backward(step, micro_batch, None)]
+
+    def _forward_layers(self, inputs: torch.Tensor, arrivals: dict[int, float]
+                        ) -> torch.Tensor:
+        """``nn.Sequential``'s loop, timing each layer; a gradient hook on each output stamps
+        when backward reaches it, which times each layer's backward too. Hooks return None, so
+        the arithmetic is exactly the unhooked one."""
+        self.timings.per_layer(len(self.layers))
+        h = inputs
+        for index, layer in enumerate(self.layers):
+            start = time.perf_counter()
+            h = layer(h)
+            self.timings.layer_forward_s[index] += time.perf_counter() - start
+            if h.requires_grad:
+                h.register_hook(_stamp(arrivals, index))
+        return h
 
     def backward(self, step: int, micro_batch: int, grad: np.ndarray) -> list[StageOutput]:
         """Backward one micro-batch with the gradient of this stage's output."""
@@ -244,10 +279,12 @@ class Stage:
 
         def run() -> torch.Tensor:
             pending.outputs.backward(grad_tensor)
+            pending.grad_arrivals[-1] = time.perf_counter()  # end of this backward
             return pending.outputs
 
         _, elapsed = self._timed(run)
         self.timings.backward_s += elapsed
+        self._account_backward(pending.grad_arrivals)
         out: list[StageOutput] = []
         if not self.is_first:
             assert pending.inputs.grad is not None
@@ -260,6 +297,19 @@ class Stage:
             out.append(self._optimizer_step(step))
         return out
 
+    def _account_backward(self, arrivals: dict[int, float]) -> None:
+        """Layer i's backward runs from the gradient reaching its output until it reaches the
+        output of the closest earlier layer that has one (the end of backward for the first).
+        A layer whose output needs no gradient (e.g. a Flatten of the input) has no backward."""
+        end = arrivals.pop(-1, None)
+        if not arrivals or end is None:
+            return
+        self.timings.per_layer(len(self.layers))
+        stamped = sorted(arrivals)
+        for position, index in enumerate(stamped):
+            until = arrivals[stamped[position - 1]] if position > 0 else end
+            self.timings.layer_backward_s[index] += max(0.0, until - arrivals[index])
+
     def _optimizer_step(self, step: int) -> StepDone:
         for optimizer in self.optimizers:
             if optimizer is not None:
@@ -267,7 +317,9 @@ class Stage:
                 optimizer.zero_grad(set_to_none=True)
         del self.backward_done[step]
         self.completed_steps = {s for s in self.completed_steps if s > step - 16} | {step}
-        done = StepDone(step, self.timings.forward_s, self.timings.backward_s)
+        done = StepDone(step, self.timings.forward_s, self.timings.backward_s,
+                        tuple(self.timings.layer_forward_s),
+                        tuple(self.timings.layer_backward_s))
         self.timings = StageTimings()
         return done
 

@@ -103,3 +103,20 @@ def test_evaluation_does_not_touch_gradients_or_steps():
     assert 0 <= result.correct <= 4 and result.count == 4
     assert all(p.grad is None for p in first.module.parameters())
     assert first.pending == {} and last.completed_steps == set()
+
+
+def test_per_layer_times_are_reported_and_add_up_to_the_stage_time():
+    first, last = _stages()
+    for mb in range(2):
+        x, y = _batch(mb)
+        (act,) = first.forward(0, mb, x, y, True)
+        out = last.forward(0, mb, act.x, act.y, True)
+        grad = next(o for o in out if isinstance(o, SendGradient))
+        back = first.backward(0, mb, grad.grad)
+    done = [o for o in back if isinstance(o, StepDone)][0]
+    assert len(done.layer_forward_s) == len(done.layer_backward_s) == 3
+    assert all(t > 0 for t in done.layer_forward_s)
+    # the first stage's Flatten takes the input, which needs no gradient: no backward there
+    assert done.layer_backward_s[0] == 0 and all(t > 0 for t in done.layer_backward_s[1:])
+    assert sum(done.layer_forward_s) <= done.forward_s
+    assert sum(done.layer_backward_s) <= done.backward_s  # sub-intervals of the whole
