@@ -10,6 +10,18 @@ import pytest
 from ftpipe_iot.broker import BrokerKind, BrokerProcess, mosquitto_binary
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread() -> Iterator[None]:
+    """In-process stages compute with one intra-op thread, like the device processes and the
+    single-process reference: a different thread count changes the last bits of reductions."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture
 def mosquitto(tmp_path) -> Iterator[BrokerProcess]:
     """A fresh Mosquitto (persistence on) on a free loopback port, stopped after the test."""
