@@ -16,7 +16,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from importlib import resources
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -77,12 +76,19 @@ def mosquitto_binary() -> str | None:
     return None
 
 
-def template_text(name: str = "mosquitto.conf.template") -> str:
-    """Text of a config template from the repo's ``broker/`` folder (or the installed copy)."""
-    repo_file = _REPO_BROKER_DIR / name
+def shared_file(folder: str, name: str) -> Path:
+    """A file of the repo's ``broker/`` or ``devices/`` folder: from the source tree when run
+    from a checkout (editable install), else from ``<prefix>/share/ftpipe-iot/`` where a wheel
+    install puts them (setup.cfg ``data_files``)."""
+    repo_file = _REPO_BROKER_DIR.parent / folder / name
     if repo_file.exists():
-        return repo_file.read_text()
-    return resources.files("ftpipe_iot").joinpath("data", name).read_text()
+        return repo_file
+    return Path(sys.prefix) / "share" / "ftpipe-iot" / folder / name
+
+
+def template_text(name: str = "mosquitto.conf.template") -> str:
+    """Text of a config template from the ``broker/`` folder."""
+    return shared_file("broker", name).read_text()
 
 
 def render_config(port: int, data_dir: Path, bind: str = "127.0.0.1",

@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
-import ftpipe_iot
+from ftpipe_iot.broker import shared_file
 from ftpipe_iot.config import BrokerConfig, Bundle, bundle_to_dict
 from ftpipe_iot.fleet.ca import KeyPair
 from ftpipe_iot.fleet.model import BrokerSettings, Identity, Role
@@ -53,11 +52,8 @@ def config_path(fleet_dir: Path, identity: Identity) -> Path:
 
 
 def unit_template_text() -> str:
-    """The systemd unit template from the repo's ``devices/`` (or the installed copy)."""
-    repo_file = Path(ftpipe_iot.__file__).resolve().parent.parent / "devices" / UNIT_TEMPLATE
-    if repo_file.exists():
-        return repo_file.read_text()
-    return resources.files("ftpipe_iot").joinpath("data", UNIT_TEMPLATE).read_text()
+    """The systemd unit template from ``devices/`` (checkout or installed copy)."""
+    return shared_file("devices", UNIT_TEMPLATE).read_text()
 
 
 def render_unit(identity: Identity, options: InstallOptions, template: str | None = None) -> str:
