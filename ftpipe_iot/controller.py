@@ -203,6 +203,7 @@ class Controller:
         self._failures_in_a_row = 0
         self._replan_cost_s = 1.0
         self._since: int | None = None
+        self._trained_samples = 0
         self._replan_started: float | None = None
         self.train: TrainConfig = config.train
         if not config.resume:
@@ -776,6 +777,7 @@ class Controller:
         self.metrics.epoch.set(summary.epoch)
         self.metrics.loss.set(summary.loss)
         self.metrics.samples.inc(summary.samples)
+        self._trained_samples += summary.samples
         self._recent = [*self._recent[-19:], (now, summary.samples)]
         rate = self._recent_rate()
         self.metrics.samples_per_second.set(rate)
@@ -844,8 +846,9 @@ class Controller:
             for device in sorted(self.online | {s.device for s in self.plan.stages}):
                 self._command(device, CommandOp.SHUTDOWN)
         self.summary.train_s = self._train_time
-        samples = (self.summary.steps - 0) * self.train.batch_size
-        self.summary.samples_per_s = samples / self._train_time if self._train_time else 0.0
+        # Samples this controller trained (recomputed steps included) over its training time.
+        self.summary.samples_per_s = (self._trained_samples / self._train_time
+                                      if self._train_time else 0.0)
         self.finish_summary()
         self._event(EventType.JOB_DONE, steps=self.summary.steps,
                     test_accuracy=self.summary.test_accuracy)

@@ -263,7 +263,12 @@ class Demo:
                      if e["timestamp"] >= fault["at"] and fault["device"] in e.get("devices", [])]
             if later:
                 detect.append(round(min(later), 3))
+        # Counted from the events topic: a resumed controller only knows its own part of the job.
+        recovered = self.watcher.events_of("recovery_done")
         return {"faults": [f["fault"] for f in self.injected],
+                "failures_detected": len(detections), "recoveries": len(recovered),
+                "recover_s": [round(float(e["recover_s"]), 3) for e in recovered
+                              if e.get("recover_s") is not None],
                 "detect_silence_s": summary.get("detect_s", []), "detect_s": detect}
 
     def _wait_devices(self, timeout_s: float = 10.0) -> None:

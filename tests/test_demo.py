@@ -95,3 +95,23 @@ def test_a_failing_device_stops_the_whole_demo(tmp_path):
 def _broker_processes(tmp_path) -> list[str]:
     out = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True)
     return [line for line in out.stdout.splitlines() if "pgrep" not in line]
+
+
+def test_demo_with_injected_faults_reports_them_and_matches_a_clean_run(tmp_path):
+    if mosquitto_binary() is None:
+        pytest.fail("mosquitto is not installed; .ci/run installs it")
+    job = _job()
+    common = ["--json", "--devices", "3", "--epochs", "1", "--max-steps", "40"]
+    faulty = _run_demo(*common, "--job", job, "--work-dir", str(tmp_path / "f"),
+                       "--fault", "kill:1@step=8", "--fault", "broker-restart@step=20")
+    assert faulty.returncode == 0, faulty.stderr[-3000:]
+    summary = json.loads(faulty.stdout.strip().splitlines()[-1])
+    assert summary["faults"] == ["kill:1@step=8", "broker-restart@step=20"]
+    assert summary["failures_detected"] >= 1 and summary["recoveries"] >= 1
+    assert len(summary["detect_s"]) == 1 and summary["detect_s"][0] >= 0
+    assert summary["steps"] == 40
+    clean = _run_demo(*common, "--job", _job(), "--work-dir", str(tmp_path / "c"))
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    reference = json.loads(clean.stdout.strip().splitlines()[-1])
+    assert summary["test_accuracy"] == reference["test_accuracy"]  # same model, bit for bit
+    assert _leftovers(job) == []
