@@ -4,8 +4,6 @@ return the controller's summary, with progress on stderr."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -16,6 +14,7 @@ from pathlib import Path
 
 from ftpipe_iot.broker import BrokerProcess
 from ftpipe_iot.config import BrokerConfig
+from ftpipe_iot.demo import stop_process_groups
 from ftpipe_iot.watch import JobWatcher
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,22 +40,6 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen:
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=open(log, "w"),  # noqa: SIM115 - lives as long as the child
                             start_new_session=True)
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGCONT)
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    for proc in procs:
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def run_job(spec: JobSpec, broker: BrokerProcess,
@@ -98,7 +81,7 @@ def run_job(spec: JobSpec, broker: BrokerProcess,
         return summary
     finally:
         watcher.close()
-        _stop(list(procs.values()))
+        stop_process_groups(list(procs.values()), grace_s=10.0)
 
 
 def steady_rate(summary: dict, batch: int, last: int) -> float:

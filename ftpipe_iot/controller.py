@@ -2,14 +2,13 @@
 bounded number of micro-batches in flight, collects losses, evaluates every epoch, watches
 liveness, recovers from failures, rebalances, and gathers the trained weights.
 
-Decisions live in pure modules (``feed``, ``liveness``, ``recovery``, ``capacity``, ``solver``);
+Decisions live in pure modules (``feed``, ``liveness``, ``recovery``, ``planning``, ``job``);
 this class wires them to messages and keeps the phase.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import time
 from collections.abc import Callable
@@ -21,26 +20,21 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.capacity import CapacityEstimator
-from ftpipe_iot.data import Dataset, load_dataset
+from ftpipe_iot.checkpoint import save_weights
+from ftpipe_iot.data import Dataset
 from ftpipe_iot.device import CommandOp, DeviceState, ResultType
 from ftpipe_iot.feed import EvalRound, StepSummary, TrainFeed
+from ftpipe_iot.job import JobModel, prepare_job
 from ftpipe_iot.liveness import Failure, FailureCause, LivenessTracker
 from ftpipe_iot.messenger import Messenger
 from ftpipe_iot.metrics import ControllerMetrics
-from ftpipe_iot.models import build_layers, cut_shapes, measure_layer_costs
-from ftpipe_iot.partition import RepartitionPolicy, balanced_split
+from ftpipe_iot.partition import RepartitionPolicy
 from ftpipe_iot.plan import Plan, PlanError, StageAssignment, TrainConfig
+from ftpipe_iot.planning import RebalanceInputs, device_specs, new_assignment, propose_rebalance
 from ftpipe_iot.progress import ProgressReporter, SilentProgress
 from ftpipe_iot.recovery import choose_devices, recovery_plan
 from ftpipe_iot.replication import ReplicaStore, replica_from_body
-from ftpipe_iot.schedule import SyncSchedule
-from ftpipe_iot.solver import (
-    DeviceSpec,
-    LayerCosts,
-    PartitionError,
-    predict_bottleneck,
-    solve_partition,
-)
+from ftpipe_iot.summary import RunSummary, ThroughputMeter
 from ftpipe_iot.topics import Topics
 from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, Transport, Will
 from ftpipe_iot.wire import Envelope, MessageKind, WireOptions, encode
@@ -116,44 +110,6 @@ class ControllerConfig:
             raise ValueError("assignment and device_names name different devices")
 
 
-@dataclass
-class RunSummary:
-    """What the job achieved; the demo prints it as JSON."""
-
-    job: str
-    test_accuracy: float = 0.0
-    test_loss: float = 0.0
-    samples_per_s: float = 0.0
-    steps: int = 0
-    epochs: int = 0
-    devices: int = 0
-    wall_s: float = 0.0
-    train_s: float = 0.0
-    final_loss: float = 0.0
-    stages: list[dict] = field(default_factory=list)
-    failures_detected: int = 0
-    recoveries: int = 0
-    repartitions: int = 0
-    detect_s: list[float] = field(default_factory=list)
-    recover_s: list[float] = field(default_factory=list)
-    recomputed_steps: int = 0
-    replicated_bytes: int = 0
-    dropped: dict[str, int] = field(default_factory=dict)
-    device_dropped: dict[str, dict[str, int]] = field(default_factory=dict)
-    device_layer_seconds: dict[str, dict[int, list[float]]] = field(default_factory=dict)
-    device_links: dict[str, dict[str, float]] = field(default_factory=dict)
-    history: list[dict] = field(default_factory=list)
-    evals: list[dict] = field(default_factory=list)
-    events: list[dict] = field(default_factory=list)
-    error: str | None = None
-
-    def to_dict(self, with_history: bool = True) -> dict:
-        data = asdict(self)
-        if not with_history:
-            data.pop("history")
-        return data
-
-
 def controller_will(job: str) -> Will:
     """Last Will on the retained state topic: the controller vanished."""
     env = Envelope(kind=MessageKind.STATE, job=job, sender="controller",
@@ -191,9 +147,7 @@ class Controller:
                                         config.repartition_cooldown_steps)
         self.last_published: dict[int, int] = {}
         self._started = clock()
-        self._train_started: float | None = None
-        self._train_time = 0.0
-        self._recent: list[tuple[float, int]] = []
+        self.throughput = ThroughputMeter()
         self._recovering_since: float | None = None
         self._replan: ReplanReason | None = None
         self._replan_target: tuple[tuple[str, int, int], ...] | None = None
@@ -203,37 +157,30 @@ class Controller:
         self._failures_in_a_row = 0
         self._replan_cost_s = 1.0
         self._since: int | None = None
-        self._trained_samples = 0
         self._replan_started: float | None = None
         self.train: TrainConfig = config.train
+        self.model: JobModel | None = None
         if not config.resume:
             self._setup(config.train)
 
     # -- job set-up -----------------------------------------------------------------------------
     def _setup(self, train: TrainConfig) -> None:
-        """Load the data and the reference per-layer cost profile for a training config."""
+        """Derive the job's fixed facts (data, reference costs, steps) from a training config."""
         self.train = train
         self.messenger.options = WireOptions(compress=train.compress, wire_dtype=train.wire_dtype)
-        self.data = self._given_data if self._given_data is not None else \
-            load_dataset(train.data)
-        layers = build_layers(train.model, self.data.input_shape, self.data.num_classes,
-                              train.seed)
-        self.cut_shapes = cut_shapes(layers, self.data.input_shape, self.data.num_classes,
-                                     train.model.name)
-        self.layer_costs = measure_layer_costs(layers, self.data.input_shape,
-                                               train.micro_batch_size)
-        params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-        acts = [4 * train.micro_batch_size * int(np.prod(s)) for s in self.cut_shapes[1:]]
-        self.cost_model = LayerCosts.from_dict({
-            "layer_cost_s": self.layer_costs, "activation_bytes": acts,
-            "layer_memory_bytes": [12 * p + 4 * a for p, a in zip(params, acts)],
-            "micro_batch_size": train.micro_batch_size})
-        self.num_layers = len(layers)
-        self.schedule = SyncSchedule(len(self.data.x_train), train.micro_batches,
-                                     train.micro_batch_size, train.seed)
-        self.total_steps = self.schedule.total_steps(train.epochs, train.max_steps)
-        self.replicas = ReplicaStore(self.num_layers)
-        self.capacity = CapacityEstimator(self.layer_costs)
+        self.model = prepare_job(train, self._given_data)
+        self.replicas = ReplicaStore(self.model.num_layers)
+        self.capacity = CapacityEstimator(self.model.layer_costs)
+
+    @property
+    def data(self) -> Dataset:
+        assert self.model is not None
+        return self.model.data
+
+    @property
+    def num_layers(self) -> int:
+        assert self.model is not None
+        return self.model.num_layers
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -250,7 +197,7 @@ class Controller:
         else:
             log.info("controller for job %s: %s on %s, %d layers, %d steps; waiting for %d "
                      "devices", self.job, self.train.model.name, self.data.name,
-                     self.num_layers, self.total_steps, self.config.devices)
+                     self.num_layers, self.model.total_steps, self.config.devices)
 
     def run(self, poll_s: float = 0.02) -> RunSummary:
         """Run the job to the end (or failure); returns the summary."""
@@ -418,7 +365,7 @@ class Controller:
             self._on_step_complete(summary)
 
     def _on_weights(self, env: Envelope) -> None:
-        if not hasattr(self, "replicas"):
+        if self.model is None:
             return  # resuming: the plan (and so the model) is not known yet
         if self._since is not None and env.plan_version < self._since:
             return  # a left-over of an earlier run of this job name
@@ -521,34 +468,13 @@ class Controller:
         return sorted(alive)[: self.config.devices]
 
     # -- plans ----------------------------------------------------------------------------------
-    def _device_specs(self, devices: list[str], bound: int | None = None) -> list[DeviceSpec]:
-        """Solver inputs per device; ``bound`` 0/1 takes the lowest/highest recent factor
-        instead of the median."""
-        specs = []
-        for name in devices:
-            caps = self.capabilities.get(name, {})
-            bandwidth = caps.get("bandwidth_bytes_per_s") or float("inf")
-            memory = caps.get("memory_bytes") or float("inf")
-            factor = self.capacity.factor(name) if bound is None else \
-                self.capacity.bounds(name)[bound]
-            specs.append(DeviceSpec(name, factor, float(bandwidth), float(memory)))
-        return specs
-
     def _solve(self, devices: list[str]) -> list[tuple[str, int, int]]:
-        """Partition for these devices: the solver when anything tells them apart, otherwise a
-        cost-balanced split in the given order (stable, and the solver's ties are arbitrary)."""
-        devices = devices[: self.num_layers]
-        specs = self._device_specs(devices)
-        uniform = all(s.factor == 1.0 and math.isinf(s.bandwidth_bytes_per_s)
-                      and math.isinf(s.memory_bytes) for s in specs)
-        if not uniform:
-            try:
-                partition = solve_partition(self.cost_model, specs)
-                return [(s.device, s.start, s.end) for s in partition.stages]
-            except PartitionError as exc:
-                log.warning("partition solver: %s; falling back to an even split", exc)
-        ranges = balanced_split(self.layer_costs, len(devices))
-        return [(d, lo, hi) for d, (lo, hi) in zip(devices, ranges)]
+        assert self.model is not None
+        specs = device_specs(devices, self.capacity, self.capabilities)
+        assignment, warning = new_assignment(self.model.cost_model, specs)
+        if warning:
+            log.warning("%s", warning)
+        return assignment
 
     def _deploy(self, devices: list[str], resume_step: int,
                 assignment: list[tuple[str, int, int]] | None = None) -> None:
@@ -568,7 +494,7 @@ class Controller:
         self.ready = set()
         self.feed = None
         self.eval_round = None
-        self._pause_train_clock()
+        self.throughput.pause(self.clock())
         self.phase = Phase.DEPLOYING
         self.liveness.reset({s.device for s in stages}, self.clock())
         self.messenger.send(self.topics.plan, self.messenger.make(
@@ -595,8 +521,8 @@ class Controller:
             self.summary.recomputed_steps += self.summary.steps - start
         self.summary.steps = start
         self.summary.history = [h for h in self.summary.history if h["step"] < start]
-        self.feed = TrainFeed(self.schedule, self.plan.n_stages, start, self.total_steps,
-                              self.train.max_in_flight)
+        self.feed = TrainFeed(self.model.schedule, self.plan.n_stages, start,
+                              self.model.total_steps, self.train.max_in_flight)
         now = self.clock()
         if self._recovering_since is not None:
             recover_s = now - self._recovering_since
@@ -609,13 +535,13 @@ class Controller:
             self.progress.message(f"recovered in {recover_s:.2f}s: resuming at step {start}")
             self._event(EventType.RECOVERY_DONE, recover_s=recover_s, resume_step=start)
         if self._last_change_step is None:
-            self.progress.start(self.total_steps)
-            self._event(EventType.TRAINING_STARTED, steps=self.total_steps)
+            self.progress.start(self.model.total_steps)
+            self._event(EventType.TRAINING_STARTED, steps=self.model.total_steps)
         self._last_change_step = start
         if self._replan_started is not None:
             self._replan_cost_s = 0.5 * self._replan_cost_s + 0.5 * (now - self._replan_started)
             self._replan_started = None
-        self._train_started = now
+        self.throughput.resume(now)
         self.liveness.progressed(now)
         if self.feed.finished:
             self._request_replan(ReplanReason.FINAL)
@@ -688,7 +614,7 @@ class Controller:
         """Every stage replicates at the current boundary; the re-plan follows when complete."""
         assert self.feed is not None and self.plan is not None
         version = self.feed.step
-        self._pause_train_clock()
+        self.throughput.pause(self.clock())
         self._replan_started = self.clock()
         self.phase = Phase.REPLICATING
         self._replicate_version = version
@@ -719,37 +645,22 @@ class Controller:
                          version)
 
     def _consider_rebalance(self, step: int) -> None:
-        """At a step boundary: would another partition beat the current one by the threshold?
-
-        The current plan is judged with each device's best recent speed and the proposal with
-        its worst, so measurement noise among equal devices does not move layers back and forth.
-        """
+        """At a step boundary: ask the planner whether another partition pays off."""
         if not self.config.repartition or self.plan is None or self._replan is not None:
             return
+        assert self.model is not None
         current = [(s.device, s.start, s.end) for s in self.plan.stages]
-        candidates = sorted(self.online - self.dead)
-        if not self.capacity.settled([d for d, _, _ in current]):
-            return
-        try:
-            proposed = solve_partition(self.cost_model, self._device_specs(candidates))
-            new = [(s.device, s.start, s.end) for s in proposed.stages]
-            if new == current:
-                return
-            now_s = predict_bottleneck(current, self.cost_model,
-                                       self._device_specs(candidates, bound=0))
-            new_s = predict_bottleneck(new, self.cost_model,
-                                       self._device_specs(candidates, bound=1))
-        except PartitionError:
-            return
-        # Pays off only when the time saved over the rest of the job beats what a re-plan costs
-        # (replicate, reload, refill the pipeline), measured on the previous re-plans.
-        saved_s = (now_s - new_s) * self.train.micro_batches * (self.total_steps - step)
-        if saved_s > self._replan_cost_s and \
-                self.policy.decide(step, self._last_change_step, now_s, new_s):
+        better = propose_rebalance(
+            self.model.cost_model, current, sorted(self.online - self.dead), self.capacity,
+            self.capabilities, self.policy,
+            RebalanceInputs(step, self._last_change_step, self.model.total_steps - step,
+                            self.train.micro_batches, self._replan_cost_s))
+        if better is not None:
             self.progress.message(
-                f"rebalancing at step {step}: predicted bottleneck {now_s * 1e3:.1f} ms -> "
-                f"{new_s * 1e3:.1f} ms per micro-batch")
-            self._request_replan(ReplanReason.REBALANCE, new)
+                f"rebalancing at step {step}: predicted bottleneck "
+                f"{better.current_s * 1e3:.1f} ms -> {better.proposed_s * 1e3:.1f} ms per "
+                "micro-batch")
+            self._request_replan(ReplanReason.REBALANCE, better.assignment)
 
     # -- feeding --------------------------------------------------------------------------------
     def _send_train(self) -> None:
@@ -777,17 +688,15 @@ class Controller:
         self.metrics.epoch.set(summary.epoch)
         self.metrics.loss.set(summary.loss)
         self.metrics.samples.inc(summary.samples)
-        self._trained_samples += summary.samples
-        self._recent = [*self._recent[-19:], (now, summary.samples)]
-        rate = self._recent_rate()
+        rate = self.throughput.step(now, summary.samples)
         self.metrics.samples_per_second.set(rate)
         self.summary.history.append({"step": summary.step, "t": now - self._started,
                                      "loss": summary.loss, "samples_per_s": rate,
                                      "plan_version": self.plan.version if self.plan else 0})
         self.progress.step(summary.step + 1, summary.loss, rate)
         self._publish_state("training")
-        if self.schedule.is_last_of_epoch(summary.step) or self.feed.finished:
-            self._pause_train_clock()
+        if self.model.schedule.is_last_of_epoch(summary.step) or self.feed.finished:
+            self.throughput.pause(self.clock())
             self.phase = Phase.EVALUATING
             self.eval_round = EvalRound(len(self.data.x_test), self.train.eval_batch_size,
                                         self.train.max_in_flight, tag=summary.step)
@@ -807,20 +716,9 @@ class Controller:
         else:
             self._send_train()
 
-    def _recent_rate(self) -> float:
-        if len(self._recent) < 2:
-            return 0.0
-        span = self._recent[-1][0] - self._recent[0][0]
-        return sum(n for _, n in self._recent[1:]) / span if span > 0 else 0.0
-
-    def _pause_train_clock(self) -> None:
-        if self._train_started is not None:
-            self._train_time += self.clock() - self._train_started
-            self._train_started = None
-
     def _on_eval_complete(self) -> None:
         assert self.eval_round is not None and self.feed is not None
-        epoch = self.schedule.epoch_of(self.eval_round.tag)
+        epoch = self.model.schedule.epoch_of(self.eval_round.tag)
         accuracy, loss = self.eval_round.accuracy, self.eval_round.loss
         self.summary.test_accuracy, self.summary.test_loss = accuracy, loss
         self.summary.epochs = epoch + 1
@@ -834,7 +732,7 @@ class Controller:
         step = self.eval_round.tag + 1
         self.eval_round = None
         self.phase = Phase.TRAINING
-        self._train_started = self.clock()
+        self.throughput.resume(self.clock())
         self._at_boundary(step)
 
     # -- end of job -----------------------------------------------------------------------------
@@ -845,10 +743,9 @@ class Controller:
         if self.config.stop_devices:
             for device in sorted(self.online | {s.device for s in self.plan.stages}):
                 self._command(device, CommandOp.SHUTDOWN)
-        self.summary.train_s = self._train_time
         # Samples this controller trained (recomputed steps included) over its training time.
-        self.summary.samples_per_s = (self._trained_samples / self._train_time
-                                      if self._train_time else 0.0)
+        self.summary.train_s = self.throughput.train_s
+        self.summary.samples_per_s = self.throughput.mean_rate
         self.finish_summary()
         self._event(EventType.JOB_DONE, steps=self.summary.steps,
                     test_accuracy=self.summary.test_accuracy)
@@ -877,8 +774,9 @@ class Controller:
         self.messenger.send(self.topics.cmd(device), command)
 
     def _publish_state(self, state: str) -> None:
-        complete = self.replicas.latest_complete() if hasattr(self, "replicas") else None
-        capacities = dict(self.capacity.factors) if hasattr(self, "capacity") else {}
+        known = self.model is not None
+        complete = self.replicas.latest_complete() if known else None
+        capacities = dict(self.capacity.factors) if known else {}
         env = self.messenger.make(MessageKind.STATE, self.plan.version if self.plan else 0,
                                   self.summary.steps, state=state, job=self.job,
                                   phase=self.phase.value, complete_version=complete,
@@ -891,25 +789,3 @@ class Controller:
         env = self.messenger.make(MessageKind.EVENT, self.plan.version if self.plan else 0,
                                   self.summary.steps, type=kind.value, **body)
         self.messenger.send(self.topics.events, env)
-
-
-def save_weights(path: Path, weights: dict[int, dict[str, np.ndarray]], num_layers: int) -> None:
-    """Write gathered layer states to an ``.npz`` with keys ``<layer>/<tensor name>``."""
-    arrays = {f"{layer}/{name}": value for layer in range(num_layers)
-              for name, value in weights[layer].items()}
-    arrays["__num_layers__"] = np.array(num_layers)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, **arrays)
-
-
-def load_weights(path: Path) -> list[dict[str, np.ndarray]]:
-    """Read a file written by ``save_weights`` back into per-layer dicts."""
-    with np.load(path) as archive:
-        count = int(archive["__num_layers__"])
-        layers: list[dict[str, np.ndarray]] = [{} for _ in range(count)]
-        for key in archive.files:
-            if key == "__num_layers__":
-                continue
-            layer, _, name = key.partition("/")
-            layers[int(layer)][name] = archive[key]
-    return layers

@@ -42,6 +42,28 @@ def _die_with_parent() -> None:
         pass  # not Linux: the demo's own cleanup still applies
 
 
+def stop_process_groups(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Stop children started with ``start_new_session``: SIGCONT (a stopped process ignores
+    TERM), SIGTERM to each process group, SIGKILL what is left after ``grace_s``."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGCONT)
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
 @dataclass
 class DemoOptions:
     """What the demo runs. ``controller_args`` are passed through to ``ftpipe-iot controller``.
@@ -288,23 +310,7 @@ class Demo:
         if self.watcher is not None:
             self.watcher.close()
             self.watcher = None
-        for child in self.children:
-            if child.proc.poll() is None:
-                try:
-                    os.killpg(child.proc.pid, signal.SIGCONT)  # a stopped child ignores TERM
-                    os.killpg(child.proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 5.0
-        for child in self.children:
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(child.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                child.proc.wait()
+        stop_process_groups([child.proc for child in self.children])
         if self.broker is not None:
             self.broker.stop()
         self.children = []

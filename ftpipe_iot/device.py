@@ -153,6 +153,7 @@ class DeviceAgent:
         self._last_layer_times: list[list[float]] = []
         self.link = LinkMeter()
         self._loader_since = 0.0
+        self._current_step = 0  # step of the data being computed (profiles schedule by step)
         self.metrics.stage.set(-1)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -440,8 +441,6 @@ class DeviceAgent:
             self._emit(output)
 
     # -- emulated heterogeneity -----------------------------------------------------------------
-    _current_step = 0
-
     def _emulate_compute(self, real_s: float) -> None:
         if self.profile is not None:
             delay = self.profile.compute_delay_s(real_s, self._current_step,

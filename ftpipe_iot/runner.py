@@ -16,11 +16,12 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.config import BrokerConfig
-from ftpipe_iot.controller import Controller, ControllerConfig, RunSummary, controller_will
+from ftpipe_iot.controller import Controller, ControllerConfig, controller_will
 from ftpipe_iot.device import DeviceAgent, DeviceOptions, device_will
 from ftpipe_iot.metrics import serve_metrics
 from ftpipe_iot.profiles import DeviceProfile
 from ftpipe_iot.progress import ProgressReporter
+from ftpipe_iot.summary import RunSummary
 from ftpipe_iot.topics import check_name
 from ftpipe_iot.transport.mqtt import MqttTransport
 

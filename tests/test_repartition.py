@@ -9,7 +9,7 @@ import pytest
 from helpers import max_weight_diff
 
 from ftpipe_iot.capacity import CapacityEstimator
-from ftpipe_iot.controller import load_weights
+from ftpipe_iot.checkpoint import load_weights
 from ftpipe_iot.data import DataSpec, load_dataset
 from ftpipe_iot.models import ModelSpec
 from ftpipe_iot.plan import TrainConfig

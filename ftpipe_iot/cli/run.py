@@ -116,7 +116,7 @@ def _parse_assignment(text: str) -> tuple[tuple[str, int, int], ...]:
     return tuple(stages)
 
 
-def _broker_config(url: str, config_file: str | None, protocol: str, max_message: int,
+def broker_options(url: str, config_file: str | None, protocol: str, max_message: int,
                    keepalive: int, job: str | None) -> tuple[BrokerConfig, str | None, str]:
     """Broker settings, identity name and job from a bundle file or from the options."""
     try:
@@ -202,7 +202,7 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
     from ftpipe_iot.runner import ProcessOptions, run_device
     from ftpipe_iot.transport import TransportError
 
-    config, bundle_name, job = _broker_config(broker_url, config_file, mqtt_protocol,
+    config, bundle_name, job = broker_options(broker_url, config_file, mqtt_protocol,
                                               max_message_bytes, keepalive, job)
     name = name or bundle_name
     if not name:
@@ -266,7 +266,7 @@ def controller(job: str | None, devices: int, device_names: str | None, wait_dev
     from ftpipe_iot.runner import ProcessOptions, run_controller
     from ftpipe_iot.transport import TransportError
 
-    config, bundle_name, job = _broker_config(broker_url, config_file, mqtt_protocol,
+    config, bundle_name, job = broker_options(broker_url, config_file, mqtt_protocol,
                                               max_message_bytes, keepalive, job)
     names = tuple(n.strip() for n in device_names.split(",")) if device_names else ()
     if names and len(names) != devices:

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ftpipe_iot.cli.run import _broker_config
+from ftpipe_iot.cli.run import broker_options
 
 
 def _fmt(value: object, suffix: str = "") -> str:
@@ -32,7 +32,7 @@ def status(broker_url: str, config_file: str | None, job: str | None, mqtt_proto
     from ftpipe_iot.transport import TransportError
     from ftpipe_iot.watch import JobWatcher, collect, fleet_table
 
-    config, name, job = _broker_config(broker_url, config_file, mqtt_protocol, 256 * 1024, 10,
+    config, name, job = broker_options(broker_url, config_file, mqtt_protocol, 256 * 1024, 10,
                                        job)
     try:
         with JobWatcher(config, job, client_id=name) as watcher:

@@ -1,0 +1,77 @@
+"""The run summary: what a job achieved, as the controller writes it and the demo prints it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RunSummary:
+    """What the job achieved; the demo prints it as JSON."""
+
+    job: str
+    test_accuracy: float = 0.0
+    test_loss: float = 0.0
+    samples_per_s: float = 0.0
+    steps: int = 0
+    epochs: int = 0
+    devices: int = 0
+    wall_s: float = 0.0
+    train_s: float = 0.0
+    final_loss: float = 0.0
+    stages: list[dict] = field(default_factory=list)
+    failures_detected: int = 0
+    recoveries: int = 0
+    repartitions: int = 0
+    detect_s: list[float] = field(default_factory=list)
+    recover_s: list[float] = field(default_factory=list)
+    recomputed_steps: int = 0
+    replicated_bytes: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    device_dropped: dict[str, dict[str, int]] = field(default_factory=dict)
+    device_layer_seconds: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    device_links: dict[str, dict[str, float]] = field(default_factory=dict)
+    history: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    error: str | None = None
+
+    def to_dict(self, with_history: bool = True) -> dict:
+        data = asdict(self)
+        if not with_history:
+            data.pop("history")
+        return data
+
+
+@dataclass
+class ThroughputMeter:
+    """Training throughput from step completions: a moving rate over the last ``window`` steps,
+    and the mean over the time spent training (evaluation and re-plans are paused out)."""
+
+    window: int = 20
+    train_s: float = 0.0
+    samples: int = 0
+    _started: float | None = None
+    _recent: list[tuple[float, int]] = field(default_factory=list)
+
+    def resume(self, now: float) -> None:
+        if self._started is None:
+            self._started = now
+
+    def pause(self, now: float) -> None:
+        if self._started is not None:
+            self.train_s += now - self._started
+            self._started = None
+
+    def step(self, now: float, samples: int) -> float:
+        """Record a completed step; returns the moving rate in samples/s."""
+        self.samples += samples
+        self._recent = [*self._recent[-(self.window - 1):], (now, samples)]
+        if len(self._recent) < 2:
+            return 0.0
+        span = self._recent[-1][0] - self._recent[0][0]
+        return sum(n for _, n in self._recent[1:]) / span if span > 0 else 0.0
+
+    @property
+    def mean_rate(self) -> float:
+        return self.samples / self.train_s if self.train_s else 0.0
