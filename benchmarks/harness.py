@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ftpipe_iot.broker import BrokerProcess
-from ftpipe_iot.config import BrokerConfig
-from ftpipe_iot.demo import stop_process_groups
-from ftpipe_iot.watch import JobWatcher
+from ftpipe_iot.observability.watch import JobWatcher
+from ftpipe_iot.runtime.broker import BrokerProcess
+from ftpipe_iot.runtime.demo import stop_process_groups
+from ftpipe_iot.transport.config import BrokerConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILES = REPO / "devices" / "profiles"

@@ -24,10 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import PROFILES, JobSpec, rate_between, run_job, say, steady_rate  # noqa: E402
-from ftpipe_iot.broker import BrokerProcess  # noqa: E402
-from ftpipe_iot.models import profile_layer_costs  # noqa: E402
-from ftpipe_iot.profiles import load_profile  # noqa: E402
-from ftpipe_iot.solver import DeviceSpec, LayerCosts, exhaustive_partition  # noqa: E402
+from ftpipe_iot.core.models import profile_layer_costs  # noqa: E402
+from ftpipe_iot.planning.profiles import load_profile  # noqa: E402
+from ftpipe_iot.planning.solver import DeviceSpec, LayerCosts, exhaustive_partition  # noqa: E402
+from ftpipe_iot.runtime.broker import BrokerProcess  # noqa: E402
 
 WIDTH = 0.25
 MB, M = 8, 4

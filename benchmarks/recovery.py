@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import JobSpec, run_job, say, steady_rate  # noqa: E402
-from ftpipe_iot.broker import BrokerProcess  # noqa: E402
+from ftpipe_iot.runtime.broker import BrokerProcess  # noqa: E402
 
 MB, M = 8, 4
 BATCH = MB * M

@@ -173,7 +173,7 @@ class ProfileFactor:
         self.profile = None
         self.constant = float(constant)
         if profile_path is not None:
-            from ftpipe_iot.profiles import load_profile
+            from ftpipe_iot.planning.profiles import load_profile
 
             self.profile = load_profile(profile_path)
 
@@ -314,7 +314,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any],
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from ftpipe_iot.models import ModelSpec, build_layers, cut_shapes
+    from ftpipe_iot.core.models import ModelSpec, build_layers, cut_shapes
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -416,8 +416,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any],
 
 def _measure_split(cfg: TorchPipeliningConfig) -> tuple[list[tuple[int, int]], list[float], int]:
     """Measured per-layer costs (one thread, one micro-batch) and their balanced split."""
-    from ftpipe_iot.models import ModelSpec, build_layers, measure_layer_costs
-    from ftpipe_iot.partition import balanced_split
+    from ftpipe_iot.core.models import ModelSpec, build_layers, measure_layer_costs
+    from ftpipe_iot.planning.partition import balanced_split
 
     layers = build_layers(ModelSpec("mobilenetv2", width=cfg.width), INPUT_SHAPE, NUM_CLASSES,
                           seed=cfg.seed)

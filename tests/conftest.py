@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ftpipe_iot.broker import BrokerKind, BrokerProcess, mosquitto_binary
+from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess, mosquitto_binary
 
 
 @pytest.fixture(autouse=True, scope="session")

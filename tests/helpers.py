@@ -7,8 +7,8 @@ import time
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from ftpipe_iot.controller import Controller, ControllerConfig, Phase
-from ftpipe_iot.device import DeviceAgent, device_will
+from ftpipe_iot.control.controller import Controller, ControllerConfig, Phase
+from ftpipe_iot.device.agent import DeviceAgent, device_will
 from ftpipe_iot.transport.memory import MemoryBroker
 
 

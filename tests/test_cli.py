@@ -7,9 +7,9 @@ import pytest
 from click.testing import CliRunner
 
 from ftpipe_iot.cli import main
-from ftpipe_iot.data import DataError, DataSpec, load_dataset
-from ftpipe_iot.faults import FaultAction, FaultSpecError, parse_fault
-from ftpipe_iot.models import ModelError, ModelSpec, build_layers, cut_shapes
+from ftpipe_iot.core.data import DataError, DataSpec, load_dataset
+from ftpipe_iot.core.models import ModelError, ModelSpec, build_layers, cut_shapes
+from ftpipe_iot.runtime.faults import FaultAction, FaultSpecError, parse_fault
 
 
 def _run(*args: str):

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from helpers import MemoryJob, max_weight_diff
 
-from ftpipe_iot.controller import ControllerConfig, Phase
-from ftpipe_iot.data import DataSpec
-from ftpipe_iot.models import ModelSpec
-from ftpipe_iot.plan import OptimizerName, TrainConfig
-from ftpipe_iot.reference import train_reference
-from ftpipe_iot.topics import Topics
-from ftpipe_iot.wire import Envelope, MessageKind, encode
+from ftpipe_iot.control.controller import ControllerConfig, Phase
+from ftpipe_iot.core.data import DataSpec
+from ftpipe_iot.core.models import ModelSpec
+from ftpipe_iot.core.reference import train_reference
+from ftpipe_iot.protocol.plan import OptimizerName, TrainConfig
+from ftpipe_iot.protocol.topics import Topics
+from ftpipe_iot.protocol.wire import Envelope, MessageKind, encode
 
 
 # Adam divides by the root of the second moment, which magnifies last-bit float differences in
@@ -111,7 +111,7 @@ def test_device_of_another_job_is_not_used():
     job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
     from prometheus_client import CollectorRegistry
 
-    from ftpipe_iot.device import DeviceAgent
+    from ftpipe_iot.device.agent import DeviceAgent
     stranger = DeviceAgent("a0", "other-job", job.broker.transport("a0"), CollectorRegistry())
     stranger.start()
     job.start()

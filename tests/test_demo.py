@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from ftpipe_iot.broker import mosquitto_binary
+from ftpipe_iot.runtime.broker import mosquitto_binary
 
 pytestmark = pytest.mark.slow
 

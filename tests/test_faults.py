@@ -11,16 +11,16 @@ import time
 import pytest
 from helpers import max_weight_diff
 
-from ftpipe_iot.checkpoint import load_weights
-from ftpipe_iot.config import BrokerConfig
-from ftpipe_iot.data import DataSpec, load_dataset
-from ftpipe_iot.models import ModelSpec
-from ftpipe_iot.plan import TrainConfig
-from ftpipe_iot.reference import train_reference
-from ftpipe_iot.topics import Topics
+from ftpipe_iot.control.checkpoint import load_weights
+from ftpipe_iot.core.data import DataSpec, load_dataset
+from ftpipe_iot.core.models import ModelSpec
+from ftpipe_iot.core.reference import train_reference
+from ftpipe_iot.observability.watch import JobWatcher
+from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.topics import Topics
+from ftpipe_iot.protocol.wire import MessageKind, Reassembler
+from ftpipe_iot.transport.config import BrokerConfig
 from ftpipe_iot.transport.mqtt import MqttTransport
-from ftpipe_iot.watch import JobWatcher
-from ftpipe_iot.wire import MessageKind, Reassembler
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 

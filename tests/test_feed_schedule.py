@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ftpipe_iot.feed import EvalRound, TrainFeed
-from ftpipe_iot.schedule import SyncSchedule
+from ftpipe_iot.core.feed import EvalRound, TrainFeed
+from ftpipe_iot.core.schedule import SyncSchedule
 
 
 def test_schedule_is_deterministic_and_covers_each_sample_once_per_epoch():

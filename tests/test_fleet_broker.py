@@ -26,14 +26,14 @@ import paho.mqtt.client as mqtt
 import pytest
 from click.testing import CliRunner
 
-from ftpipe_iot.broker import BrokerProcess, find_free_port, mosquitto_binary
 from ftpipe_iot.cli.fleet import fleet as fleet_cli
-from ftpipe_iot.config import load_bundle
 from ftpipe_iot.fleet import ca, fleet
 from ftpipe_iot.fleet.brokerconf import message_size_limit
 from ftpipe_iot.fleet.check import check_connection
 from ftpipe_iot.fleet.errors import CheckFailure, ConnectionCheckError
 from ftpipe_iot.fleet.model import BrokerSettings, Role, load_state
+from ftpipe_iot.runtime.broker import BrokerProcess, find_free_port, mosquitto_binary
+from ftpipe_iot.transport.config import load_bundle
 
 pytestmark = pytest.mark.broker
 

@@ -9,8 +9,8 @@ import click
 import pytest
 from click.testing import CliRunner, Result
 
-from ftpipe_iot.broker import find_free_port
 from ftpipe_iot.cli.fleet import COMMANDS, fleet
+from ftpipe_iot.runtime.broker import find_free_port
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> Result:

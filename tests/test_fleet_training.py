@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from ftpipe_iot.broker import BrokerProcess, find_free_port, mosquitto_binary
 from ftpipe_iot.fleet import fleet
 from ftpipe_iot.fleet.model import BrokerSettings, Role, load_state
+from ftpipe_iot.runtime.broker import BrokerProcess, find_free_port, mosquitto_binary
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 

@@ -15,11 +15,11 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from ftpipe_iot.config import BrokerConfig, Bundle, load_bundle
 from ftpipe_iot.fleet import acl, ca, fleet, passwd
 from ftpipe_iot.fleet.check import _tls_error, _verify_error
 from ftpipe_iot.fleet.errors import CheckFailure, FleetError, UnknownIdentityError
 from ftpipe_iot.fleet.model import BrokerSettings, Identity, Role, load_state
+from ftpipe_iot.transport.config import BrokerConfig, Bundle, load_bundle
 
 
 def _mode(path: Path) -> int:

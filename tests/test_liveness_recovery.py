@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ftpipe_iot.liveness import FailureCause, LivenessTracker
-from ftpipe_iot.loader import StageLoader
-from ftpipe_iot.plan import TrainConfig
-from ftpipe_iot.recovery import choose_devices, recovery_plan
-from ftpipe_iot.replication import (
+from ftpipe_iot.control.liveness import FailureCause, LivenessTracker
+from ftpipe_iot.control.recovery import choose_devices, recovery_plan
+from ftpipe_iot.core.loader import StageLoader
+from ftpipe_iot.core.replicas import (
     LayerReplica,
     ReplicaStore,
     export_layer,
@@ -17,8 +16,9 @@ from ftpipe_iot.replication import (
     replica_body,
     replica_from_body,
 )
-from ftpipe_iot.stage import make_optimizer
-from ftpipe_iot.wire import Envelope, MessageKind, decode, encode
+from ftpipe_iot.core.stage import make_optimizer
+from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.wire import Envelope, MessageKind, decode, encode
 
 
 def _replica(layer: int, version: int) -> LayerReplica:

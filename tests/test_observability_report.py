@@ -17,9 +17,15 @@ import pytest
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from ftpipe_iot.broker import mosquitto_binary
-from ftpipe_iot.metrics import ControllerMetrics, DeviceMetrics
-from ftpipe_iot.report import REPORT_JSON, REPORT_PNG, ReportError, build_report, write_report
+from ftpipe_iot.observability.metrics import ControllerMetrics, DeviceMetrics
+from ftpipe_iot.observability.report import (
+    REPORT_JSON,
+    REPORT_PNG,
+    ReportError,
+    build_report,
+    write_report,
+)
+from ftpipe_iot.runtime.broker import mosquitto_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 

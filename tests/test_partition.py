@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from ftpipe_iot.partition import RepartitionPolicy, balanced_split, should_repartition
+from ftpipe_iot.planning.partition import RepartitionPolicy, balanced_split, should_repartition
 
 
 def test_balanced_split_minimises_the_largest_range():

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ftpipe_iot.partition import balanced_split, should_repartition
-from ftpipe_iot.solver import (
+from ftpipe_iot.planning.partition import balanced_split, should_repartition
+from ftpipe_iot.planning.solver import (
     DeviceSpec,
     InfeasiblePartitionError,
     LayerCosts,

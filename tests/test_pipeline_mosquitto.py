@@ -11,13 +11,13 @@ import paho.mqtt.client as mqtt
 import pytest
 from helpers import max_weight_diff
 
-from ftpipe_iot.checkpoint import load_weights
-from ftpipe_iot.data import DataSpec, load_dataset
-from ftpipe_iot.models import ModelSpec
-from ftpipe_iot.plan import TrainConfig
-from ftpipe_iot.reference import train_reference
-from ftpipe_iot.topics import Topics
-from ftpipe_iot.wire import Envelope, MessageKind, WireOptions, encode
+from ftpipe_iot.control.checkpoint import load_weights
+from ftpipe_iot.core.data import DataSpec, load_dataset
+from ftpipe_iot.core.models import ModelSpec
+from ftpipe_iot.core.reference import train_reference
+from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.topics import Topics
+from ftpipe_iot.protocol.wire import Envelope, MessageKind, WireOptions, encode
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 

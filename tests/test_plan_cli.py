@@ -129,9 +129,9 @@ def test_model_uses_the_registry(monkeypatch):
         calls.append((name, micro_batch_size))
         return dict(COSTS)
 
-    fake = types.ModuleType("ftpipe_iot.models")
+    fake = types.ModuleType("ftpipe_iot.core.models")
     fake.profile_layer_costs = profile_layer_costs  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "ftpipe_iot.models", fake)
+    monkeypatch.setitem(sys.modules, "ftpipe_iot.core.models", fake)
     result = run("--model", "mlp", "--profiles", profile("gateway"), profile("rpi4"),
                  "--micro-batch-size", "4", "--json")
     assert result.exit_code == 0, result.output
@@ -143,13 +143,13 @@ def test_model_registry_errors_are_clear(monkeypatch):
     def unknown(name: str, micro_batch_size: int) -> dict:
         raise KeyError(f"unknown model {name!r}")
 
-    fake = types.ModuleType("ftpipe_iot.models")
+    fake = types.ModuleType("ftpipe_iot.core.models")
     fake.profile_layer_costs = unknown  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "ftpipe_iot.models", fake)
+    monkeypatch.setitem(sys.modules, "ftpipe_iot.core.models", fake)
     result = run("--model", "nope", "--profiles", profile("gateway"))
     assert result.exit_code == 1 and "cannot profile model 'nope'" in result.output
 
-    monkeypatch.setitem(sys.modules, "ftpipe_iot.models", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "ftpipe_iot.core.models", None)  # makes the import fail
     result = run("--model", "mlp", "--profiles", profile("gateway"))
     assert result.exit_code == 1
     assert "ftpipe_iot.models.profile_layer_costs" in result.output

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from ftpipe_iot.capacity import CapacityEstimator
-from ftpipe_iot.partition import RepartitionPolicy
-from ftpipe_iot.planning import RebalanceInputs, device_specs, new_assignment, propose_rebalance
-from ftpipe_iot.solver import LayerCosts
-from ftpipe_iot.summary import ThroughputMeter
+from ftpipe_iot.control.summary import ThroughputMeter
+from ftpipe_iot.planning.capacity import CapacityEstimator
+from ftpipe_iot.planning.partition import RepartitionPolicy
+from ftpipe_iot.planning.rebalance import (
+    RebalanceInputs,
+    device_specs,
+    new_assignment,
+    propose_rebalance,
+)
+from ftpipe_iot.planning.solver import LayerCosts
 
 COSTS = LayerCosts.from_dict({"layer_cost_s": [0.01] * 8, "activation_bytes": [1000] * 8,
                               "layer_memory_bytes": [1] * 8})

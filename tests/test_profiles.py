@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftpipe_iot.profiles import (
+from ftpipe_iot.planning.profiles import (
     DeviceProfile,
     ProfileError,
     StepFactor,

@@ -8,12 +8,12 @@ import json
 import pytest
 from helpers import max_weight_diff
 
-from ftpipe_iot.capacity import CapacityEstimator
-from ftpipe_iot.checkpoint import load_weights
-from ftpipe_iot.data import DataSpec, load_dataset
-from ftpipe_iot.models import ModelSpec
-from ftpipe_iot.plan import TrainConfig
-from ftpipe_iot.reference import train_reference
+from ftpipe_iot.control.checkpoint import load_weights
+from ftpipe_iot.core.data import DataSpec, load_dataset
+from ftpipe_iot.core.models import ModelSpec
+from ftpipe_iot.core.reference import train_reference
+from ftpipe_iot.planning.capacity import CapacityEstimator
+from ftpipe_iot.protocol.plan import TrainConfig
 
 
 def test_capacity_estimate_is_the_median_of_recent_measurements_over_reference():

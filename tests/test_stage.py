@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from ftpipe_iot.models import ModelSpec, build_layers, cut_shapes
-from ftpipe_iot.plan import TrainConfig
-from ftpipe_iot.stage import (
+from ftpipe_iot.core.models import ModelSpec, build_layers, cut_shapes
+from ftpipe_iot.core.stage import (
     MicroBatchDone,
     MicroBatchResult,
     SendActivation,
@@ -17,6 +16,7 @@ from ftpipe_iot.stage import (
     StageInputError,
     StepDone,
 )
+from ftpipe_iot.protocol.plan import TrainConfig
 
 CONFIG = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=4)
 

@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from ftpipe_iot.wire import (
+from ftpipe_iot.protocol.wire import (
     BadChecksum,
     Envelope,
     MalformedFrame,

@@ -14,12 +14,12 @@ from typing import Any, TypeVar
 
 import click
 
-from ftpipe_iot.config import ConfigError, load_bundle
 from ftpipe_iot.fleet import bundle as bundle_mod
 from ftpipe_iot.fleet import fleet as fleet_ops
 from ftpipe_iot.fleet.check import check_connection
 from ftpipe_iot.fleet.errors import FleetError
 from ftpipe_iot.fleet.model import BrokerSettings, Role
+from ftpipe_iot.transport.config import ConfigError, load_bundle
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from ftpipe_iot.profiles import ProfileError, fleet_device_specs, load_profile
-from ftpipe_iot.solver import LayerCosts, Partition, PartitionError, solve_partition
+from ftpipe_iot.planning.profiles import ProfileError, fleet_device_specs, load_profile
+from ftpipe_iot.planning.solver import LayerCosts, Partition, PartitionError, solve_partition
 
 _DEFAULT_MODEL_MICRO_BATCH = 32
 
@@ -17,7 +17,7 @@ _DEFAULT_MODEL_MICRO_BATCH = 32
 def _model_costs(model: str, micro_batch_size: int) -> LayerCosts:
     # Imported here: the model registry pulls in torch, which planning from a costs file must not.
     try:
-        from ftpipe_iot.models import profile_layer_costs
+        from ftpipe_iot.core.models import profile_layer_costs
     except ImportError as exc:
         raise click.ClickException(
             f"--model needs ftpipe_iot.models.profile_layer_costs, which cannot be imported "

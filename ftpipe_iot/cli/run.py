@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from ftpipe_iot.config import BrokerConfig, ConfigError, load_bundle, parse_protocol
+from ftpipe_iot.transport.config import BrokerConfig, ConfigError, load_bundle, parse_protocol
 
 _TRAINING_OPTIONS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
     click.option("--model", default="cnn", show_default=True,
@@ -68,10 +68,10 @@ def _parse_shape(text: str) -> tuple[int, ...]:
 
 
 def _train_config(kw: dict[str, Any]):
-    from ftpipe_iot.data import DataError, DataSpec
-    from ftpipe_iot.models import ModelError, ModelSpec
-    from ftpipe_iot.plan import OptimizerName, PlanError, TrainConfig
-    from ftpipe_iot.wire import WireDtype
+    from ftpipe_iot.core.data import DataError, DataSpec
+    from ftpipe_iot.core.models import ModelError, ModelSpec
+    from ftpipe_iot.protocol.plan import OptimizerName, PlanError, TrainConfig
+    from ftpipe_iot.protocol.wire import WireDtype
 
     try:
         return TrainConfig(
@@ -163,7 +163,7 @@ def connection_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--embedded", is_flag=True, help="use the embedded amqtt broker (MQTT 3.1.1)")
 def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
     """Run Mosquitto with the project's config in the foreground (Ctrl-C stops it)."""
-    from ftpipe_iot.broker import BrokerError, BrokerKind, BrokerProcess
+    from ftpipe_iot.runtime.broker import BrokerError, BrokerKind, BrokerProcess
 
     kind = BrokerKind.EMBEDDED if embedded else None
     proc = BrokerProcess(port=port, bind=bind, kind=kind,
@@ -197,9 +197,9 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
            config_file: str | None, mqtt_protocol: str, max_message_bytes: int, keepalive: int,
            metrics_port: int, threads: int, log_level: str) -> None:
     """Run a device agent: announce, take a stage from the plan, compute, report."""
-    from ftpipe_iot.device import DeviceOptions
-    from ftpipe_iot.profiles import ProfileError, load_profile
-    from ftpipe_iot.runner import ProcessOptions, run_device
+    from ftpipe_iot.device.agent import DeviceOptions
+    from ftpipe_iot.planning.profiles import ProfileError, load_profile
+    from ftpipe_iot.runtime.entry import ProcessOptions, run_device
     from ftpipe_iot.transport import TransportError
 
     config, bundle_name, job = broker_options(broker_url, config_file, mqtt_protocol,
@@ -259,11 +259,11 @@ def controller(job: str | None, devices: int, device_names: str | None, wait_dev
                mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
                threads: int, log_level: str, **training: Any) -> None:
     """Run a job's controller: plan, feed data, collect losses, evaluate, snapshot."""
-    from ftpipe_iot.controller import ControllerConfig
-    from ftpipe_iot.data import DataError
-    from ftpipe_iot.models import ModelError
-    from ftpipe_iot.progress import default_progress
-    from ftpipe_iot.runner import ProcessOptions, run_controller
+    from ftpipe_iot.control.controller import ControllerConfig
+    from ftpipe_iot.core.data import DataError
+    from ftpipe_iot.core.models import ModelError
+    from ftpipe_iot.observability.progress import default_progress
+    from ftpipe_iot.runtime.entry import ProcessOptions, run_controller
     from ftpipe_iot.transport import TransportError
 
     config, bundle_name, job = broker_options(broker_url, config_file, mqtt_protocol,
@@ -324,9 +324,9 @@ def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
          work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...], as_json: bool,
          **training: Any) -> None:
     """Train the CNN on digits with a broker, a controller and N device processes."""
-    from ftpipe_iot.broker import BrokerError
-    from ftpipe_iot.demo import Demo, DemoError, DemoOptions
-    from ftpipe_iot.faults import FaultAction, FaultSpecError, fault_schedule
+    from ftpipe_iot.runtime.broker import BrokerError
+    from ftpipe_iot.runtime.demo import Demo, DemoError, DemoOptions
+    from ftpipe_iot.runtime.faults import FaultAction, FaultSpecError, fault_schedule
 
     if broker_url and embedded_broker:
         raise click.UsageError("--broker and --embedded-broker exclude each other")

@@ -29,8 +29,8 @@ def _fmt(value: object, suffix: str = "") -> str:
 def status(broker_url: str, config_file: str | None, job: str | None, mqtt_protocol: str,
            wait: float, as_json: bool) -> None:
     """Show devices (online/offline, stage, layers, capacity, heartbeat age), step and plan."""
+    from ftpipe_iot.observability.watch import JobWatcher, collect, fleet_table
     from ftpipe_iot.transport import TransportError
-    from ftpipe_iot.watch import JobWatcher, collect, fleet_table
 
     config, name, job = broker_options(broker_url, config_file, mqtt_protocol, 256 * 1024, 10,
                                        job)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ftpipe_iot.fleet.model import Identity, Role
-from ftpipe_iot.topics import ROOT, Topics
+from ftpipe_iot.protocol.topics import ROOT, Topics
 
 
 class Access(str, Enum):

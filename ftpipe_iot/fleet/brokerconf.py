@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftpipe_iot.broker import template_text
 from ftpipe_iot.fleet.model import BrokerSettings
+from ftpipe_iot.runtime.broker import template_text
 
 TEMPLATE_NAME = "mosquitto-fleet.conf.template"
 # A chunk carries the msgpack envelope (version, kind, job, sender, plan version, step, indices,

@@ -13,11 +13,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftpipe_iot.broker import shared_file
-from ftpipe_iot.config import BrokerConfig, Bundle, bundle_to_dict
 from ftpipe_iot.fleet.ca import KeyPair
 from ftpipe_iot.fleet.model import BrokerSettings, Identity, Role
 from ftpipe_iot.fleet.passwd import write_private
+from ftpipe_iot.runtime.broker import shared_file
+from ftpipe_iot.transport.config import BrokerConfig, Bundle, bundle_to_dict
 
 UNIT_TEMPLATE = "ftpipe-device.service.template"
 UNIT_NAME = "ftpipe-device.service"

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from enum import Enum
 
+from ftpipe_iot.errors import FtpipeError
 
-class FleetError(Exception):
+
+class FleetError(FtpipeError):
     """A fleet operation failed; ``str(exc)`` is a complete, user-facing explanation."""
 
 

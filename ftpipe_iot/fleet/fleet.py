@@ -32,7 +32,7 @@ from ftpipe_iot.fleet.model import (
     save_state,
     state_path,
 )
-from ftpipe_iot.topics import check_name
+from ftpipe_iot.protocol.topics import check_name
 
 _WILDCARD_BINDS = ("0.0.0.0", "::", "")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ftpipe_iot.fleet.errors import FleetError, UnknownIdentityError
 from ftpipe_iot.fleet.passwd import write_private
-from ftpipe_iot.topics import check_name
+from ftpipe_iot.protocol.topics import check_name
 
 STATE_FILE = "fleet.json"
 STATE_VERSION = 1

@@ -1,10 +1,10 @@
 """Message transports: the paho-mqtt adapter and an in-memory one for unit tests."""
 
+from ftpipe_iot.errors import TransportError
 from ftpipe_iot.transport.base import (
     RECONNECTED_TOPIC,
     Incoming,
     Transport,
-    TransportError,
     Will,
     topic_matches,
 )

@@ -10,10 +10,6 @@ from typing import Protocol
 RECONNECTED_TOPIC = "$local/reconnected"
 
 
-class TransportError(ConnectionError):
-    """The broker could not be reached or refused us; the message says why."""
-
-
 @dataclass(frozen=True)
 class Incoming:
     """A message as received: topic, raw payload, and whether it came from the retained store."""

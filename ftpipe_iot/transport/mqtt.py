@@ -16,8 +16,9 @@ import time
 import paho.mqtt.client as mqtt
 from paho.mqtt.reasoncodes import ReasonCode
 
-from ftpipe_iot.config import BrokerConfig, MqttProtocol
-from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, TransportError, Will
+from ftpipe_iot.errors import TransportError
+from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, Will
+from ftpipe_iot.transport.config import BrokerConfig, MqttProtocol
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,55 @@
+"""What the controller derives from a training config before any device is involved: the data,
+the model's cut shapes, the reference per-layer cost profile, the cost model the partition
+solver reads, and the step arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ftpipe_iot.core.data import Dataset, load_dataset
+from ftpipe_iot.core.models import build_layers, cut_shapes, measure_layer_costs
+from ftpipe_iot.core.schedule import SyncSchedule
+from ftpipe_iot.planning.solver import LayerCosts
+from ftpipe_iot.protocol.plan import TrainConfig
+
+
+@dataclass(frozen=True)
+class JobModel:
+    """A job's fixed facts. ``layer_costs`` are forward+backward seconds per micro-batch measured
+    here (the reference profile); ``cost_model`` adds activation and memory bytes per layer."""
+
+    train: TrainConfig
+    data: Dataset
+    cut_shapes: list[tuple[int, ...]]
+    layer_costs: list[float]
+    cost_model: LayerCosts
+    schedule: SyncSchedule
+    total_steps: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_costs)
+
+
+def prepare_job(train: TrainConfig, data: Dataset | None = None) -> JobModel:
+    """Load the data (unless given), check the model fits it, and measure the reference costs.
+
+    Raises ModelError/DataError with a clear message when the model and data do not fit.
+    """
+    data = data if data is not None else load_dataset(train.data)
+    layers = build_layers(train.model, data.input_shape, data.num_classes, train.seed)
+    shapes = cut_shapes(layers, data.input_shape, data.num_classes, train.model.name)
+    costs = measure_layer_costs(layers, data.input_shape, train.micro_batch_size)
+    params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    activations = [4 * train.micro_batch_size * int(np.prod(s)) for s in shapes[1:]]
+    cost_model = LayerCosts.from_dict({
+        "layer_cost_s": costs, "activation_bytes": activations,
+        # parameters, gradients and optimizer state (3 x 4 bytes) plus the stashed activation
+        "layer_memory_bytes": [12 * p + 4 * a for p, a in zip(params, activations)],
+        "micro_batch_size": train.micro_batch_size})
+    schedule = SyncSchedule(len(data.x_train), train.micro_batches, train.micro_batch_size,
+                            train.seed)
+    return JobModel(train, data, shapes, costs, cost_model, schedule,
+                    schedule.total_steps(train.epochs, train.max_steps))

@@ -1,0 +1,129 @@
+"""Data sets: the digits that scikit-learn ships (real data, no download), synthetic data of any
+shape for benchmarks, and a user ``.npz`` file with ``x`` and ``y`` arrays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ftpipe_iot.errors import DataError
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Which data to load: ``digits``, ``synthetic`` (with shape/classes/size) or ``npz:PATH``."""
+
+    name: str = "digits"
+    shape: tuple[int, ...] = (3, 32, 32)
+    classes: int = 10
+    samples: int = 2048
+    test_fraction: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.name not in ("digits", "synthetic") and not self.name.startswith("npz:"):
+            raise DataError(
+                f"unknown data set {self.name!r}: use 'digits', 'synthetic' or 'npz:PATH'"
+            )
+        if not 0.0 < self.test_fraction < 1.0:
+            raise DataError(f"test_fraction must be between 0 and 1, got {self.test_fraction}")
+        if self.classes < 2:
+            raise DataError(f"need at least 2 classes, got {self.classes}")
+        if self.samples < 4:
+            raise DataError(f"need at least 4 samples, got {self.samples}")
+        if not self.shape or any(int(d) < 1 for d in self.shape):
+            raise DataError(f"sample shape must be positive, got {self.shape}")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Train and test arrays: x float32 of shape (N, *input_shape), y int64 class indices."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    name: str
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.x_train.shape[1:])
+
+
+def _split(x: np.ndarray, y: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, ...]:
+    order = np.random.default_rng(seed).permutation(len(x))
+    n_test = max(1, int(round(len(x) * fraction)))
+    test, train = order[:n_test], order[n_test:]
+    return x[train], y[train], x[test], y[test]
+
+
+def _digits(spec: DataSpec) -> Dataset:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = (bunch.images.astype(np.float32) / 16.0)[:, None, :, :]
+    y = bunch.target.astype(np.int64)
+    x_tr, y_tr, x_te, y_te = _split(x, y, spec.test_fraction, seed=1234)
+    return Dataset(x_tr, y_tr, x_te, y_te, 10, "digits")
+
+
+def _synthetic(spec: DataSpec) -> Dataset:
+    rng = np.random.default_rng(4321)
+    shape = tuple(int(d) for d in spec.shape)
+    x = rng.standard_normal((spec.samples, *shape), dtype=np.float32)
+    # Labels from a fixed random projection so the task is learnable, not noise.
+    projection = rng.standard_normal((int(np.prod(shape)), spec.classes)).astype(np.float32)
+    y = np.argmax(x.reshape(spec.samples, -1) @ projection, axis=1).astype(np.int64)
+    x_tr, y_tr, x_te, y_te = _split(x, y, spec.test_fraction, seed=1234)
+    return Dataset(x_tr, y_tr, x_te, y_te, spec.classes, "synthetic")
+
+
+def _npz(spec: DataSpec) -> Dataset:
+    path = Path(spec.name[4:])
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {k: archive[k] for k in archive.files}
+    except FileNotFoundError as exc:
+        raise DataError(f"data file {path} does not exist") from exc
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path} is not a readable .npz file: {exc}") from exc
+    for key in ("x", "y"):
+        if key not in arrays:
+            raise DataError(f"{path} must hold arrays 'x' and 'y'; it has {sorted(arrays)}")
+    x, y = arrays["x"], arrays["y"]
+    if x.ndim < 2:
+        raise DataError(f"{path}: 'x' must have shape (N, features...), got {x.shape}")
+    if not np.issubdtype(x.dtype, np.number):
+        raise DataError(f"{path}: 'x' must be numeric, got dtype {x.dtype}")
+    if y.ndim != 1 or len(y) != len(x):
+        raise DataError(f"{path}: 'y' must be 1-D with one label per row of 'x' "
+                        f"(x has {len(x)} rows, y has shape {y.shape})")
+    if not np.issubdtype(y.dtype, np.integer) or (len(y) and y.min() < 0):
+        raise DataError(f"{path}: 'y' must hold non-negative integer class indices")
+    if len(x) < 4:
+        raise DataError(f"{path}: need at least 4 samples, got {len(x)}")
+    if not np.all(np.isfinite(x)):
+        raise DataError(f"{path}: 'x' contains NaN or infinite values")
+    classes = int(y.max()) + 1
+    if classes < 2:
+        raise DataError(f"{path}: need at least 2 classes in 'y'")
+    x = x.astype(np.float32)
+    y = y.astype(np.int64)
+    if "x_test" in arrays and "y_test" in arrays:
+        x_te, y_te = arrays["x_test"].astype(np.float32), arrays["y_test"].astype(np.int64)
+        if x_te.shape[1:] != x.shape[1:] or len(x_te) != len(y_te):
+            raise DataError(f"{path}: 'x_test'/'y_test' do not match 'x'/'y' in shape")
+        return Dataset(x, y, x_te, y_te, max(classes, int(y_te.max()) + 1), path.name)
+    x_tr, y_tr, x_te, y_te = _split(x, y, spec.test_fraction, seed=1234)
+    return Dataset(x_tr, y_tr, x_te, y_te, classes, path.name)
+
+
+def load_dataset(spec: DataSpec) -> Dataset:
+    """Load the data set a spec names; deterministic for a given spec."""
+    if spec.name == "digits":
+        return _digits(spec)
+    if spec.name == "synthetic":
+        return _synthetic(spec)
+    return _npz(spec)

@@ -1,0 +1,52 @@
+"""Single-process training with the same micro-batching, seed and data order as the pipeline.
+
+This is the yardstick of the exactness contract: after K steps the pipeline's weights must equal
+what this produces (to float tolerance).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ftpipe_iot.core.data import Dataset
+from ftpipe_iot.core.models import build_layers
+from ftpipe_iot.core.schedule import SyncSchedule
+from ftpipe_iot.core.stage import make_optimizer, micro_batch_loss
+from ftpipe_iot.protocol.plan import TrainConfig
+
+
+def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int = 1
+                    ) -> list[dict[str, np.ndarray]]:
+    """Train ``steps`` synchronous steps in one process; return each layer's state as numpy.
+
+    Runs with ``threads`` intra-op threads (devices use one by default): CPU kernels split their
+    reductions by thread count, so a different count gives last-bit differences that training
+    amplifies over a hundred steps.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _train(config, data, steps)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _train(config: TrainConfig, data: Dataset, steps: int) -> list[dict[str, np.ndarray]]:
+    layers = build_layers(config.model, data.input_shape, data.num_classes, config.seed)
+    model = torch.nn.Sequential(*layers)
+    model.train()
+    optimizers = [make_optimizer(layer, config) for layer in layers]
+    schedule = SyncSchedule(len(data.x_train), config.micro_batches, config.micro_batch_size,
+                            config.seed)
+    for step in range(steps):
+        for mb in schedule.micro_batches_of(step):
+            x = torch.from_numpy(data.x_train[mb.sample_indices])
+            y = torch.from_numpy(data.y_train[mb.sample_indices])
+            micro_batch_loss(model(x), y, config.micro_batches).backward()
+        for optimizer in optimizers:
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    return [{k: v.detach().numpy().copy() for k, v in layer.state_dict().items()}
+            for layer in layers]

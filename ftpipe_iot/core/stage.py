@@ -1,0 +1,335 @@
+"""One pipeline stage's compute and bookkeeping, with no I/O: inputs in, outputs out.
+
+The device agent turns wire messages into calls here and the returned outputs into wire messages.
+Per step a stage forwards and backwards M micro-batches, accumulating gradients, and applies its
+optimizer exactly once when the M-th backward is done; that is what makes the result equal
+single-process training with the same micro-batching.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from ftpipe_iot.core.replicas import LayerReplica, export_layer, import_layer
+from ftpipe_iot.errors import StageInputError
+from ftpipe_iot.protocol.plan import OptimizerName, TrainConfig
+
+
+@dataclass(frozen=True)
+class SendActivation:
+    step: int
+    micro_batch: int
+    x: np.ndarray
+    y: np.ndarray
+    train: bool
+
+
+@dataclass(frozen=True)
+class SendGradient:
+    step: int
+    micro_batch: int
+    grad: np.ndarray
+
+
+@dataclass(frozen=True)
+class MicroBatchResult:
+    """From the last stage: loss (training) or correct count (evaluation) of one micro-batch."""
+
+    step: int
+    micro_batch: int
+    train: bool
+    loss: float
+    correct: int
+    count: int
+
+
+@dataclass(frozen=True)
+class MicroBatchDone:
+    """From the first stage: a training micro-batch finished its backward pass (frees a slot)."""
+
+    step: int
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """This stage applied its optimizer for ``step``; with its measured compute times: stage
+    totals in wall seconds (emulated slow-downs included), and per layer the real compute."""
+
+    step: int
+    forward_s: float
+    backward_s: float
+    layer_forward_s: tuple[float, ...] = ()
+    layer_backward_s: tuple[float, ...] = ()
+
+
+StageOutput = SendActivation | SendGradient | MicroBatchResult | MicroBatchDone | StepDone
+
+
+def _stamp(arrivals: dict[int, float], index: int) -> Callable[[torch.Tensor], None]:
+    def hook(_grad: torch.Tensor) -> None:
+        arrivals[index] = time.perf_counter()
+
+    return hook
+
+
+def make_optimizer(layer: nn.Module, config: TrainConfig) -> torch.optim.Optimizer | None:
+    """One optimizer per layer: the maths is per-parameter, and per-layer state can be replicated
+    and moved between devices layer by layer."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+    if not params:
+        return None
+    if config.optimizer is OptimizerName.ADAM:
+        return torch.optim.Adam(params, lr=config.lr)
+    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
+
+
+def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, micro_batches: int
+                     ) -> torch.Tensor:
+    """Loss whose gradients, summed over M micro-batches, equal the mini-batch mean loss's."""
+    return nn.functional.cross_entropy(logits, labels) / micro_batches
+
+
+@dataclass
+class _Pending:
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+    # perf_counter when the gradient reached each layer's output, filled during backward
+    grad_arrivals: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class StageTimings:
+    """Compute seconds accumulated over the current step (reported in StepDone/heartbeats)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    layer_forward_s: list[float] = field(default_factory=list)
+    layer_backward_s: list[float] = field(default_factory=list)
+
+    def per_layer(self, n_layers: int) -> None:
+        if len(self.layer_forward_s) != n_layers:
+            self.layer_forward_s = [0.0] * n_layers
+            self.layer_backward_s = [0.0] * n_layers
+
+
+@dataclass
+class Stage:
+    """Compute state of stage ``index`` of ``n_stages`` holding ``layers`` (global ids from
+    ``first_layer``). ``expected_shape`` is the per-sample input shape the stage accepts."""
+
+    index: int
+    n_stages: int
+    layers: Sequence[nn.Module]
+    first_layer: int
+    config: TrainConfig
+    expected_shape: tuple[int, ...]
+    num_classes: int
+    compute_hook: Callable[[float], None] | None = None
+    start_step: int = 0
+    module: nn.Sequential = field(init=False)
+    optimizers: list[torch.optim.Optimizer | None] = field(init=False)
+    pending: dict[tuple[int, int], _Pending] = field(init=False, default_factory=dict)
+    backward_done: dict[int, set[int]] = field(init=False, default_factory=dict)
+    completed_steps: set[int] = field(init=False, default_factory=set)
+    timings: StageTimings = field(init=False, default_factory=StageTimings)
+
+    def __post_init__(self) -> None:
+        self.module = nn.Sequential(*self.layers)
+        self.optimizers = [make_optimizer(layer, self.config) for layer in self.layers]
+        if self.start_step > 0:
+            self.completed_steps = {self.start_step - 1}
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.n_stages - 1
+
+    @property
+    def last_completed_step(self) -> int:
+        return max(self.completed_steps, default=-1)
+
+    @property
+    def version(self) -> int:
+        """Steps applied so far: the replica version of this stage's current weights."""
+        return self.last_completed_step + 1
+
+    @property
+    def at_step_boundary(self) -> bool:
+        """No micro-batch of the current step is half done (weights equal ``version``)."""
+        return not self.pending and not self.backward_done
+
+    def export(self) -> list[LayerReplica]:
+        """Replicas of every layer at the current version (call at a step boundary)."""
+        return [export_layer(layer, optimizer, self.first_layer + offset, self.version)
+                for offset, (layer, optimizer) in enumerate(zip(self.layers, self.optimizers))]
+
+    def load(self, replicas: dict[int, LayerReplica]) -> None:
+        """Load every layer's weights and optimizer state from replicas (one version)."""
+        for offset, (layer, optimizer) in enumerate(zip(self.layers, self.optimizers)):
+            import_layer(replicas[self.first_layer + offset], layer, optimizer)
+
+    def _check_input(self, x: np.ndarray, y: np.ndarray) -> None:
+        if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):
+            raise StageInputError("bad_tensor", "activation or labels are not arrays")
+        if x.ndim < 1 or tuple(x.shape[1:]) != self.expected_shape:
+            raise StageInputError("bad_shape", f"stage {self.index} expects inputs of shape "
+                                  f"(B, {self.expected_shape}), got {x.shape}")
+        if y.shape != (x.shape[0],) or not np.issubdtype(y.dtype, np.integer):
+            raise StageInputError("bad_shape", f"labels of shape {y.shape} do not match a batch "
+                                  f"of {x.shape[0]}")
+        if not np.issubdtype(x.dtype, np.floating):
+            raise StageInputError("bad_tensor", f"activation dtype {x.dtype} is not float")
+        if self.is_last and (y.min(initial=0) < 0 or y.max(initial=0) >= self.num_classes):
+            raise StageInputError("bad_label", f"labels outside 0..{self.num_classes - 1}")
+
+    def _timed(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+        """Run ``fn``; returns its result and wall seconds (what the capacity estimate sees).
+
+        The emulation hook gets this thread's CPU seconds instead: with one intra-op thread the
+        compute runs on this thread, and CPU time leaves out waits for the GIL (the network
+        thread reading the next activation) or for a core, which a slow-down factor would
+        otherwise multiply into a device far slower than its profile says.
+        """
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        result = fn()
+        if self.compute_hook is not None:
+            self.compute_hook(time.thread_time() - cpu_start)
+        return result, time.perf_counter() - start
+
+    def forward(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray, train: bool
+                ) -> list[StageOutput]:
+        """Forward one micro-batch; the last stage also computes the loss and starts backward."""
+        self._check_input(x, y)
+        if not train:
+            return self._evaluate(step, micro_batch, x, y)
+        key = (step, micro_batch)
+        if key in self.pending or micro_batch in self.backward_done.get(step, set()) \
+                or step in self.completed_steps:
+            raise StageInputError("duplicate", f"micro-batch {key} was already processed")
+        self.module.train()
+        inputs = torch.from_numpy(np.array(x, dtype=np.float32, copy=True))
+        if not self.is_first:
+            inputs.requires_grad_(True)
+        arrivals: dict[int, float] = {}
+        outputs, elapsed = self._timed(lambda: self._forward_layers(inputs, arrivals))
+        self.timings.forward_s += elapsed
+        if not self.is_last:
+            self.pending[key] = _Pending(inputs, outputs, arrivals)
+            return [SendActivation(step, micro_batch, outputs.detach().numpy(), y, True)]
+        labels = torch.from_numpy(y.astype(np.int64))
+        loss = micro_batch_loss(outputs, labels, self.config.micro_batches)
+        correct = int((outputs.detach().argmax(dim=1) == labels).sum())
+        result = MicroBatchResult(step, micro_batch, True,
+                                  float(loss.detach()) * self.config.micro_batches, correct,
+                                  int(len(y)))
+        self.pending[key] = _Pending(inputs, loss, arrivals)
+        return [result, *self._backward(step, micro_batch, None)]
+
+    def _forward_layers(self, inputs: torch.Tensor, arrivals: dict[int, float]
+                        ) -> torch.Tensor:
+        """``nn.Sequential``'s loop, timing each layer; a gradient hook on each output stamps
+        when backward reaches it, which times each layer's backward too. Hooks return None, so
+        the arithmetic is exactly the unhooked one."""
+        self.timings.per_layer(len(self.layers))
+        h = inputs
+        for index, layer in enumerate(self.layers):
+            start = time.perf_counter()
+            h = layer(h)
+            self.timings.layer_forward_s[index] += time.perf_counter() - start
+            if h.requires_grad:
+                h.register_hook(_stamp(arrivals, index))
+        return h
+
+    def backward(self, step: int, micro_batch: int, grad: np.ndarray) -> list[StageOutput]:
+        """Backward one micro-batch with the gradient of this stage's output."""
+        key = (step, micro_batch)
+        pending = self.pending.get(key)
+        if pending is None:
+            reason = "duplicate" if micro_batch in self.backward_done.get(step, set()) or \
+                step in self.completed_steps else "unexpected"
+            raise StageInputError(reason, f"no forward pass stashed for micro-batch {key}")
+        if not isinstance(grad, np.ndarray) or grad.shape != tuple(pending.outputs.shape):
+            shape = getattr(grad, "shape", None)
+            raise StageInputError("bad_shape", f"gradient of shape {shape} for an output of "
+                                  f"shape {tuple(pending.outputs.shape)}")
+        return self._backward(step, micro_batch, grad)
+
+    def _backward(self, step: int, micro_batch: int, grad: np.ndarray | None
+                  ) -> list[StageOutput]:
+        pending = self.pending.pop((step, micro_batch))
+        grad_tensor = None if grad is None else torch.from_numpy(
+            np.array(grad, dtype=np.float32, copy=True))
+
+        def run() -> torch.Tensor:
+            pending.outputs.backward(grad_tensor)
+            pending.grad_arrivals[-1] = time.perf_counter()  # end of this backward
+            return pending.outputs
+
+        _, elapsed = self._timed(run)
+        self.timings.backward_s += elapsed
+        self._account_backward(pending.grad_arrivals)
+        out: list[StageOutput] = []
+        if not self.is_first:
+            assert pending.inputs.grad is not None
+            out.append(SendGradient(step, micro_batch, pending.inputs.grad.numpy()))
+        else:
+            out.append(MicroBatchDone(step, micro_batch))
+        done = self.backward_done.setdefault(step, set())
+        done.add(micro_batch)
+        if len(done) == self.config.micro_batches:
+            out.append(self._optimizer_step(step))
+        return out
+
+    def _account_backward(self, arrivals: dict[int, float]) -> None:
+        """Layer i's backward runs from the gradient reaching its output until it reaches the
+        output of the closest earlier layer that has one (the end of backward for the first).
+        A layer whose output needs no gradient (e.g. a Flatten of the input) has no backward."""
+        end = arrivals.pop(-1, None)
+        if not arrivals or end is None:
+            return
+        self.timings.per_layer(len(self.layers))
+        stamped = sorted(arrivals)
+        for position, index in enumerate(stamped):
+            until = arrivals[stamped[position - 1]] if position > 0 else end
+            self.timings.layer_backward_s[index] += max(0.0, until - arrivals[index])
+
+    def _optimizer_step(self, step: int) -> StepDone:
+        for optimizer in self.optimizers:
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        del self.backward_done[step]
+        self.completed_steps = {s for s in self.completed_steps if s > step - 16} | {step}
+        done = StepDone(step, self.timings.forward_s, self.timings.backward_s,
+                        tuple(self.timings.layer_forward_s),
+                        tuple(self.timings.layer_backward_s))
+        self.timings = StageTimings()
+        return done
+
+    def _evaluate(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray
+                  ) -> list[StageOutput]:
+        self.module.eval()
+        with torch.no_grad():
+            outputs, _ = self._timed(
+                lambda: self.module(torch.from_numpy(np.array(x, dtype=np.float32))))
+        if not self.is_last:
+            return [SendActivation(step, micro_batch, outputs.numpy(), y, False)]
+        labels = torch.from_numpy(y.astype(np.int64))
+        loss = float(nn.functional.cross_entropy(outputs, labels, reduction="sum"))
+        correct = int((outputs.argmax(dim=1) == labels).sum())
+        return [MicroBatchResult(step, micro_batch, False, loss, correct, int(len(y)))]
+
+    def layer_state(self, offset: int) -> dict[str, np.ndarray]:
+        """Weights and buffers of one of this stage's layers as numpy arrays (for snapshots)."""
+        return {k: v.detach().numpy().copy()
+                for k, v in self.layers[offset].state_dict().items()}

@@ -1,0 +1,177 @@
+"""Prometheus metrics on an injected registry, and a drop counter that logs once per reason.
+
+Names follow Prometheus conventions: prefix ``ftpipe_``, base units, ``_total`` for counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from enum import Enum
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from ftpipe_iot.control.liveness import FailureCause
+
+_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                 10.0)
+
+
+class DropReason(str, Enum):
+    """Known ``reason`` labels of ``ftpipe_messages_dropped_total``. ``DropLog.drop`` accepts any
+    string; these are only the ones exported at zero from the start, so that dashboards and
+    alerts see a series (and a rate of 0) before the first drop happens."""
+
+    MALFORMED = "malformed"
+    UNKNOWN_VERSION = "unknown_version"
+    UNKNOWN_KIND = "unknown_kind"
+    BAD_CHECKSUM = "bad_checksum"
+    OVERSIZED = "oversized"
+    WRONG_JOB = "wrong_job"
+    STALE_PLAN = "stale_plan"
+    FUTURE_PLAN = "future_plan"
+    BAD_PLAN = "bad_plan"
+    BAD_BODY = "bad_body"
+    UNEXPECTED_KIND = "unexpected_kind"
+    NO_STAGE = "no_stage"
+    BAD_TENSOR = "bad_tensor"
+    BAD_SHAPE = "bad_shape"
+    BAD_LABEL = "bad_label"
+    DUPLICATE = "duplicate"
+    UNEXPECTED = "unexpected"
+
+
+class MessagingMetrics:
+    """Traffic counters every process has (device and controller alike)."""
+
+    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+        self.role = role
+        self.messages_sent = Counter("ftpipe_messages_sent_total", "MQTT messages published",
+                                     ["kind"], registry=registry)
+        self.messages_received = Counter("ftpipe_messages_received_total",
+                                         "Whole messages received and decoded", ["kind"],
+                                         registry=registry)
+        self.bytes_sent = Counter("ftpipe_sent_bytes_total", "Payload bytes published",
+                                  registry=registry)
+        self.bytes_received = Counter("ftpipe_received_bytes_total", "Payload bytes received",
+                                      registry=registry)
+        self.dropped = Counter("ftpipe_messages_dropped_total",
+                               "Messages dropped as unusable, by reason", ["reason"],
+                               registry=registry)
+        for reason in DropReason:
+            self.dropped.labels(reason=reason.value)
+        self.queue_depth = Gauge("ftpipe_inbox_queue_depth",
+                                 "Messages waiting in the inbox for the worker thread",
+                                 registry=registry)
+
+
+class DeviceMetrics(MessagingMetrics):
+    """Device-side metrics."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry, "device")
+        self.forward_seconds = Histogram("ftpipe_stage_forward_seconds",
+                                         "Forward compute time per step on this device",
+                                         buckets=_TIME_BUCKETS, registry=registry)
+        self.backward_seconds = Histogram("ftpipe_stage_backward_seconds",
+                                          "Backward compute time per step on this device",
+                                          buckets=_TIME_BUCKETS, registry=registry)
+        self.samples = Counter("ftpipe_device_samples_total",
+                               "Training samples forwarded by this device", registry=registry)
+        self.steps = Counter("ftpipe_device_steps_total", "Optimizer steps applied",
+                             registry=registry)
+        self.stage = Gauge("ftpipe_device_stage", "Stage index this device holds (-1 = none)",
+                           registry=registry)
+        self.replication_bytes = Counter("ftpipe_replication_sent_bytes_total",
+                                         "Bytes of weights and optimizer state replicated",
+                                         registry=registry)
+
+
+class ControllerMetrics(MessagingMetrics):
+    """Controller-side metrics, including per-device figures taken from heartbeats."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry, "controller")
+        self.step = Gauge("ftpipe_training_step", "Steps completed", registry=registry)
+        self.epoch = Gauge("ftpipe_training_epoch", "Current epoch", registry=registry)
+        self.samples = Counter("ftpipe_training_samples_total", "Training samples completed",
+                               registry=registry)
+        self.samples_per_second = Gauge("ftpipe_training_samples_per_second",
+                                        "Training throughput over the last steps",
+                                        registry=registry)
+        self.loss = Gauge("ftpipe_training_loss", "Mean training loss of the last step",
+                          registry=registry)
+        self.test_accuracy = Gauge("ftpipe_test_accuracy", "Test accuracy after the last epoch",
+                                   registry=registry)
+        self.plan_version = Gauge("ftpipe_plan_version", "Version of the current plan",
+                                  registry=registry)
+        self.stages = Gauge("ftpipe_plan_stages", "Number of stages in the current plan",
+                            registry=registry)
+        self.devices_online = Gauge("ftpipe_devices_online", "Devices whose status is online",
+                                    registry=registry)
+        self.device_step_seconds = Gauge("ftpipe_device_step_compute_seconds",
+                                         "Forward+backward compute seconds of the last step, "
+                                         "from heartbeats", ["device"], registry=registry)
+        self.device_capacity = Gauge("ftpipe_device_capacity_factor",
+                                     "Smoothed slow-down of a device vs. the reference profile "
+                                     "(1 = reference speed, 4 = four times slower)", ["device"],
+                                     registry=registry)
+        self.device_link_rate = Gauge("ftpipe_device_link_bytes_per_second",
+                                      "Payload bytes per second of a device's incoming pipeline "
+                                      "messages (array bytes over one-way latency), smoothed",
+                                      ["device"], registry=registry)
+        self.device_stage = Gauge("ftpipe_device_stage_assigned",
+                                  "Stage a device holds in the current plan (-1 = none)",
+                                  ["device"], registry=registry)
+        self.failures = Counter("ftpipe_failures_total", "Device failures detected, by signal",
+                                ["cause"], registry=registry)
+        # Labelled counters export nothing until a label set is used: start every known cause
+        # at zero so that rate()/increase() work from the first scrape.
+        for cause in FailureCause:
+            self.failures.labels(cause=cause.value)
+        self.recoveries = Counter("ftpipe_recoveries_total", "Completed recoveries",
+                                  registry=registry)
+        self.detection_seconds = Histogram("ftpipe_failure_detection_seconds",
+                                           "Seconds from a failure to its detection",
+                                           buckets=(0.5, 1, 2, 5, 10, 20, 30, 60),
+                                           registry=registry)
+        self.recovery_seconds = Histogram("ftpipe_recovery_seconds",
+                                          "Seconds from detection to training resumed",
+                                          buckets=(0.5, 1, 2, 5, 10, 20, 30, 60),
+                                          registry=registry)
+        self.repartitions = Counter("ftpipe_repartitions_total",
+                                    "Plan changes made to rebalance the pipeline",
+                                    registry=registry)
+        self.device_heartbeat_age = Gauge("ftpipe_device_last_heartbeat_timestamp_seconds",
+                                          "Unix time of the last heartbeat", ["device"],
+                                          registry=registry)
+
+
+class DropLog:
+    """Counts dropped messages and logs the first of each reason (then only every 1000th), so
+    a flood of garbage cannot flood the log."""
+
+    def __init__(self, metrics: MessagingMetrics, logger: logging.Logger) -> None:
+        self._metrics = metrics
+        self._log = logger
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def drop(self, reason: str, detail: str) -> None:
+        self._metrics.dropped.labels(reason=reason).inc()
+        with self._lock:
+            count = self._counts.get(reason, 0) + 1
+            self._counts[reason] = count
+        if count == 1 or count % 1000 == 0:
+            self._log.warning("dropped a message (%s, %d so far): %s", reason, count, detail)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
+    """Serve ``/metrics`` on ``port`` (0 = off)."""
+    if port:
+        start_http_server(port, addr=addr, registry=registry)

@@ -1,0 +1,185 @@
+"""Watching a job from outside: the controller's retained state (step, phase), its events, and
+the fleet's retained statuses and heartbeats. Used by the demo's fault injector, the tests and
+``ftpipe-iot status``."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ftpipe_iot.protocol.topics import Topics
+from ftpipe_iot.protocol.wire import MessageKind, Reassembler, WireError
+from ftpipe_iot.transport.base import Incoming, Transport
+from ftpipe_iot.transport.config import BrokerConfig
+from ftpipe_iot.transport.mqtt import MqttTransport
+
+
+@dataclass
+class DeviceView:
+    """What the retained topics and heartbeats say about one device."""
+
+    name: str
+    state: str = "unknown"
+    job: str | None = None
+    version: str | None = None
+    stage: int = -1
+    step: int = -1
+    plan_version: int = 0
+    compute_s: float = 0.0
+    queue_depth: int = 0
+    last_heartbeat: float | None = None
+
+
+@dataclass
+class JobView:
+    """The controller's view as published: phase, step, plan, newest complete version, events."""
+
+    job: str
+    state: str = "unknown"
+    phase: str = "unknown"
+    step: int = 0
+    plan_version: int = 0
+    complete_version: int | None = None
+    capacities: dict[str, float] = field(default_factory=dict)
+    stages: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    progress: list[tuple[int, float]] = field(default_factory=list)
+
+
+class JobWatcher:
+    """Subscribes to a job's state, plan, events and the fleet's status/heartbeat topics; a
+    worker thread folds them into ``job`` and ``devices`` (the network thread only enqueues)."""
+
+    def __init__(self, broker: BrokerConfig, job: str, client_id: str | None = None,
+                 transport: Transport | None = None) -> None:
+        self.topics = Topics(job)
+        self.job = JobView(job)
+        self.devices: dict[str, DeviceView] = {}
+        self.transport = transport or MqttTransport(
+            broker, client_id or f"ftpipe-watch-{job}-{int(time.time() * 1000) % 10**9}")
+        self._reassembler = Reassembler()
+        self._changed = threading.Condition()
+        self.last_message = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="watch", daemon=True)
+
+    def start(self) -> JobWatcher:
+        self.transport.connect()
+        for topic in (self.topics.state, self.topics.plan, self.topics.events,
+                      Topics.ALL_STATUS, Topics.ALL_HEARTBEATS):
+            self.transport.subscribe(topic)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.transport.close()
+
+    def __enter__(self) -> JobWatcher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                incoming = self.transport.inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self._fold(incoming)
+            self.last_message = time.monotonic()
+            with self._changed:
+                self._changed.notify_all()
+
+    def _fold(self, incoming: Incoming) -> None:
+        try:
+            env = self._reassembler.feed(incoming.payload) if incoming.payload else None
+        except WireError:
+            return
+        if env is None:
+            return
+        body = env.body
+        if env.kind is MessageKind.STATE and env.job == self.job.job:
+            self.job.state = str(body.get("state", "unknown"))
+            self.job.phase = str(body.get("phase", self.job.phase))
+            self.job.step = max(env.step, 0)
+            if body.get("state") == "training":
+                self.job.progress.append((env.step, env.timestamp))
+            self.job.plan_version = env.plan_version
+            self.job.complete_version = body.get("complete_version")
+            self.job.capacities = dict(body.get("capacities") or {})
+        elif env.kind is MessageKind.PLAN and env.job == self.job.job:
+            self.job.stages = list(body.get("plan", {}).get("stages", []))
+            self.job.plan_version = env.plan_version
+        elif env.kind is MessageKind.EVENT and env.job == self.job.job:
+            self.job.events.append({"type": body.get("type"), "timestamp": env.timestamp,
+                                    "step": env.step, **{k: v for k, v in body.items()
+                                                         if k in ("cause", "devices",
+                                                                  "recover_s")}})
+        elif env.kind is MessageKind.STATUS:
+            view = self.devices.setdefault(env.sender, DeviceView(env.sender))
+            view.state = str(body.get("state", "unknown"))
+            view.job = body.get("job")
+            view.version = body.get("version")
+        elif env.kind is MessageKind.HEARTBEAT:
+            view = self.devices.setdefault(env.sender, DeviceView(env.sender))
+            view.stage = int(body.get("stage", -1))
+            view.step = env.step
+            view.plan_version = env.plan_version
+            view.compute_s = float(body.get("forward_s", 0.0)) + float(body.get("backward_s", 0.0))
+            view.queue_depth = int(body.get("queue_depth", 0))
+            view.last_heartbeat = env.timestamp
+
+    def wait_for(self, predicate, timeout_s: float) -> bool:
+        """Block until ``predicate(self)`` holds or the timeout passes."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while not predicate(self):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._changed.wait(min(remaining, 0.2))
+        return True
+
+    def wait_step(self, step: int, timeout_s: float) -> bool:
+        return self.wait_for(lambda w: w.job.step >= step, timeout_s)
+
+    def events_of(self, kind: str) -> list[dict]:
+        return [e for e in list(self.job.events) if e["type"] == kind]
+
+
+def fleet_table(watcher: JobWatcher, now: float | None = None) -> dict:
+    """The fleet as ``ftpipe-iot status`` shows it: one row per device seen on the broker."""
+    now = time.time() if now is None else now
+    stage_of = {s["device"]: s for s in watcher.job.stages}
+    rows = []
+    for name in sorted(watcher.devices):
+        view = watcher.devices[name]
+        stage = stage_of.get(name)
+        rows.append({
+            "device": name, "state": view.state, "job": view.job,
+            "stage": stage["stage"] if stage else None,
+            "layers": [stage["start"], stage["end"]] if stage else None,
+            "capacity": watcher.job.capacities.get(name),
+            "heartbeat_age_s": None if view.last_heartbeat is None
+            else round(now - view.last_heartbeat, 1),
+            "step": view.step,
+        })
+    job = watcher.job
+    return {"job": job.job, "controller": job.state, "phase": job.phase, "step": job.step,
+            "plan_version": job.plan_version, "complete_version": job.complete_version,
+            "devices": rows}
+
+
+def collect(watcher: JobWatcher, quiet_s: float = 0.5, limit_s: float = 3.0) -> None:
+    """Wait until retained messages stop arriving (``quiet_s`` of silence, ``limit_s`` at most)."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        if time.monotonic() - watcher.last_message >= quiet_s and \
+                time.monotonic() - start >= quiet_s:
+            return
+        time.sleep(0.05)

@@ -1,0 +1,103 @@
+"""Planning decisions (pure): the solver's inputs for a set of devices, the partition of a new
+plan, and whether rebalancing a running plan pays off."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ftpipe_iot.planning.capacity import CapacityEstimator
+from ftpipe_iot.planning.partition import RepartitionPolicy, balanced_split
+from ftpipe_iot.planning.solver import (
+    DeviceSpec,
+    LayerCosts,
+    PartitionError,
+    predict_bottleneck,
+    solve_partition,
+)
+
+Assignment = list[tuple[str, int, int]]
+
+
+def device_specs(devices: Sequence[str], capacity: CapacityEstimator,
+                 capabilities: Mapping[str, Mapping], bound: int | None = None
+                 ) -> list[DeviceSpec]:
+    """Solver inputs per device: measured factor (median, or with ``bound`` 0/1 the lowest/
+    highest recent one), declared link cap and memory budget (inf when not declared)."""
+    specs = []
+    for name in devices:
+        caps = capabilities.get(name, {})
+        bandwidth = caps.get("bandwidth_bytes_per_s") or math.inf
+        memory = caps.get("memory_bytes") or math.inf
+        factor = capacity.factor(name) if bound is None else capacity.bounds(name)[bound]
+        specs.append(DeviceSpec(name, factor, float(bandwidth), float(memory)))
+    return specs
+
+
+def new_assignment(cost_model: LayerCosts, specs: Sequence[DeviceSpec]) -> tuple[Assignment,
+                                                                                  str | None]:
+    """Partition for a new plan over ``specs`` (in order): the solver when anything tells the
+    devices apart, otherwise a cost-balanced split in the given order (stable; the solver's ties
+    are arbitrary). Returns the assignment and a warning when the solver had to be bypassed."""
+    specs = list(specs)[: cost_model.n_layers]
+    uniform = all(s.factor == 1.0 and math.isinf(s.bandwidth_bytes_per_s)
+                  and math.isinf(s.memory_bytes) for s in specs)
+    warning = None
+    if not uniform:
+        try:
+            partition = solve_partition(cost_model, specs)
+            return [(s.device, s.start, s.end) for s in partition.stages], None
+        except PartitionError as exc:
+            warning = f"partition solver: {exc}; falling back to an even split"
+    ranges = balanced_split(cost_model.layer_cost_s, len(specs))
+    return [(s.name, lo, hi) for s, (lo, hi) in zip(specs, ranges)], warning
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    """A better plan: its assignment and the bottlenecks (seconds per micro-batch) compared."""
+
+    assignment: Assignment
+    current_s: float
+    proposed_s: float
+
+
+@dataclass(frozen=True)
+class RebalanceInputs:
+    """Where the job stands at a step boundary."""
+
+    step: int
+    last_change_step: int | None
+    steps_left: int
+    micro_batches: int
+    replan_cost_s: float
+
+
+def propose_rebalance(cost_model: LayerCosts, current: Assignment, candidates: Sequence[str],
+                      capacity: CapacityEstimator, capabilities: Mapping[str, Mapping],
+                      policy: RepartitionPolicy, at: RebalanceInputs) -> Rebalance | None:
+    """A new assignment when it beats the current one by the policy's threshold, after its
+    cooldown, and saves more time over the rest of the job than a re-plan costs.
+
+    The current plan is judged with each device's best recent speed and the proposal with its
+    worst, so measurement noise among equal devices does not move layers back and forth.
+    """
+    if not capacity.settled([d for d, _, _ in current]):
+        return None
+    try:
+        proposed = solve_partition(cost_model, device_specs(candidates, capacity, capabilities))
+        new = [(s.device, s.start, s.end) for s in proposed.stages]
+        if new == list(current):
+            return None
+        current_s = predict_bottleneck(current, cost_model,
+                                       device_specs(candidates, capacity, capabilities, 0))
+        proposed_s = predict_bottleneck(new, cost_model,
+                                        device_specs(candidates, capacity, capabilities, 1))
+    except PartitionError:
+        return None
+    saved_s = (current_s - proposed_s) * at.micro_batches * at.steps_left
+    if saved_s <= at.replan_cost_s or \
+            not policy.decide(at.step, at.last_change_step, current_s, proposed_s):
+        return None
+    return Rebalance(new, current_s, proposed_s)

@@ -1,0 +1,169 @@
+"""The plan: who holds which layers, and the training settings every stage must agree on.
+
+The controller publishes it retained on ``ctrl/plan``; its ``version`` is the term: every message
+carries the plan version it belongs to and anything of an older plan is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+from ftpipe_iot.core.data import DataSpec
+from ftpipe_iot.core.models import ModelSpec
+from ftpipe_iot.errors import PlanError
+from ftpipe_iot.protocol.wire import WireDtype
+
+
+class OptimizerName(str, Enum):
+    """Optimizers a stage can run (one instance per layer, so per-layer state can be replicated)."""
+
+    SGD = "sgd"
+    ADAM = "adam"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Training settings shared by the controller, every stage and the single-process reference."""
+
+    model: ModelSpec = field(default_factory=lambda: ModelSpec("cnn"))
+    data: DataSpec = field(default_factory=DataSpec)
+    micro_batches: int = 4
+    micro_batch_size: int = 8
+    optimizer: OptimizerName = OptimizerName.SGD
+    lr: float = 0.05
+    momentum: float = 0.9
+    seed: int = 0
+    epochs: int = 1
+    max_steps: int | None = None
+    max_in_flight: int = 8
+    eval_batch_size: int = 64
+    wire_dtype: WireDtype = WireDtype.NATIVE
+    compress: bool = True
+    replicate_every: int = 10
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.micro_batches >= 1, f"micro_batches must be >= 1, got {self.micro_batches}"),
+            (self.micro_batch_size >= 1,
+             f"micro_batch_size must be >= 1, got {self.micro_batch_size}"),
+            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
+            (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
+            (self.max_steps is None or self.max_steps >= 1,
+             f"max_steps must be >= 1, got {self.max_steps}"),
+            (self.max_in_flight >= 1, f"max_in_flight must be >= 1, got {self.max_in_flight}"),
+            (self.eval_batch_size >= 1,
+             f"eval_batch_size must be >= 1, got {self.eval_batch_size}"),
+            (self.replicate_every >= 0,
+             f"replicate_every must be >= 0 (0 = only at plan changes), got "
+             f"{self.replicate_every}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise PlanError(message)
+
+    @property
+    def batch_size(self) -> int:
+        return self.micro_batches * self.micro_batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["optimizer"] = self.optimizer.value
+        data["wire_dtype"] = self.wire_dtype.value
+        data["data"]["shape"] = list(self.data.shape)
+        return data
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
+        try:
+            values = dict(raw)
+            values["model"] = ModelSpec(**values["model"])
+            data = dict(values["data"])
+            data["shape"] = tuple(data["shape"])
+            values["data"] = DataSpec(**data)
+            values["optimizer"] = OptimizerName(values["optimizer"])
+            values["wire_dtype"] = WireDtype(values["wire_dtype"])
+            return cls(**values)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"bad training config: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """One stage: which device runs layers [start, end)."""
+
+    stage: int
+    device: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Plan version (term), stage assignments, training config and the step to resume from.
+
+    ``resume_step`` is also the replica version every stage starts from: 0 means the initial
+    weights built from the seed; otherwise each device loads its layers at that version.
+    ``since`` is the version of this job run's first plan: replicas tagged with an older plan
+    version are left-overs of an earlier run under the same job name and are never loaded.
+    """
+
+    version: int
+    job: str
+    stages: tuple[StageAssignment, ...]
+    train: TrainConfig
+    num_layers: int
+    input_shape: tuple[int, ...]
+    num_classes: int
+    resume_step: int = 0
+    since: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise PlanError("a plan needs at least one stage")
+        expected = 0
+        for index, stage in enumerate(self.stages):
+            if stage.stage != index:
+                raise PlanError(f"stage numbers must run 0..n-1, got {stage.stage} at {index}")
+            if stage.start != expected or stage.end <= stage.start:
+                raise PlanError(f"stage {index} covers [{stage.start}, {stage.end}); layer ranges "
+                                "must be contiguous and non-empty")
+            expected = stage.end
+        if expected != self.num_layers:
+            raise PlanError(f"stages cover {expected} layers, the model has {self.num_layers}")
+        devices = [s.device for s in self.stages]
+        if len(set(devices)) != len(devices):
+            raise PlanError(f"a device may hold only one stage: {devices}")
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_of(self, device: str) -> StageAssignment | None:
+        for stage in self.stages:
+            if stage.device == device:
+                return stage
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "job": self.job, "num_layers": self.num_layers,
+                "input_shape": list(self.input_shape), "num_classes": self.num_classes,
+                "resume_step": self.resume_step, "since": self.since, "train": self.train.to_dict(),
+                "stages": [asdict(s) for s in self.stages]}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Plan:
+        try:
+            return cls(version=int(raw["version"]), job=str(raw["job"]),
+                       stages=tuple(StageAssignment(**s) for s in raw["stages"]),
+                       train=TrainConfig.from_dict(raw["train"]),
+                       num_layers=int(raw["num_layers"]),
+                       input_shape=tuple(int(d) for d in raw["input_shape"]),
+                       num_classes=int(raw["num_classes"]), resume_step=int(raw["resume_step"]),
+                       since=int(raw.get("since", 0)))
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"bad plan: {exc}") from exc

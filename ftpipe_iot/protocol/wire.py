@@ -1,0 +1,352 @@
+"""The wire format, owned here and nowhere else (DESIGN.md section 4).
+
+A frame on the wire is a msgpack map (the envelope) with the protocol version, kind, job, sender,
+plan version, step, micro-batch index, sequence number, timestamp and the body. The body is itself
+msgpack (tensors through msgpack-numpy), lz4-frame compressed when that pays. A body too large for
+one MQTT message is split into CHUNK frames that carry a checksum of the whole; the reassembler
+hands out nothing until every chunk is there and the checksum matches. Nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import lz4.frame
+import msgpack
+import msgpack_numpy
+import numpy as np
+
+from ftpipe_iot.errors import (
+    BadChecksum,
+    MalformedFrame,
+    Oversized,
+    UnknownKind,
+    UnknownVersion,
+    WireError,
+)
+
+PROTOCOL_VERSION = 1
+# Below this the lz4 frame header costs more than it can save.
+COMPRESS_MIN_BYTES = 512
+# Keep compression only when it saves at least this fraction (dense fp32 does not compress).
+COMPRESS_MIN_GAIN = 0.10
+_DIGEST_BYTES = 16
+
+
+class MessageKind(str, Enum):
+    """Every kind of message on the wire."""
+
+    PLAN = "plan"
+    STATE = "state"
+    COMMAND = "cmd"
+    ACTIVATION = "act"
+    GRADIENT = "grad"
+    RESULT = "result"
+    WEIGHTS = "weights"
+    STATUS = "status"
+    HEARTBEAT = "hb"
+    EVENT = "event"
+    CHUNK = "chunk"
+
+
+class WireDtype(str, Enum):
+    """Dtype of float tensors on the wire. fp16 halves traffic but breaks exactness."""
+
+    NATIVE = "native"
+    FP16 = "fp16"
+
+
+
+
+
+
+
+
+@dataclass
+class Envelope:
+    """One logical message. ``body`` is a dict of plain values and numpy arrays."""
+
+    kind: MessageKind
+    job: str
+    sender: str
+    plan_version: int = 0
+    step: int = -1
+    micro_batch: int = -1
+    seq: int = 0
+    timestamp: float = field(default_factory=time.time)
+    body: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WireOptions:
+    """Encoding choices: compression, wire dtype for float tensors, maximum message size."""
+
+    compress: bool = True
+    wire_dtype: WireDtype = WireDtype.NATIVE
+    max_message_bytes: int = 256 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+
+
+_SAFE_KINDS = frozenset("biufc")
+
+
+def _encode_hook(obj: Any) -> Any:
+    """msgpack-numpy encoding for plain numeric arrays only: object arrays would be pickled."""
+    if isinstance(obj, (np.ndarray, np.generic)) and obj.dtype.kind not in _SAFE_KINDS:
+        raise TypeError(f"arrays of dtype {obj.dtype} cannot go on the wire (numeric only)")
+    return msgpack_numpy.encode(obj)
+
+
+def _decode_hook(obj: dict) -> Any:
+    """msgpack-numpy decoding that refuses anything but numeric dtypes (never unpickles)."""
+    if b"nd" in obj:
+        kind = obj.get(b"kind", b"")
+        try:
+            dtype = np.dtype(msgpack_numpy._unpack_dtype(obj[b"type"])) if kind != b"V" \
+                else None
+        except (TypeError, ValueError, KeyError) as exc:
+            raise MalformedFrame(f"bad array dtype: {exc}") from exc
+        if kind in (b"O", b"V") or dtype is None or dtype.kind not in _SAFE_KINDS:
+            raise MalformedFrame("array of a non-numeric dtype on the wire (refused)")
+        try:
+            return msgpack_numpy.decode(obj)
+        except (TypeError, ValueError) as exc:
+            raise MalformedFrame(f"bad array: {exc}") from exc
+    return obj
+
+
+def _to_wire_dtype(value: Any, wire_dtype: WireDtype) -> Any:
+    if wire_dtype is WireDtype.FP16 and isinstance(value, np.ndarray) and value.dtype in (
+        np.float32, np.float64
+    ):
+        return {"__fp16__": value.astype(np.float16), "dtype": value.dtype.str}
+    if isinstance(value, dict):
+        return {k: _to_wire_dtype(v, wire_dtype) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_wire_dtype(v, wire_dtype) for v in value]
+    return value
+
+
+def _from_wire_dtype(value: Any) -> Any:
+    if isinstance(value, dict):
+        if "__fp16__" in value:
+            return np.asarray(value["__fp16__"]).astype(np.dtype(value["dtype"]))
+        return {k: _from_wire_dtype(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_wire_dtype(v) for v in value]
+    return value
+
+
+def _pack_body(body: dict[str, Any], options: WireOptions) -> tuple[bytes, bool]:
+    raw = msgpack.packb(_to_wire_dtype(body, options.wire_dtype), default=_encode_hook,
+                        use_bin_type=True)
+    if options.compress and len(raw) >= COMPRESS_MIN_BYTES:
+        packed = lz4.frame.compress(raw)
+        if len(packed) <= len(raw) * (1.0 - COMPRESS_MIN_GAIN):
+            return packed, True
+    return raw, False
+
+
+def _unpack_body(data: bytes, compressed: bool, max_body_bytes: int) -> dict[str, Any]:
+    try:
+        if compressed:
+            # Bound decompression so a crafted frame cannot balloon memory.
+            decompressor = lz4.frame.LZ4FrameDecompressor()
+            data = decompressor.decompress(data, max_length=max_body_bytes + 1)
+            if len(data) > max_body_bytes:
+                raise Oversized(f"decompressed body exceeds {max_body_bytes} bytes")
+            if not decompressor.eof:
+                raise MalformedFrame("truncated lz4 frame")
+        body = msgpack.unpackb(data, object_hook=_decode_hook, raw=False,
+                               strict_map_key=False)
+    except WireError:
+        raise
+    except Exception as exc:  # msgpack/lz4 raise many types on garbage
+        raise MalformedFrame(f"body does not decode: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(body, dict):
+        raise MalformedFrame("body is not a map")
+    return _from_wire_dtype(body)
+
+
+def _frame(env: Envelope, payload: bytes, compressed: bool, kind: MessageKind) -> bytes:
+    return msgpack.packb({
+        "v": PROTOCOL_VERSION, "k": kind.value, "j": env.job, "s": env.sender,
+        "p": env.plan_version, "st": env.step, "mb": env.micro_batch, "q": env.seq,
+        "t": env.timestamp, "z": compressed, "b": payload,
+    }, use_bin_type=True)
+
+
+def encode(env: Envelope, options: WireOptions = WireOptions()) -> list[bytes]:
+    """Encode an envelope into one or more MQTT payloads (more than one when chunked)."""
+    payload, compressed = _pack_body(env.body, options)
+    single = _frame(env, payload, compressed, env.kind)
+    if len(single) <= options.max_message_bytes:
+        return [single]
+    # Leave room for the chunk's own envelope fields.
+    room = options.max_message_bytes - 512
+    digest = hashlib.blake2b(payload, digest_size=_DIGEST_BYTES).digest()
+    count = (len(payload) + room - 1) // room
+    frames = []
+    for index in range(count):
+        piece = payload[index * room:(index + 1) * room]
+        chunk_body = msgpack.packb({
+            "of": env.kind.value, "i": index, "n": count, "len": len(payload), "h": digest,
+            "z": compressed, "d": piece,
+        }, use_bin_type=True)
+        frames.append(_frame(env, chunk_body, False, MessageKind.CHUNK))
+    return frames
+
+
+@dataclass
+class _Header:
+    kind: MessageKind
+    env: Envelope
+    payload: bytes
+    compressed: bool
+
+
+def _decode_header(data: bytes, max_bytes: int) -> _Header:
+    if len(data) > max_bytes:
+        raise Oversized(f"frame of {len(data)} bytes exceeds the {max_bytes} byte limit")
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise MalformedFrame(f"frame is not msgpack: {type(exc).__name__}") from exc
+    if not isinstance(raw, dict) or "v" not in raw:
+        raise MalformedFrame("frame is not an envelope map")
+    if raw["v"] != PROTOCOL_VERSION:
+        raise UnknownVersion(f"protocol version {raw['v']!r}, this build speaks {PROTOCOL_VERSION}")
+    try:
+        kind = MessageKind(raw["k"])
+    except (KeyError, ValueError) as exc:
+        raise UnknownKind(f"unknown message kind {raw.get('k')!r}") from exc
+    try:
+        env = Envelope(kind=kind, job=str(raw["j"]), sender=str(raw["s"]),
+                       plan_version=int(raw["p"]), step=int(raw["st"]),
+                       micro_batch=int(raw["mb"]), seq=int(raw["q"]), timestamp=float(raw["t"]))
+        payload, compressed = raw["b"], bool(raw["z"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MalformedFrame(f"envelope field missing or wrong type: {exc}") from exc
+    if not isinstance(payload, bytes):
+        raise MalformedFrame("envelope body is not bytes")
+    return _Header(kind, env, payload, compressed)
+
+
+def decode(data: bytes, max_body_bytes: int = 512 * 1024 * 1024) -> Envelope:
+    """Decode one complete (non-chunk) frame. Raises a WireError subclass on bad input."""
+    header = _decode_header(data, max_body_bytes)
+    if header.kind is MessageKind.CHUNK:
+        raise MalformedFrame("a chunk must go through a Reassembler")
+    header.env.body = _unpack_body(header.payload, header.compressed, max_body_bytes)
+    return header.env
+
+
+@dataclass
+class _Partial:
+    env: Envelope
+    kind: MessageKind
+    count: int
+    length: int
+    digest: bytes
+    compressed: bool
+    pieces: dict[int, bytes] = field(default_factory=dict)
+    size: int = 0
+    started: float = 0.0
+
+
+class Reassembler:
+    """Collects chunks per (sender, seq) and yields whole envelopes; never a partial one.
+
+    Holds at most ``max_pending_bytes``; partial messages older than ``timeout_s`` are dropped
+    (their loss is reported through ``expired``) so a lost chunk cannot pin memory forever.
+    """
+
+    def __init__(self, max_body_bytes: int = 512 * 1024 * 1024,
+                 max_pending_bytes: int = 1024 * 1024 * 1024, timeout_s: float = 60.0,
+                 clock: Any = time.monotonic) -> None:
+        self._max_body = max_body_bytes
+        self._max_pending = max_pending_bytes
+        self._timeout = timeout_s
+        self._clock = clock
+        self._partials: dict[tuple[str, int], _Partial] = {}
+        self.expired = 0
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(p.size for p in self._partials.values())
+
+    def feed(self, data: bytes) -> Envelope | None:
+        """Feed one frame; return the whole envelope when complete, else None.
+
+        Raises a WireError subclass for a bad frame or a reassembled body that fails its checksum.
+        """
+        header = _decode_header(data, self._max_body)
+        if header.kind is not MessageKind.CHUNK:
+            header.env.body = _unpack_body(header.payload, header.compressed, self._max_body)
+            return header.env
+        return self._feed_chunk(header)
+
+    def _feed_chunk(self, header: _Header) -> Envelope | None:
+        try:
+            chunk = msgpack.unpackb(header.payload, raw=False)
+            of, index, count = MessageKind(chunk["of"]), int(chunk["i"]), int(chunk["n"])
+            length, digest, piece = int(chunk["len"]), bytes(chunk["h"]), bytes(chunk["d"])
+            compressed = bool(chunk["z"])
+        except Exception as exc:
+            raise MalformedFrame(f"bad chunk header: {type(exc).__name__}: {exc}") from exc
+        if not (0 <= index < count) or length > self._max_body or length < 0:
+            raise MalformedFrame(f"chunk {index}/{count} of length {length} is out of range")
+        now = self._clock()
+        self._expire(now)
+        key = (header.env.sender, header.env.seq)
+        partial = self._partials.get(key)
+        if partial is None:
+            partial = _Partial(header.env, of, count, length, digest, compressed, started=now)
+            self._partials[key] = partial
+        elif (partial.count, partial.length, partial.digest) != (count, length, digest):
+            del self._partials[key]
+            raise MalformedFrame("chunks of one message disagree on count/length/checksum")
+        if index not in partial.pieces:
+            partial.pieces[index] = piece
+            partial.size += len(piece)
+        if self.pending_bytes > self._max_pending:
+            del self._partials[key]
+            raise Oversized("reassembly buffer full; message dropped")
+        if len(partial.pieces) < partial.count:
+            return None
+        del self._partials[key]
+        payload = b"".join(partial.pieces[i] for i in range(partial.count))
+        if len(payload) != partial.length or hashlib.blake2b(
+            payload, digest_size=_DIGEST_BYTES
+        ).digest() != partial.digest:
+            raise BadChecksum("reassembled message fails its checksum")
+        env = partial.env
+        env.kind = partial.kind
+        env.body = _unpack_body(payload, partial.compressed, self._max_body)
+        return env
+
+    def _expire(self, now: float) -> None:
+        stale = [k for k, p in self._partials.items() if now - p.started > self._timeout]
+        for key in stale:
+            del self._partials[key]
+            self.expired += 1
+
+
+def tensor_to_wire(array: Any) -> np.ndarray:
+    """A torch tensor or array as a contiguous numpy array for the body."""
+    if hasattr(array, "detach"):
+        array = array.detach().cpu().numpy()
+    return np.ascontiguousarray(array)
+
+
+def total_bytes(frames: Iterable[bytes]) -> int:
+    """Total size of encoded frames."""
+    return sum(len(f) for f in frames)

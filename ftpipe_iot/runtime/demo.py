@@ -1,0 +1,314 @@
+"""The demo: a broker, a controller and N device agents as separate OS processes on this machine.
+
+Every child runs in its own session and is asked to die with its parent (PR_SET_PDEATHSIG), and
+the demo stops all of them on Ctrl-C, SIGTERM or the failure of any one: no orphans, no leftover
+broker.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from ftpipe_iot.errors import DemoError
+from ftpipe_iot.observability.report import ReportError, write_report
+from ftpipe_iot.observability.watch import JobWatcher
+from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess
+from ftpipe_iot.runtime.faults import Fault, FaultAction
+from ftpipe_iot.transport.config import BrokerConfig, parse_protocol
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the demo's own cleanup still applies
+
+
+def stop_process_groups(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Stop children started with ``start_new_session``: SIGCONT (a stopped process ignores
+    TERM), SIGTERM to each process group, SIGKILL what is left after ``grace_s``."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGCONT)
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+@dataclass
+class DemoOptions:
+    """What the demo runs. ``controller_args`` are passed through to ``ftpipe-iot controller``.
+
+    ``work_dir`` keeps logs, the summary and the report (default: ``default_work_dir``).
+    ``metrics_port_base`` N > 0 serves ``/metrics`` on port N for the controller and N+1..N+k for
+    the devices dev0..dev(k-1); 0 serves none.
+    """
+
+    devices: int = 3
+    job: str = "demo"
+    broker_url: str | None = None
+    embedded: bool = False
+    controller_args: list[str] = field(default_factory=list)
+    device_args: list[str] = field(default_factory=list)
+    work_dir: Path | None = None
+    timeout_s: float = 900.0
+    metrics_port_base: int = 0
+    faults: list[Fault] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.metrics_port_base and not 1024 <= self.metrics_port_base <= 65535 - self.devices:
+            raise ValueError(f"metrics_port_base {self.metrics_port_base} leaves no room for "
+                             f"{self.devices} device ports below 65536 (or is privileged)")
+
+
+def default_work_dir(job: str, now: datetime | None = None, root: Path | None = None) -> Path:
+    """``runs/<job>-<YYYYmmdd-HHMMSS>`` under ``root`` (the current directory): kept after the
+    demo, so its logs, summary and report can be looked at later."""
+    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return (root or Path.cwd()) / "runs" / f"{job}-{stamp}"
+
+
+@dataclass
+class _Child:
+    name: str
+    proc: subprocess.Popen
+
+
+class Demo:
+    """Starts and supervises the demo's processes."""
+
+    def __init__(self, options: DemoOptions) -> None:
+        self.options = options
+        self.broker: BrokerProcess | None = None
+        self.children: list[_Child] = []
+        self.work_dir = options.work_dir or default_work_dir(options.job)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.common: list[str] = []
+        self.summary_path = self.work_dir / "summary.json"
+        self.watcher: JobWatcher | None = None
+        self.pending_faults = list(options.faults)
+        self.injected: list[dict] = []
+        self.expected_exit: set[str] = set()
+        self.hung: set[str] = set()
+        self._next_device = options.devices
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        cmd = [sys.executable, "-m", "ftpipe_iot", *args]
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=None if name == "controller" else self._log(name),
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        self.children = [c for c in self.children if c.name != name]
+        self.children.append(_Child(name, proc))
+
+    def _child(self, name: str) -> _Child | None:
+        return next((c for c in self.children if c.name == name), None)
+
+    def _spawn_device(self, index: int) -> None:
+        name = f"dev{index}"
+        self._spawn(name, ["device", "--name", name, *self.common,
+                           *self._metrics_args(index + 1), *self.options.device_args])
+
+    def _spawn_controller(self, resume: bool = False) -> None:
+        self._spawn("controller", ["controller", *self.common, "--devices",
+                                   str(self.options.devices), "--stop-devices",
+                                   "--summary-json", str(self.summary_path),
+                                   *(["--resume"] if resume else []),
+                                   *self._metrics_args(0), *self.options.controller_args])
+
+    def _log(self, name: str):
+        return open(self.work_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the child
+
+    def run(self) -> dict:
+        """Run to the end; returns the controller's summary plus broker kind and wall time."""
+        started = time.monotonic()
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+        def interrupt(signum: int, _frame: object) -> None:
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, interrupt)
+        try:
+            broker_url, kind = self._start_broker()
+            self.common = ["--job", self.options.job, "--broker", broker_url]
+            if kind is BrokerKind.EMBEDDED:
+                self.common += ["--mqtt-protocol", "3.1.1"]
+            if self.options.faults:
+                protocol = parse_protocol("3.1.1" if kind is BrokerKind.EMBEDDED else "auto")
+                self.watcher = JobWatcher(BrokerConfig.from_url(broker_url, protocol=protocol),
+                                          self.options.job).start()
+            for index in range(self.options.devices):
+                self._spawn_device(index)
+            self._spawn_controller()
+            self._supervise(started)
+            summary = json.loads(self.summary_path.read_text())
+            if self.options.faults:
+                summary.update(self._fault_figures(summary))
+            summary["broker"] = kind.value
+            summary["wall_s"] = round(time.monotonic() - started, 3)
+            summary["work_dir"] = str(self.work_dir)
+            try:
+                paths = write_report(summary, self.work_dir)
+            except (ReportError, OSError) as exc:
+                # The training result stands without its pictures: say so, do not fail.
+                log.warning("could not write the run report: %s", exc)
+                summary["report_error"] = str(exc)
+            else:
+                summary["report_json"] = str(paths.json)
+                summary["report_png"] = str(paths.png)
+            return summary
+        finally:
+            self.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _metrics_args(self, offset: int) -> list[str]:
+        """``--metrics-port`` for the process at ``offset`` (0 = controller, i+1 = dev i)."""
+        base = self.options.metrics_port_base
+        return ["--metrics-port", str(base + offset)] if base else []
+
+    def _start_broker(self) -> tuple[str, BrokerKind]:
+        if self.options.broker_url:
+            return self.options.broker_url, BrokerKind.MOSQUITTO
+        kind = BrokerKind.EMBEDDED if self.options.embedded else None
+        self.broker = BrokerProcess(kind=kind, data_dir=self.work_dir / "broker")
+        self.broker.start()
+        assert self.broker.kind is not None
+        return self.broker.url, self.broker.kind
+
+    def _supervise(self, started: float) -> None:
+        while True:
+            self._inject_due()
+            controller = self._child("controller")
+            assert controller is not None
+            code = controller.proc.poll()
+            if code is not None and "controller" not in self.expected_exit:
+                if code != 0:
+                    raise DemoError(f"controller exited with code {code}")
+                self._wait_devices()
+                return
+            for child in self.children:
+                if child.name != "controller" and child.name not in self.expected_exit and \
+                        child.proc.poll() not in (None, 0):
+                    raise DemoError(f"{child.name} exited with code {child.proc.returncode}; "
+                                    f"its log: {self.work_dir / (child.name + '.log')}")
+            if self.broker is not None and self.broker.proc is not None and \
+                    self.broker.proc.poll() is not None:
+                raise DemoError(f"broker exited with code {self.broker.proc.returncode}")
+            if time.monotonic() - started > self.options.timeout_s:
+                raise DemoError(f"demo did not finish within {self.options.timeout_s:.0f}s")
+            time.sleep(0.1)
+
+    # -- fault injection --------------------------------------------------------------------------
+    def _inject_due(self) -> None:
+        if self.watcher is None:
+            return
+        while self.pending_faults and self.watcher.job.step >= self.pending_faults[0].step:
+            fault = self.pending_faults.pop(0)
+            self._inject(fault)
+
+    def _inject(self, fault: Fault) -> None:
+        at = time.time()
+        name = f"dev{fault.target}" if fault.target is not None else None
+        log.warning("injecting fault %s", fault)
+        print(f"fault: {fault}", file=sys.stderr, flush=True)
+        if fault.action in (FaultAction.KILL, FaultAction.HANG, FaultAction.CONT):
+            child = self._child(name or "")
+            if child is None or child.proc.poll() is not None:
+                log.warning("fault %s: %s is not running", fault, name)
+                return
+            sig = {FaultAction.KILL: signal.SIGKILL, FaultAction.HANG: signal.SIGSTOP,
+                   FaultAction.CONT: signal.SIGCONT}[fault.action]
+            os.killpg(child.proc.pid, sig)
+            if fault.action is FaultAction.KILL:
+                self.expected_exit.add(child.name)
+            elif fault.action is FaultAction.HANG:
+                self.hung.add(child.name)
+            else:
+                self.hung.discard(child.name)
+        elif fault.action is FaultAction.JOIN:
+            self._spawn_device(self._next_device)
+            self._next_device += 1
+        elif fault.action is FaultAction.BROKER_RESTART:
+            if self.broker is None:
+                log.warning("fault %s: the demo did not start the broker", fault)
+                return
+            self.broker.restart()
+        elif fault.action is FaultAction.CONTROLLER_RESTART:
+            controller = self._child("controller")
+            assert controller is not None
+            self.expected_exit.add("controller")
+            os.killpg(controller.proc.pid, signal.SIGKILL)
+            controller.proc.wait()
+            self._spawn_controller(resume=True)
+            self.expected_exit.discard("controller")
+        self.injected.append({"fault": str(fault), "action": fault.action.value,
+                              "device": name, "at": at})
+
+    def _fault_figures(self, summary: dict) -> dict:
+        """Detection delay of each device fault, measured from the moment it was injected."""
+        assert self.watcher is not None
+        detections = self.watcher.events_of("failure_detected")
+        detect = []
+        for fault in self.injected:
+            if fault["action"] not in ("kill", "hang"):
+                continue
+            later = [e["timestamp"] - fault["at"] for e in detections
+                     if e["timestamp"] >= fault["at"] and fault["device"] in e.get("devices", [])]
+            if later:
+                detect.append(round(min(later), 3))
+        # Counted from the events topic: a resumed controller only knows its own part of the job.
+        recovered = self.watcher.events_of("recovery_done")
+        return {"faults": [f["fault"] for f in self.injected],
+                "failures_detected": len(detections), "recoveries": len(recovered),
+                "recover_s": [round(float(e["recover_s"]), 3) for e in recovered
+                              if e.get("recover_s") is not None],
+                "detect_silence_s": summary.get("detect_s", []), "detect_s": detect}
+
+    def _wait_devices(self, timeout_s: float = 10.0) -> None:
+        for name in list(self.hung):  # a stopped process cannot act on its shutdown command
+            child = self._child(name)
+            if child is not None and child.proc.poll() is None:
+                os.killpg(child.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not exit after shutdown; stopping it", child.name)
+
+    def stop(self) -> None:
+        """Terminate every child (SIGCONT, SIGTERM, then SIGKILL) and the broker."""
+        if self.watcher is not None:
+            self.watcher.close()
+            self.watcher = None
+        stop_process_groups([child.proc for child in self.children])
+        if self.broker is not None:
+            self.broker.stop()
+        self.children = []

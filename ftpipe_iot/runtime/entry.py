@@ -1,0 +1,100 @@
+"""Process entry points: wire a real transport, metrics server and signals to a device agent or a
+controller. The CLI calls these; tests and the demo start them as separate OS processes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from ftpipe_iot.control.controller import Controller, ControllerConfig, controller_will
+from ftpipe_iot.control.summary import RunSummary
+from ftpipe_iot.device.agent import DeviceAgent, DeviceOptions, device_will
+from ftpipe_iot.observability.metrics import serve_metrics
+from ftpipe_iot.observability.progress import ProgressReporter
+from ftpipe_iot.planning.profiles import DeviceProfile
+from ftpipe_iot.protocol.topics import check_name
+from ftpipe_iot.transport.config import BrokerConfig
+from ftpipe_iot.transport.mqtt import MqttTransport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProcessOptions:
+    """Per-process settings shared by devices and controllers."""
+
+    metrics_port: int = 0
+    threads: int = 1
+    log_level: str = "INFO"
+
+
+def setup_process(options: ProcessOptions) -> None:
+    """Logging and torch threads. One intra-op thread by default: several stage processes share
+    a small CPU, and oversubscribed thread pools are slower than one thread each."""
+    logging.basicConfig(level=options.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if options.threads > 0:
+        torch.set_num_threads(options.threads)
+
+
+def _on_signals(handler: Callable[[], None]) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: handler())
+
+
+def run_device(name: str, job: str, broker: BrokerConfig, options: ProcessOptions,
+               device_options: DeviceOptions = DeviceOptions(),
+               profile: DeviceProfile | None = None) -> int:
+    """Run a device agent until shutdown (controller command, SIGTERM or Ctrl-C)."""
+    check_name("device", name)
+    check_name("job", job)
+    setup_process(options)
+    registry = CollectorRegistry()
+    serve_metrics(registry, options.metrics_port)
+    transport = MqttTransport(broker, client_id=name, will=device_will(name, job))
+    agent = DeviceAgent(name, job, transport, registry, device_options, profile)
+    _on_signals(agent.stopped.set)
+    agent.start()
+    try:
+        agent.run()
+    finally:
+        agent.stop()
+    return 0
+
+
+def run_controller(job: str, broker: BrokerConfig, config: ControllerConfig,
+                   options: ProcessOptions, progress: ProgressReporter,
+                   client_id: str | None = None, summary_path: Path | None = None
+                   ) -> RunSummary:
+    """Run one job's controller to completion; write the summary JSON if asked."""
+    check_name("job", job)
+    setup_process(options)
+    registry = CollectorRegistry()
+    serve_metrics(registry, options.metrics_port)
+    transport = MqttTransport(broker, client_id=client_id or f"ftpipe-controller-{job}",
+                              will=controller_will(job))
+    controller = Controller(job, config, transport, registry, progress)
+    stop = threading.Event()
+
+    def interrupt() -> None:
+        stop.set()
+        controller.fail("interrupted")
+
+    _on_signals(interrupt)
+    try:
+        summary = controller.run()
+    finally:
+        transport.close()
+    if summary_path is not None:
+        summary_path.parent.mkdir(parents=True, exist_ok=True)
+        summary_path.write_text(json.dumps(summary.to_dict(), indent=2))
+    return summary
