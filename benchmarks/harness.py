@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ftpipe_iot.observability.watch import JobWatcher
 from ftpipe_iot.runtime.broker import BrokerProcess
-from ftpipe_iot.runtime.demo import stop_process_groups
+from ftpipe_iot.runtime.supervise import ProcessGroup
 from ftpipe_iot.transport.config import BrokerConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,32 +35,24 @@ class JobSpec:
     timeout_s: float = 300.0
 
 
-def _spawn(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ftpipe_iot", *args],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=open(log, "w"),  # noqa: SIM115 - lives as long as the child
-                            start_new_session=True)
-
-
 def run_job(spec: JobSpec, broker: BrokerProcess,
             during: Callable[[JobWatcher, dict[str, subprocess.Popen]], None] | None = None
             ) -> dict:
     """Run a job to completion; ``during`` may inject faults while it runs. Returns the summary
     (with ``watch_events`` and ``watch_progress`` as seen by an outside observer)."""
     work = Path(tempfile.mkdtemp(prefix=f"bench-{spec.job}-"))
-    procs: dict[str, subprocess.Popen] = {}
+    group = ProcessGroup(work)
+    procs = group.procs
     watcher = JobWatcher(BrokerConfig(port=broker.port), spec.job).start()
     try:
         for name, profile in spec.devices:
             extra = ["--profile", str(profile)] if profile else []
-            procs[name] = _spawn(["device", "--name", name, "--job", spec.job, "--broker",
-                                  broker.url, *extra], work / f"{name}.log")
+            group.start(name, "device", "--name", name, "--job", spec.job, "--broker",
+                        broker.url, *extra)
         summary_path = work / "summary.json"
-        procs["controller"] = _spawn(
-            ["controller", "--job", spec.job, "--broker", broker.url,
-             "--devices", str(len(spec.devices)), "--stop-devices", "--summary-json",
-             str(summary_path), "--log-level", "WARNING", *spec.controller_args],
-            work / "controller.log")
+        group.start("controller", "controller", "--job", spec.job, "--broker", broker.url,
+                    "--devices", str(len(spec.devices)), "--stop-devices", "--summary-json",
+                    str(summary_path), "--log-level", "WARNING", *spec.controller_args)
         started = time.monotonic()
         last_report = 0.0
         if during is not None:
@@ -75,13 +67,13 @@ def run_job(spec: JobSpec, broker: BrokerProcess,
         if procs["controller"].returncode != 0:
             raise RuntimeError(f"{spec.job}: controller failed; see {work}/controller.log")
         summary = json.loads(summary_path.read_text())
-        summary["watch_events"] = list(watcher.job.events)
+        summary["watch_events"] = [e.to_dict() for e in watcher.job.events]
         summary["watch_progress"] = list(watcher.job.progress)
         summary["work_dir"] = str(work)
         return summary
     finally:
         watcher.close()
-        stop_process_groups(list(procs.values()), grace_s=10.0)
+        group.stop_all(grace_s=10.0)
 
 
 def steady_rate(summary: dict, batch: int, last: int) -> float:

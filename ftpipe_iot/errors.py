@@ -9,6 +9,8 @@ before the root existed (``ValueError``, ``ConnectionError``, ``RuntimeError``),
 
 from __future__ import annotations
 
+from ftpipe_iot.protocol.vocab import DropReason
+
 
 class FtpipeError(Exception):
     """Root of the project's errors; ``str(exc)`` is a complete, user-facing sentence."""
@@ -55,49 +57,49 @@ class ReportError(FtpipeError, ValueError):
 class WireError(FtpipeError, ValueError):
     """A frame or message body that cannot be used."""
 
-    reason = "malformed"
+    reason = DropReason.MALFORMED
 
 
 class MalformedFrame(WireError):
     """Bytes that are not a frame of this protocol."""
 
-    reason = "malformed"
+    reason = DropReason.MALFORMED
 
 
 class UnknownVersion(WireError):
     """A frame of another protocol version."""
 
-    reason = "unknown_version"
+    reason = DropReason.UNKNOWN_VERSION
 
 
 class UnknownKind(WireError):
     """A frame whose message kind this build does not know."""
 
-    reason = "unknown_kind"
+    reason = DropReason.UNKNOWN_KIND
 
 
 class BadChecksum(WireError):
     """A reassembled message whose checksum does not match."""
 
-    reason = "bad_checksum"
+    reason = DropReason.BAD_CHECKSUM
 
 
 class Oversized(WireError):
     """A frame or body beyond the configured limits."""
 
-    reason = "oversized"
+    reason = DropReason.OVERSIZED
 
 
 class BadBody(WireError):
     """A well-formed frame whose body misses a field or holds a value of the wrong type/range."""
 
-    reason = "bad_body"
+    reason = DropReason.BAD_BODY
 
 
 class StageInputError(FtpipeError, ValueError):
     """An input a stage cannot use (wrong shape, duplicate, unexpected micro-batch)."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: DropReason, message: str) -> None:
         super().__init__(message)
         self.reason = reason
 

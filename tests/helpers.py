@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from ftpipe_iot.control.controller import Controller, ControllerConfig, Phase
+from ftpipe_iot.control.controller import Controller, ControllerConfig
 from ftpipe_iot.device.agent import DeviceAgent, device_will
+from ftpipe_iot.protocol.vocab import ControllerPhase as Phase
+from ftpipe_iot.runtime.supervise import ProcessGroup
 from ftpipe_iot.transport.memory import MemoryBroker
 
 
@@ -62,52 +65,22 @@ def max_weight_diff(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray
     return worst
 
 
-class Processes:
-    """Starts ``python -m ftpipe_iot ...`` children with logs in ``log_dir``; kills leftovers."""
+class Processes(ProcessGroup):
+    """``python -m ftpipe_iot ...`` children of a test (stdout piped), logs in ``log_dir``."""
 
-    def __init__(self, log_dir) -> None:
-        import pathlib
-
-        self.log_dir = pathlib.Path(log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.procs: dict[str, object] = {}
-
-    def start(self, name: str, *args: str):
-        import subprocess
-        import sys
-
-        log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed by the child exit
-        proc = subprocess.Popen([sys.executable, "-m", "ftpipe_iot", *args],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
-                                start_new_session=True, text=True)
-        self.procs[name] = proc
-        return proc
+    def start(self, name: str, *args: str, **_: object):
+        return super().start(name, *args, stdout=subprocess.PIPE)
 
     def device(self, name: str, job: str, broker_url: str, *extra: str):
         return self.start(name, "device", "--name", name, "--job", job, "--broker", broker_url,
                           "--heartbeat-interval", "0.2", *extra)
 
-    def log(self, name: str) -> str:
-        return (self.log_dir / f"{name}.log").read_text()
-
     def wait(self, name: str, timeout_s: float) -> int:
-        proc = self.procs[name]
         try:
-            return proc.wait(timeout_s)
-        except Exception as exc:
+            return super().wait(name, timeout_s)
+        except subprocess.TimeoutExpired as exc:
             raise AssertionError(f"{name} did not exit within {timeout_s}s; log:\n"
                                  f"{self.log(name)[-3000:]}") from exc
 
-    def stop_all(self) -> None:
-        import os
-        import signal
-
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-            if proc.stdout:
-                proc.stdout.close()
+    def stop_all(self, grace_s: float = 2.0) -> None:
+        super().stop_all(grace_s)

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 from helpers import MemoryJob, max_weight_diff
 
-from ftpipe_iot.control.controller import ControllerConfig, Phase
+from ftpipe_iot.control.controller import ControllerConfig
 from ftpipe_iot.core.data import DataSpec
 from ftpipe_iot.core.models import ModelSpec
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.protocol.plan import OptimizerName, TrainConfig
 from ftpipe_iot.protocol.topics import Topics
+from ftpipe_iot.protocol.vocab import ControllerPhase as Phase
 from ftpipe_iot.protocol.wire import Envelope, MessageKind, encode
 
 

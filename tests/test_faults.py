@@ -18,6 +18,7 @@ from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.observability.watch import JobWatcher
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.topics import Topics
+from ftpipe_iot.protocol.vocab import EventType
 from ftpipe_iot.protocol.wire import MessageKind, Reassembler
 from ftpipe_iot.transport.config import BrokerConfig
 from ftpipe_iot.transport.mqtt import MqttTransport
@@ -106,7 +107,7 @@ def test_two_adjacent_devices_killed_at_once(fault_job):
         fault_job.device(f"dev{i}")
     fault_job.controller(4)
     fault_job.wait_step(12)
-    stages = {s["device"]: s["stage"] for s in fault_job.watcher.job.stages}
+    stages = {s.device: s.stage for s in fault_job.watcher.job.stages}
     adjacent = sorted(stages, key=stages.get)[1:3]  # stages 1 and 2
     for name in adjacent:
         fault_job.signal(name, signal.SIGKILL)
@@ -125,7 +126,7 @@ def test_hung_device_is_detected_by_missing_heartbeats(fault_job):
     stopped_at = time.monotonic()
     try:
         assert fault_job.watcher.wait_for(
-            lambda w: w.events_of("failure_detected"), 60), "the hang was never detected"
+            lambda w: w.events_of(EventType.FAILURE_DETECTED), 60), "the hang was never detected"
         detected_after = time.monotonic() - stopped_at
         summary = fault_job.finish()
     finally:
@@ -143,10 +144,10 @@ def test_replacement_device_that_was_not_there_at_start(fault_job):
     fault_job.wait_step(10)
     fault_job.signal("dev0", signal.SIGKILL)
     assert fault_job.watcher.wait_for(
-        lambda w: w.job.stages and "dev0" not in {s["device"] for s in w.job.stages}, 60)
+        lambda w: w.job.stages and "dev0" not in {s.device for s in w.job.stages}, 60)
     fault_job.device("spare")
     assert fault_job.watcher.wait_for(
-        lambda w: "spare" in {s["device"] for s in w.job.stages}, 90), \
+        lambda w: "spare" in {s.device for s in w.job.stages}, 90), \
         "the replacement device was never taken into the plan"
     summary = fault_job.finish()
     assert "spare" in {s["device"] for s in summary["stages"]}

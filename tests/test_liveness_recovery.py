@@ -8,15 +8,9 @@ import torch
 from ftpipe_iot.control.liveness import FailureCause, LivenessTracker
 from ftpipe_iot.control.recovery import choose_devices, recovery_plan
 from ftpipe_iot.core.loader import StageLoader
-from ftpipe_iot.core.replicas import (
-    LayerReplica,
-    ReplicaStore,
-    export_layer,
-    import_layer,
-    replica_body,
-    replica_from_body,
-)
+from ftpipe_iot.core.replicas import ReplicaStore, export_layer, import_layer
 from ftpipe_iot.core.stage import make_optimizer
+from ftpipe_iot.protocol.messages import LayerReplica
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.wire import Envelope, MessageKind, decode, encode
 
@@ -93,8 +87,8 @@ def test_layer_with_optimizer_state_round_trips_through_the_wire_exactly():
     layer(torch.randn(5, 4)).sum().backward()
     optimizer.step()  # creates momentum buffers
     replica = export_layer(layer, optimizer, index=7, version=3)
-    env = Envelope(MessageKind.WEIGHTS, "j", "d", body=replica_body(replica))
-    back = replica_from_body(decode(encode(env)[0]).body)
+    env = Envelope(MessageKind.WEIGHTS, "j", "d", body=replica.to_body())
+    back = LayerReplica.from_body(decode(encode(env)[0]).body)
     fresh = torch.nn.Linear(4, 3)
     fresh_opt = make_optimizer(fresh, config)
     import_layer(back, fresh, fresh_opt)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import click
 
 from ftpipe_iot import __version__
+from ftpipe_iot.cli.options import CliGroup
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=CliGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ftpipe-iot")
 def main() -> None:
     """Train DNNs across IoT/edge device fleets by pipeline parallelism over MQTT."""

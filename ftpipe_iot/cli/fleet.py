@@ -1,12 +1,11 @@
 """``ftpipe-iot fleet ...``: provision a production broker and per-device identities.
 
 Only parses arguments and calls ``ftpipe_iot.fleet``; library errors are printed as one clear line
-(no traceback) with exit code 1.
+(no traceback) with exit code 1 by the root command.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -14,12 +13,13 @@ from typing import Any, TypeVar
 
 import click
 
+from ftpipe_iot.cli.options import CliGroup
 from ftpipe_iot.fleet import bundle as bundle_mod
 from ftpipe_iot.fleet import fleet as fleet_ops
 from ftpipe_iot.fleet.check import check_connection
 from ftpipe_iot.fleet.errors import FleetError
 from ftpipe_iot.fleet.model import BrokerSettings, Role
-from ftpipe_iot.transport.config import ConfigError, load_bundle
+from ftpipe_iot.transport.config import load_bundle
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -32,17 +32,6 @@ _reload_option = click.option(
     help="SIGHUP the fleet's running broker (from its pid file) so the change takes effect.")
 
 
-def _clear_errors(func: F) -> F:
-    """Turn library errors into a one-line message and exit code 1 (no traceback)."""
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except (FleetError, ConfigError, ValueError) as exc:
-            raise click.ClickException(str(exc)) from None
-    return wrapper  # type: ignore[return-value]
-
-
 def _report_reload(fleet_dir: Path, reload: bool, what: str) -> None:
     if reload and fleet_ops.reload_broker(fleet_dir):
         click.echo(f"broker reloaded (SIGHUP): {what}")
@@ -51,7 +40,7 @@ def _report_reload(fleet_dir: Path, reload: bool, what: str) -> None:
                    "(or `systemctl reload mosquitto`); a broker started later picks it up")
 
 
-@click.group("fleet")
+@click.group("fleet", cls=CliGroup)
 def fleet() -> None:
     """Provision a TLS broker, device/controller/operator identities and device bundles."""
 
@@ -75,7 +64,6 @@ def fleet() -> None:
               show_default=True, help="Per-client QoS 1 queue size in bytes.")
 @click.option("--broker-user", default="mosquitto", show_default=True,
               help="User Mosquitto drops to when started as root.")
-@_clear_errors
 def init_cmd(directory: Path, hosts: tuple[str, ...], port: int, bind: str, job: str,
              max_message_bytes: int, max_queued_messages: int, max_queued_bytes: int,
              broker_user: str) -> None:
@@ -113,7 +101,6 @@ def _add(fleet_dir: Path, name: str, role: Role, job: str | None, profile: str |
 @click.option("--service-user", default="ftpipe", show_default=True,
               help="User the device agent runs as.")
 @_reload_option
-@_clear_errors
 def add_device_cmd(name: str, fleet_dir: Path, role: str, job: str | None, profile: str | None,
                    install_dir: str, agent: str, service_user: str, reload: bool) -> None:
     """Provision identity NAME: password, ACL, client certificate and bundle directory."""
@@ -126,7 +113,6 @@ def add_device_cmd(name: str, fleet_dir: Path, role: str, job: str | None, profi
 @_dir_option
 @click.option("--job", default=None, help="Job to control (default: the fleet's job).")
 @_reload_option
-@_clear_errors
 def add_controller_cmd(name: str, fleet_dir: Path, job: str | None, reload: bool) -> None:
     """Provision controller NAME: the only identity that may write ftpipe/<job>/ctrl/#."""
     _add(fleet_dir, name, Role.CONTROLLER, job, None, bundle_mod.InstallOptions(), reload)
@@ -136,7 +122,6 @@ def add_controller_cmd(name: str, fleet_dir: Path, job: str | None, reload: bool
 @click.argument("name")
 @_dir_option
 @_reload_option
-@_clear_errors
 def add_operator_cmd(name: str, fleet_dir: Path, reload: bool) -> None:
     """Provision operator NAME: read-only, may observe every topic ('#')."""
     _add(fleet_dir, name, Role.OPERATOR, None, None, bundle_mod.InstallOptions(), reload)
@@ -146,7 +131,6 @@ def add_operator_cmd(name: str, fleet_dir: Path, reload: bool) -> None:
 @click.argument("name")
 @_dir_option
 @_reload_option
-@_clear_errors
 def remove_device_cmd(name: str, fleet_dir: Path, reload: bool) -> None:
     """Revoke identity NAME (any role) and delete its bundle."""
     identity = fleet_ops.remove_identity(fleet_dir, name)
@@ -157,7 +141,6 @@ def remove_device_cmd(name: str, fleet_dir: Path, reload: bool) -> None:
 @fleet.command("list")
 @_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@_clear_errors
 def list_cmd(fleet_dir: Path, as_json: bool) -> None:
     """List provisioned identities."""
     identities = fleet_ops.list_identities(fleet_dir)
@@ -176,7 +159,6 @@ def list_cmd(fleet_dir: Path, as_json: bool) -> None:
 
 @fleet.command("reload")
 @_dir_option
-@_clear_errors
 def reload_cmd(fleet_dir: Path) -> None:
     """Make the running broker re-read its password and ACL files (SIGHUP)."""
     if not fleet_ops.reload_broker(fleet_dir):
@@ -189,7 +171,6 @@ def reload_cmd(fleet_dir: Path) -> None:
 @_dir_option
 @click.option("--port", type=click.IntRange(1, 65535), default=None,
               help="Change the listener port first.")
-@_clear_errors
 def config_cmd(fleet_dir: Path, port: int | None) -> None:
     """Re-render the broker config from the template (after moving DIR or changing the port)."""
     if port is not None:
@@ -203,7 +184,6 @@ def config_cmd(fleet_dir: Path, port: int | None) -> None:
               help="Bundle config (device.json, controller.json, ...).")
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
               help="Seconds to wait for the broker.")
-@_clear_errors
 def check_cmd(config_file: Path, timeout: float) -> None:
     """Connect with a bundle and report exactly what is wrong, if anything.
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import click
 
-from ftpipe_iot.planning.profiles import ProfileError, fleet_device_specs, load_profile
-from ftpipe_iot.planning.solver import LayerCosts, Partition, PartitionError, solve_partition
+from ftpipe_iot.cli.options import command
+from ftpipe_iot.planning.profiles import fleet_device_specs, load_profile
+from ftpipe_iot.planning.solver import LayerCosts, Partition, solve_partition
 
 _DEFAULT_MODEL_MICRO_BATCH = 32
 
@@ -61,7 +62,7 @@ def _table(partition: Partition, source: str, micro_batch_size: int, unused: lis
     return "\n".join(lines)
 
 
-@click.command("plan")
+@command("plan")
 @click.option("--model", help="Built-in model to profile on this machine (needs torch).")
 @click.option("--costs", "costs_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='JSON: {"layer_cost_s": [...], "activation_bytes": [...], '
@@ -93,29 +94,23 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
     paths = [*profile_files, *more_profiles]
     if not paths:
         raise click.UsageError("give at least one device profile with --profiles FILE...")
-    try:
-        profiles = [load_profile(path) for path in paths]
-    except ProfileError as exc:
-        raise click.ClickException(str(exc)) from exc
-    try:
-        if costs_file is not None:
-            costs = LayerCosts.from_json_file(costs_file)
-            source = str(costs_file)
-            if micro_batch_size is None:
-                micro_batch_size = costs.micro_batch_size or 1
-            elif costs.micro_batch_size not in (None, micro_batch_size):
-                raise click.UsageError(
-                    f"{costs_file} was measured at micro-batch size {costs.micro_batch_size}, "
-                    f"not {micro_batch_size}; costs do not scale linearly, re-profile instead")
-        else:
-            assert model is not None
-            micro_batch_size = micro_batch_size or _DEFAULT_MODEL_MICRO_BATCH
-            costs = _model_costs(model, micro_batch_size)
-            source = f"model {model}"
-        devices = fleet_device_specs(profiles, step=at_step, elapsed_s=at_time)
-        partition = solve_partition(costs, devices)
-    except PartitionError as exc:
-        raise click.ClickException(str(exc)) from exc
+    profiles = [load_profile(path) for path in paths]
+    if costs_file is not None:
+        costs = LayerCosts.from_json_file(costs_file)
+        source = str(costs_file)
+        if micro_batch_size is None:
+            micro_batch_size = costs.micro_batch_size or 1
+        elif costs.micro_batch_size not in (None, micro_batch_size):
+            raise click.UsageError(
+                f"{costs_file} was measured at micro-batch size {costs.micro_batch_size}, "
+                f"not {micro_batch_size}; costs do not scale linearly, re-profile instead")
+    else:
+        assert model is not None
+        micro_batch_size = micro_batch_size or _DEFAULT_MODEL_MICRO_BATCH
+        costs = _model_costs(model, micro_batch_size)
+        source = f"model {model}"
+    devices = fleet_device_specs(profiles, step=at_step, elapsed_s=at_time)
+    partition = solve_partition(costs, devices)
     unused = [d.name for d in devices if d.name not in partition.devices]
     if as_json:
         report = {

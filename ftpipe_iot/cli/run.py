@@ -5,157 +5,26 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-from ftpipe_iot.transport.config import BrokerConfig, ConfigError, load_bundle, parse_protocol
-
-_TRAINING_OPTIONS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
-    click.option("--model", default="cnn", show_default=True,
-                 help="mlp | cnn | mobilenetv2 | module:callable (returns nn.Sequential or a list "
-                      "of modules)"),
-    click.option("--data", default="digits", show_default=True,
-                 help="digits | synthetic | npz:PATH (arrays x and y)"),
-    click.option("--data-shape", default="3,32,32", show_default=True,
-                 help="sample shape of synthetic data, comma separated"),
-    click.option("--data-classes", type=click.IntRange(min=2), default=10, show_default=True,
-                 help="classes of synthetic data"),
-    click.option("--data-samples", type=click.IntRange(min=4), default=2048, show_default=True,
-                 help="samples of synthetic data"),
-    click.option("--epochs", type=click.IntRange(min=1), default=6, show_default=True),
-    click.option("--max-steps", type=click.IntRange(min=1), default=None,
-                 help="stop after this many steps (evaluates at the end)"),
-    click.option("--micro-batches", type=click.IntRange(min=1), default=4, show_default=True,
-                 help="micro-batches per step (M)"),
-    click.option("--micro-batch-size", type=click.IntRange(min=1), default=8, show_default=True),
-    click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd",
-                 show_default=True),
-    click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.05,
-                 show_default=True),
-    click.option("--momentum", type=click.FloatRange(0, 1, max_open=True), default=0.9,
-                 show_default=True),
-    click.option("--seed", type=int, default=0, show_default=True),
-    click.option("--max-in-flight", type=click.IntRange(min=1), default=8, show_default=True,
-                 help="micro-batches in flight at most (brokers drop beyond their queue limits)"),
-    click.option("--wire-dtype", type=click.Choice(["native", "fp16"]), default="native",
-                 show_default=True, help="fp16 halves activation traffic but breaks exactness"),
-    click.option("--no-compress", is_flag=True, help="never lz4-compress message bodies"),
-    click.option("--replicate-every", type=click.IntRange(min=0), default=10, show_default=True,
-                 help="replicate weights every R steps (0 = only at plan changes)"),
-]
+from ftpipe_iot.cli.options import (
+    TRAINING_NAMES,
+    broker_settings,
+    command,
+    connection_options,
+    explicit,
+    parse_assignment,
+    process_options,
+    train_config,
+    training_options,
+)
+from ftpipe_iot.protocol.plan import TrainConfig
 
 
-def training_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Attach the training options shared by ``controller`` and ``demo``."""
-    for option in reversed(_TRAINING_OPTIONS):
-        fn = option(fn)
-    return fn
-
-
-def _parse_shape(text: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(part) for part in text.split(","))
-    except ValueError as exc:
-        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers",
-                                 param_hint="--data-shape") from exc
-    if not shape or any(d < 1 for d in shape):
-        raise click.BadParameter(f"{text!r}: every dimension must be >= 1",
-                                 param_hint="--data-shape")
-    return shape
-
-
-def _train_config(kw: dict[str, Any]):
-    from ftpipe_iot.core.data import DataError, DataSpec
-    from ftpipe_iot.core.models import ModelError, ModelSpec
-    from ftpipe_iot.protocol.plan import OptimizerName, PlanError, TrainConfig
-    from ftpipe_iot.protocol.wire import WireDtype
-
-    try:
-        return TrainConfig(
-            model=ModelSpec(kw["model"]),
-            data=DataSpec(kw["data"], shape=_parse_shape(kw["data_shape"]),
-                          classes=kw["data_classes"], samples=kw["data_samples"]),
-            micro_batches=kw["micro_batches"], micro_batch_size=kw["micro_batch_size"],
-            optimizer=OptimizerName(kw["optimizer"]), lr=kw["lr"], momentum=kw["momentum"],
-            seed=kw["seed"], epochs=kw["epochs"], max_steps=kw["max_steps"],
-            max_in_flight=kw["max_in_flight"], wire_dtype=WireDtype(kw["wire_dtype"]),
-            compress=not kw["no_compress"], replicate_every=kw["replicate_every"],
-        )
-    except (ModelError, DataError, PlanError) as exc:
-        raise click.UsageError(str(exc)) from exc
-
-
-def _training_args(kw: dict[str, Any]) -> list[str]:
-    """Re-emit training options as arguments for a child ``controller`` process."""
-    args: list[str] = []
-    for name, value in kw.items():
-        flag = "--" + name.replace("_", "-")
-        if name == "no_compress":
-            args += [flag] if value else []
-        elif value is not None:
-            args += [flag, str(value)]
-    return args
-
-
-def _parse_assignment(text: str) -> tuple[tuple[str, int, int], ...]:
-    """``dev3:0-10,dev0:10-22`` -> ((dev3, 0, 10), (dev0, 10, 22))."""
-    stages = []
-    for part in text.split(","):
-        try:
-            device, _, span = part.partition(":")
-            start, _, end = span.partition("-")
-            stages.append((device.strip(), int(start), int(end)))
-        except ValueError as exc:
-            raise click.BadParameter(f"{part!r} is not DEVICE:START-END",
-                                     param_hint="--assignment") from exc
-    if any(not d for d, _, _ in stages):
-        raise click.BadParameter("every stage needs a device name", param_hint="--assignment")
-    return tuple(stages)
-
-
-def broker_options(url: str, config_file: str | None, protocol: str, max_message: int,
-                   keepalive: int, job: str | None) -> tuple[BrokerConfig, str | None, str]:
-    """Broker settings, identity name and job from a bundle file or from the options."""
-    try:
-        if config_file:
-            bundle = load_bundle(config_file)
-            return bundle.broker, bundle.name, job or bundle.job
-        config = BrokerConfig.from_url(url, protocol=parse_protocol(protocol),
-                                       max_message_bytes=max_message, keepalive_s=keepalive)
-        return config, None, job or "default"
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from exc
-
-
-def connection_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--broker/--config/--mqtt-protocol/--max-message-bytes/--keepalive."""
-    for option in reversed([
-        click.option("--broker", "broker_url", default="mqtt://127.0.0.1:1883",
-                     show_default=True, help="mqtt://host:port or mqtts://host:port"),
-        click.option("--config", "config_file", type=click.Path(dir_okay=False),
-                     help="bundle file from `ftpipe-iot fleet add-device` (overrides --broker)"),
-        click.option("--mqtt-protocol", default="auto", show_default=True,
-                     type=click.Choice(["auto", "5", "3.1.1"])),
-        click.option("--max-message-bytes", type=click.IntRange(min=1024), default=256 * 1024,
-                     show_default=True, help="larger payloads are chunked"),
-        click.option("--keepalive", type=click.IntRange(min=1), default=10, show_default=True,
-                     help="MQTT keepalive seconds (the broker fires the Last Will after 1.5x)"),
-        click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=0,
-                     show_default=True, help="serve /metrics on this port (0 = off)"),
-        click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="torch intra-op threads"),
-        click.option("--log-level", default="INFO", show_default=True,
-                     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"],
-                                       case_sensitive=False)),
-    ]):
-        fn = option(fn)
-    return fn
-
-
-@click.command()
+@command()
 @click.option("--port", type=click.IntRange(1, 65535), default=1883, show_default=True)
 @click.option("--bind", default="127.0.0.1", show_default=True)
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
@@ -163,15 +32,12 @@ def connection_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--embedded", is_flag=True, help="use the embedded amqtt broker (MQTT 3.1.1)")
 def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
     """Run Mosquitto with the project's config in the foreground (Ctrl-C stops it)."""
-    from ftpipe_iot.runtime.broker import BrokerError, BrokerKind, BrokerProcess
+    from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess
 
     kind = BrokerKind.EMBEDDED if embedded else None
     proc = BrokerProcess(port=port, bind=bind, kind=kind,
                          data_dir=Path(data_dir) if data_dir else None)
-    try:
-        proc.start()
-    except BrokerError as exc:
-        raise click.ClickException(str(exc)) from exc
+    proc.start()
     assert proc.kind is not None
     click.echo(f"{proc.kind.value} broker listening on {proc.url} (data in {proc.data_dir}); "
                "Ctrl-C to stop", err=True)
@@ -184,7 +50,7 @@ def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
         proc.cleanup()
 
 
-@click.command()
+@command()
 @click.option("--name", default=None, help="device name (= MQTT client id and username)")
 @click.option("--job", default=None, help="job name [default: the bundle's, else 'default']")
 @click.option("--heartbeat-interval", type=click.FloatRange(min=0.05), default=1.0,
@@ -192,34 +58,27 @@ def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
 @click.option("--profile", "profile_file", type=click.Path(dir_okay=False), default=None,
               help="device profile (devices/profiles/*.json) emulating a slower device")
 @connection_options
+@process_options
 def device(name: str | None, job: str | None, heartbeat_interval: float,
-           profile_file: str | None, broker_url: str,
-           config_file: str | None, mqtt_protocol: str, max_message_bytes: int, keepalive: int,
-           metrics_port: int, threads: int, log_level: str) -> None:
+           profile_file: str | None, broker_url: str, config_file: str | None,
+           mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
+           threads: int, log_level: str) -> None:
     """Run a device agent: announce, take a stage from the plan, compute, report."""
     from ftpipe_iot.device.agent import DeviceOptions
-    from ftpipe_iot.planning.profiles import ProfileError, load_profile
+    from ftpipe_iot.planning.profiles import load_profile
     from ftpipe_iot.runtime.entry import ProcessOptions, run_device
-    from ftpipe_iot.transport import TransportError
 
-    config, bundle_name, job = broker_options(broker_url, config_file, mqtt_protocol,
-                                              max_message_bytes, keepalive, job)
+    config, bundle_name, job = broker_settings(broker_url, config_file, mqtt_protocol,
+                                               max_message_bytes, keepalive, job)
     name = name or bundle_name
     if not name:
         raise click.UsageError("give --name or a --config bundle")
-    try:
-        profile = load_profile(profile_file) if profile_file else None
-    except ProfileError as exc:
-        raise click.UsageError(str(exc)) from exc
-    try:
-        sys.exit(run_device(name, job, config,
-                            ProcessOptions(metrics_port, threads, log_level),
-                            DeviceOptions(heartbeat_interval_s=heartbeat_interval), profile))
-    except (TransportError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from exc
+    profile = load_profile(profile_file) if profile_file else None
+    sys.exit(run_device(name, job, config, ProcessOptions(metrics_port, threads, log_level),
+                        DeviceOptions(heartbeat_interval_s=heartbeat_interval), profile))
 
 
-@click.command()
+@command()
 @click.option("--job", default=None, help="job name [default: the bundle's, else 'default']")
 @click.option("--devices", type=click.IntRange(min=1), default=3, show_default=True,
               help="devices to wait for")
@@ -248,58 +107,56 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
               help="write the run summary here")
 @click.option("--stop-devices", is_flag=True, help="shut the devices down at the end")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON on stdout")
+@click.option("--train-config", "train_file", type=click.Path(dir_okay=False), default=None,
+              help="training settings as a JSON file (instead of the training options)")
 @connection_options
+@process_options
 @training_options
-def controller(job: str | None, devices: int, device_names: str | None, wait_devices: float,
-               stall_timeout: float, heartbeat_timeout: float, checkpoint_dir: str | None,
-               resume: bool, repartition: bool, repartition_threshold: float,
-               repartition_cooldown: int, assignment: str | None, save_weights: str | None,
-               summary_json: str | None,
-               stop_devices: bool, as_json: bool, broker_url: str, config_file: str | None,
+@click.pass_context
+def controller(ctx: click.Context, job: str | None, devices: int, device_names: str | None,
+               wait_devices: float, stall_timeout: float, heartbeat_timeout: float,
+               checkpoint_dir: str | None, resume: bool, repartition: bool,
+               repartition_threshold: float, repartition_cooldown: int, assignment: str | None,
+               save_weights: str | None, summary_json: str | None, stop_devices: bool,
+               as_json: bool, train_file: str | None, broker_url: str, config_file: str | None,
                mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
                threads: int, log_level: str, **training: Any) -> None:
     """Run a job's controller: plan, feed data, collect losses, evaluate, snapshot."""
-    from ftpipe_iot.control.controller import ControllerConfig
-    from ftpipe_iot.core.data import DataError
-    from ftpipe_iot.core.models import ModelError
+    from ftpipe_iot.control.config import ControllerConfig
     from ftpipe_iot.observability.progress import default_progress
     from ftpipe_iot.runtime.entry import ProcessOptions, run_controller
-    from ftpipe_iot.transport import TransportError
 
-    config, bundle_name, job = broker_options(broker_url, config_file, mqtt_protocol,
-                                              max_message_bytes, keepalive, job)
+    config, bundle_name, job = broker_settings(broker_url, config_file, mqtt_protocol,
+                                               max_message_bytes, keepalive, job)
     names = tuple(n.strip() for n in device_names.split(",")) if device_names else ()
     if names and len(names) != devices:
         raise click.UsageError(f"--device-names lists {len(names)} devices, --devices is "
                                f"{devices}")
-    train = _train_config(training)
-    pinned = _parse_assignment(assignment) if assignment else ()
-    try:
-        ctrl_config = ControllerConfig(
-            train=train, devices=devices, device_names=names,
-            wait_devices_s=wait_devices, stall_timeout_s=stall_timeout,
-            heartbeat_timeout_s=heartbeat_timeout,
-            checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None, resume=resume,
-            repartition=repartition, repartition_threshold=repartition_threshold,
-            repartition_cooldown_steps=repartition_cooldown, assignment=pinned,
-            save_weights=Path(save_weights) if save_weights else None,
-            stop_devices=stop_devices)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
-    try:
-        summary = run_controller(job, config, ctrl_config,
-                                 ProcessOptions(metrics_port, threads, log_level),
-                                 default_progress(), client_id=bundle_name,
-                                 summary_path=Path(summary_json) if summary_json else None)
-    except (TransportError, ModelError, DataError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from exc
+    given = explicit(ctx, TRAINING_NAMES)
+    if train_file and given:
+        raise click.UsageError(f"--train-config and training options ({', '.join(given)}) "
+                               "exclude each other")
+    train = TrainConfig.load(train_file) if train_file else train_config(training)
+    ctrl_config = ControllerConfig(
+        train=train, devices=devices, device_names=names,
+        wait_devices_s=wait_devices, stall_timeout_s=stall_timeout,
+        heartbeat_timeout_s=heartbeat_timeout,
+        checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None, resume=resume,
+        repartition=repartition, repartition_threshold=repartition_threshold,
+        repartition_cooldown_steps=repartition_cooldown,
+        assignment=parse_assignment(assignment) if assignment else (),
+        save_weights=Path(save_weights) if save_weights else None, stop_devices=stop_devices)
+    summary = run_controller(job, config, ctrl_config,
+                             ProcessOptions(metrics_port, threads, log_level),
+                             default_progress(), client_id=bundle_name,
+                             summary_path=Path(summary_json) if summary_json else None)
     if as_json:
         click.echo(json.dumps(summary.to_dict(with_history=False)))
     if summary.error:
         raise click.ClickException(summary.error)
 
 
-@click.command()
+@command()
 @click.option("--devices", type=click.IntRange(min=1, max=32), default=3, show_default=True)
 @click.option("--broker", "broker_url", default=None,
               help="use this broker (mqtt://host:port) instead of starting one")
@@ -324,36 +181,26 @@ def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
          work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...], as_json: bool,
          **training: Any) -> None:
     """Train the CNN on digits with a broker, a controller and N device processes."""
-    from ftpipe_iot.runtime.broker import BrokerError
-    from ftpipe_iot.runtime.demo import Demo, DemoError, DemoOptions
-    from ftpipe_iot.runtime.faults import FaultAction, FaultSpecError, fault_schedule
+    from ftpipe_iot.runtime.demo import Demo, DemoOptions
+    from ftpipe_iot.runtime.faults import FaultAction, fault_schedule
 
     if broker_url and embedded_broker:
         raise click.UsageError("--broker and --embedded-broker exclude each other")
-    try:
-        schedule = fault_schedule(list(faults), devices)
-    except FaultSpecError as exc:
-        raise click.BadParameter(str(exc), param_hint="--fault") from exc
+    schedule = fault_schedule(list(faults), devices)
     if broker_url and any(f.action is FaultAction.BROKER_RESTART for f in schedule):
         raise click.UsageError("broker-restart needs the demo's own broker (no --broker)")
     if embedded_broker and any(f.action is FaultAction.BROKER_RESTART for f in schedule):
         raise click.UsageError("broker-restart needs Mosquitto: the embedded broker keeps "
                                "nothing across a restart")
-    _train_config(training)  # validate here, before any process starts
-    try:
-        options = DemoOptions(devices=devices, job=job, broker_url=broker_url,
-                              embedded=embedded_broker, controller_args=_training_args(training),
-                              work_dir=Path(work_dir) if work_dir else None,
-                              metrics_port_base=metrics_port_base, faults=schedule)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--metrics-port-base") from exc
+    options = DemoOptions(devices=devices, job=job, broker_url=broker_url,
+                          embedded=embedded_broker, train=train_config(training),
+                          work_dir=Path(work_dir) if work_dir else None,
+                          metrics_port_base=metrics_port_base, faults=schedule)
     try:
         summary = Demo(options).run()
     except KeyboardInterrupt:
         click.echo("interrupted: stopped every process the demo started", err=True)
         sys.exit(130)
-    except (DemoError, BrokerError) as exc:
-        raise click.ClickException(str(exc)) from exc
     click.echo(_summary_text(summary), err=as_json)
     if "report_png" in summary:
         click.echo(f"report: {summary['report_png']} and {summary['report_json']}", err=True)

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ftpipe_iot.cli.run import broker_options
+from ftpipe_iot.cli.options import broker_settings, command
 
 
 def _fmt(value: object, suffix: str = "") -> str:
@@ -17,7 +17,7 @@ def _fmt(value: object, suffix: str = "") -> str:
     return f"{value}{suffix}"
 
 
-@click.command()
+@command()
 @click.option("--broker", "broker_url", default="mqtt://127.0.0.1:1883", show_default=True)
 @click.option("--config", "config_file", type=click.Path(dir_okay=False),
               help="an operator bundle from `ftpipe-iot fleet add-operator`")
@@ -30,16 +30,12 @@ def status(broker_url: str, config_file: str | None, job: str | None, mqtt_proto
            wait: float, as_json: bool) -> None:
     """Show devices (online/offline, stage, layers, capacity, heartbeat age), step and plan."""
     from ftpipe_iot.observability.watch import JobWatcher, collect, fleet_table
-    from ftpipe_iot.transport import TransportError
 
-    config, name, job = broker_options(broker_url, config_file, mqtt_protocol, 256 * 1024, 10,
-                                       job)
-    try:
-        with JobWatcher(config, job, client_id=name) as watcher:
-            collect(watcher, quiet_s=min(1.2, wait), limit_s=wait)
-            table = fleet_table(watcher)
-    except TransportError as exc:
-        raise click.ClickException(str(exc)) from exc
+    config, name, job = broker_settings(broker_url, config_file, mqtt_protocol, 256 * 1024, 10,
+                                        job)
+    with JobWatcher(config, job, client_id=name) as watcher:
+        collect(watcher, quiet_s=min(1.2, wait), limit_s=wait)
+        table = fleet_table(watcher)
     if as_json:
         click.echo(json.dumps(table))
         return

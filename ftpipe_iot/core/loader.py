@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ftpipe_iot.core.replicas import LayerReplica
+from ftpipe_iot.protocol.messages import LayerReplica
 
 
 class StageLoader:

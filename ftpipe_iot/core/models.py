@@ -11,31 +11,12 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ftpipe_iot.errors import ModelError
-
-BUILTIN_MODELS = ("mlp", "cnn", "mobilenetv2")
-
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Which model to build: a built-in name or ``module:callable``."""
-
-    name: str
-    width: float = 1.0
-    options: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.name not in BUILTIN_MODELS and ":" not in self.name:
-            raise ModelError(
-                f"unknown model {self.name!r}: use one of {', '.join(BUILTIN_MODELS)} "
-                "or a user model as 'module:callable'"
-            )
+from ftpipe_iot.protocol.specs import ModelSpec
 
 
 def _mlp(input_shape: Sequence[int], num_classes: int) -> list[nn.Module]:

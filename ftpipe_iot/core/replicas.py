@@ -1,8 +1,9 @@
-"""Layer replicas: a layer's weights, buffers and optimizer state at a version, as plain arrays.
+"""Layer replicas: copying a live layer (and its optimizer) into a ``LayerReplica`` and back, and
+the in-memory store of replicas by layer and version.
 
 A version is a step boundary: version ``v`` is the state after ``v`` optimizer steps (before step
 ``v``). A checkpoint version is complete when every layer has it; recovery restores one complete
-version on every stage and never mixes versions (DESIGN.md section 6). All of this is pure.
+version on every stage and never mixes versions (docs/design.md, "Replication and recovery").
 """
 
 from __future__ import annotations
@@ -15,24 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class LayerReplica:
-    """One layer at one version: ``state`` is the module's state_dict, ``optim`` the state of
-    its optimizer (None for a layer without parameters)."""
-
-    layer: int
-    version: int
-    state: dict[str, np.ndarray]
-    optim: dict[str, Any] | None
-
-    @property
-    def nbytes(self) -> int:
-        total = sum(int(v.nbytes) for v in self.state.values())
-        if self.optim:
-            for slot in self.optim.get("state", {}).values():
-                total += sum(int(v.nbytes) for v in slot.values() if isinstance(v, np.ndarray))
-        return total
+from ftpipe_iot.protocol.messages import LayerReplica
 
 
 def _to_numpy(value: Any) -> Any:
@@ -69,22 +53,6 @@ def import_layer(replica: LayerReplica, layer: nn.Module,
         optimizer.load_state_dict({"state": state,
                                    "param_groups": replica.optim["param_groups"]})
 
-
-def replica_body(replica: LayerReplica) -> dict[str, Any]:
-    """Message body for a replica (the wire module packs it)."""
-    return {"layer": replica.layer, "version": replica.version, "state": replica.state,
-            "optim": replica.optim}
-
-
-def replica_from_body(body: dict[str, Any]) -> LayerReplica:
-    """Parse a replica body; raises KeyError/TypeError/ValueError on a malformed one."""
-    state = body["state"]
-    if not isinstance(state, dict) or not all(isinstance(v, np.ndarray) for v in state.values()):
-        raise TypeError("replica state must map names to arrays")
-    optim = body.get("optim")
-    if optim is not None and not isinstance(optim, dict):
-        raise TypeError("replica optimizer state must be a map")
-    return LayerReplica(int(body["layer"]), int(body["version"]), dict(state), optim)
 
 
 @dataclass

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ftpipe_iot.errors import PlanError
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -34,7 +36,7 @@ class SyncSchedule:
 
     def __post_init__(self) -> None:
         if self.steps_per_epoch < 1:
-            raise ValueError(
+            raise PlanError(
                 f"{self.num_samples} training samples cannot fill one step of "
                 f"{self.micro_batches} x {self.micro_batch_size} samples; lower the batch size"
             )

@@ -16,9 +16,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ftpipe_iot.core.replicas import LayerReplica, export_layer, import_layer
+from ftpipe_iot.core.replicas import export_layer, import_layer
 from ftpipe_iot.errors import StageInputError
-from ftpipe_iot.protocol.plan import OptimizerName, TrainConfig
+from ftpipe_iot.protocol.messages import LayerReplica
+from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.vocab import DropReason, OptimizerName
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,11 @@ class StepDone:
     backward_s: float
     layer_forward_s: tuple[float, ...] = ()
     layer_backward_s: tuple[float, ...] = ()
+
+    @property
+    def layer_times(self) -> tuple[tuple[float, float], ...]:
+        """Per layer (forward, backward) seconds."""
+        return tuple(zip(self.layer_forward_s, self.layer_backward_s))
 
 
 StageOutput = SendActivation | SendGradient | MicroBatchResult | MicroBatchDone | StepDone
@@ -180,17 +187,17 @@ class Stage:
 
     def _check_input(self, x: np.ndarray, y: np.ndarray) -> None:
         if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):
-            raise StageInputError("bad_tensor", "activation or labels are not arrays")
+            raise StageInputError(DropReason.BAD_TENSOR, "activation or labels are not arrays")
         if x.ndim < 1 or tuple(x.shape[1:]) != self.expected_shape:
-            raise StageInputError("bad_shape", f"stage {self.index} expects inputs of shape "
-                                  f"(B, {self.expected_shape}), got {x.shape}")
+            raise StageInputError(DropReason.BAD_SHAPE, f"stage {self.index} expects inputs of "
+                                  f"shape (B, {self.expected_shape}), got {x.shape}")
         if y.shape != (x.shape[0],) or not np.issubdtype(y.dtype, np.integer):
-            raise StageInputError("bad_shape", f"labels of shape {y.shape} do not match a batch "
-                                  f"of {x.shape[0]}")
+            raise StageInputError(DropReason.BAD_SHAPE, f"labels of shape {y.shape} do not match "
+                                  f"a batch of {x.shape[0]}")
         if not np.issubdtype(x.dtype, np.floating):
-            raise StageInputError("bad_tensor", f"activation dtype {x.dtype} is not float")
+            raise StageInputError(DropReason.BAD_TENSOR, f"activation dtype {x.dtype} is not float")
         if self.is_last and (y.min(initial=0) < 0 or y.max(initial=0) >= self.num_classes):
-            raise StageInputError("bad_label", f"labels outside 0..{self.num_classes - 1}")
+            raise StageInputError(DropReason.BAD_LABEL, f"labels outside 0..{self.num_classes - 1}")
 
     def _timed(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
         """Run ``fn``; returns its result and wall seconds (what the capacity estimate sees).
@@ -215,7 +222,7 @@ class Stage:
         key = (step, micro_batch)
         if key in self.pending or micro_batch in self.backward_done.get(step, set()) \
                 or step in self.completed_steps:
-            raise StageInputError("duplicate", f"micro-batch {key} was already processed")
+            raise StageInputError(DropReason.DUPLICATE, f"micro-batch {key} was already processed")
         self.module.train()
         inputs = torch.from_numpy(np.array(x, dtype=np.float32, copy=True))
         if not self.is_first:
@@ -255,13 +262,13 @@ class Stage:
         key = (step, micro_batch)
         pending = self.pending.get(key)
         if pending is None:
-            reason = "duplicate" if micro_batch in self.backward_done.get(step, set()) or \
-                step in self.completed_steps else "unexpected"
+            reason = DropReason.DUPLICATE if micro_batch in self.backward_done.get(step, set()) or \
+                step in self.completed_steps else DropReason.UNEXPECTED
             raise StageInputError(reason, f"no forward pass stashed for micro-batch {key}")
         if not isinstance(grad, np.ndarray) or grad.shape != tuple(pending.outputs.shape):
             shape = getattr(grad, "shape", None)
-            raise StageInputError("bad_shape", f"gradient of shape {shape} for an output of "
-                                  f"shape {tuple(pending.outputs.shape)}")
+            raise StageInputError(DropReason.BAD_SHAPE, f"gradient of shape {shape} for an output "
+                                  f"of shape {tuple(pending.outputs.shape)}")
         return self._backward(step, micro_batch, grad)
 
     def _backward(self, step: int, micro_batch: int, grad: np.ndarray | None
@@ -328,8 +335,3 @@ class Stage:
         loss = float(nn.functional.cross_entropy(outputs, labels, reduction="sum"))
         correct = int((outputs.argmax(dim=1) == labels).sum())
         return [MicroBatchResult(step, micro_batch, False, loss, correct, int(len(y)))]
-
-    def layer_state(self, offset: int) -> dict[str, np.ndarray]:
-        """Weights and buffers of one of this stage's layers as numpy arrays (for snapshots)."""
-        return {k: v.detach().numpy().copy()
-                for k, v in self.layers[offset].state_dict().items()}

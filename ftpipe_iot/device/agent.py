@@ -13,102 +13,72 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 
 from prometheus_client import CollectorRegistry
 
 from ftpipe_iot import __version__
 from ftpipe_iot.core.loader import StageLoader
-from ftpipe_iot.core.models import ModelError, build_layers, cut_shapes
-from ftpipe_iot.core.replicas import LayerReplica, ReplicaStore, replica_from_body
+from ftpipe_iot.core.models import build_layers, cut_shapes
+from ftpipe_iot.core.replicas import ReplicaStore
 from ftpipe_iot.core.stage import (
     MicroBatchDone,
     MicroBatchResult,
     SendActivation,
     SendGradient,
     Stage,
-    StageInputError,
     StageOutput,
     StepDone,
 )
+from ftpipe_iot.device.link import LinkMeter
+from ftpipe_iot.errors import ModelError, StageInputError
 from ftpipe_iot.observability.metrics import DeviceMetrics
 from ftpipe_iot.planning.profiles import DeviceProfile
-from ftpipe_iot.protocol.plan import Plan, PlanError
+from ftpipe_iot.protocol.messages import (
+    Activation,
+    Capabilities,
+    Command,
+    DeviceError,
+    DeviceStatus,
+    Gradient,
+    Heartbeat,
+    Inbound,
+    LayerReplica,
+    MicroBatchFinished,
+    MicroBatchLoss,
+    Missing,
+    PlanMessage,
+    Ready,
+    Replicated,
+    Result,
+    ResultBody,
+    StageStepDone,
+    envelope,
+)
+from ftpipe_iot.protocol.plan import Plan
 from ftpipe_iot.protocol.topics import Topics
-from ftpipe_iot.protocol.wire import Envelope, MessageKind, WireOptions, encode
-from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, Transport, Will
+from ftpipe_iot.protocol.vocab import CommandOp, DeviceState, DropReason
+from ftpipe_iot.protocol.wire import WireOptions, encode
+from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, Transport, Will, serve
 from ftpipe_iot.transport.messenger import Messenger
 
-log = logging.getLogger("ftpipe_iot.device.agent")
+log = logging.getLogger("ftpipe_iot.device")
 
 
-class DeviceState(str, Enum):
-    """Lifecycle of a device agent, as published on its status topic."""
-
-    ONLINE = "online"
-    OFFLINE = "offline"
-
-
-class CommandOp(str, Enum):
-    """Commands the controller sends to one device."""
-
-    REPLICATE = "replicate"
-    SHUTDOWN = "shutdown"
-
-
-class ResultType(str, Enum):
-    """What a message on the results topic reports."""
-
-    READY = "ready"
-    LOSS = "loss"
-    EVAL = "eval"
-    MICRO_BATCH_DONE = "mb_done"
-    STEP_DONE = "step_done"
-    REPLICATED = "replicated"
-    MISSING = "missing"
-    ERROR = "error"
-
-
-def status_envelope(name: str, job: str, state: DeviceState,
-                    profile: DeviceProfile | None = None) -> Envelope:
-    """The retained status message (also used as the Last Will with state offline)."""
-    capabilities: dict[str, object] = {}
+def device_status(job: str, state: DeviceState, profile: DeviceProfile | None = None
+                  ) -> DeviceStatus:
+    """The retained status message (with state offline also the Last Will)."""
+    capabilities = Capabilities()
     if profile is not None:
-        capabilities = {"profile": profile.name,
-                        "bandwidth_bytes_per_s": profile.bandwidth_bytes_per_s,
-                        "memory_bytes": profile.memory_bytes}
-    return Envelope(kind=MessageKind.STATUS, job=job, sender=name, timestamp=time.time(),
-                    body={"state": state.value, "version": __version__, "job": job,
-                          "capabilities": capabilities})
+        capabilities = Capabilities(profile.name, profile.bandwidth_bytes_per_s,
+                                    profile.memory_bytes)
+    return DeviceStatus(state, job, __version__, capabilities)
 
 
 def device_will(name: str, job: str) -> Will:
     """Last Will: the broker marks the device offline (retained) if it vanishes."""
-    frame = encode(status_envelope(name, job, DeviceState.OFFLINE))[0]
+    frame = encode(envelope(device_status(job, DeviceState.OFFLINE), job, name,
+                            timestamp=time.time()))[0]
     return Will(Topics.dev_status(name), frame, qos=1, retain=True)
-
-
-@dataclass
-class LinkMeter:
-    """How long this device's incoming pipeline messages take to move: one-way latency from the
-    sender's timestamp (hosts keep NTP time) and the array bytes it carried, smoothed."""
-
-    smoothing: float = 0.2
-    latency_s: float = 0.0
-    bytes_per_s: float = 0.0
-    samples: int = 0
-
-    def observe(self, env: Envelope, now: float) -> None:
-        latency = max(now - env.timestamp, 1e-4)
-        size = sum(int(v.nbytes) for v in env.body.values() if hasattr(v, "nbytes"))
-        rate = size / latency
-        if self.samples == 0:
-            self.latency_s, self.bytes_per_s = latency, rate
-        else:
-            a = self.smoothing
-            self.latency_s = a * latency + (1 - a) * self.latency_s
-            self.bytes_per_s = a * rate + (1 - a) * self.bytes_per_s
-        self.samples += 1
 
 
 @dataclass(frozen=True)
@@ -149,8 +119,7 @@ class DeviceAgent:
         self._started = clock()
         self._next_heartbeat = 0.0
         self._last_step = -1
-        self._last_step_compute = (0.0, 0.0)
-        self._last_layer_times: list[list[float]] = []
+        self._last_step_done: StepDone | None = None
         self.link = LinkMeter()
         self._loader_since = 0.0
         self._current_step = 0  # step of the data being computed (profiles schedule by step)
@@ -167,15 +136,14 @@ class DeviceAgent:
 
     def _announce(self) -> None:
         self.messenger.send(Topics.dev_status(self.name),
-                            status_envelope(self.name, self.job, DeviceState.ONLINE, self.profile),
+                            device_status(self.job, DeviceState.ONLINE, self.profile),
                             retain=True)
 
     def stop(self) -> None:
         """Say offline (retained) and disconnect cleanly."""
         try:
             self.messenger.send(Topics.dev_status(self.name),
-                                status_envelope(self.name, self.job, DeviceState.OFFLINE),
-                                retain=True)
+                                device_status(self.job, DeviceState.OFFLINE), retain=True)
         finally:
             self.transport.close()
 
@@ -183,14 +151,8 @@ class DeviceAgent:
         """Worker loop until a shutdown command or ``stopped`` is set; heartbeats in a thread."""
         beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         beat.start()
-        while not self.stopped.is_set():
-            try:
-                incoming = self.transport.inbox.get(timeout=poll_s)
-            except queue.Empty:
-                incoming = None
-            if incoming is not None:
-                self.handle(incoming)
-            self.tick(heartbeat=False)
+        serve(self.transport.inbox, self.handle, lambda: self.tick(heartbeat=False),
+              self.stopped.is_set, poll_s)
 
     def _heartbeat_loop(self) -> None:
         while not self.stopped.wait(self.options.heartbeat_interval_s):
@@ -217,34 +179,28 @@ class DeviceAgent:
         if incoming.topic == RECONNECTED_TOPIC:
             self._announce()  # our Last Will may have fired while we were away
             return
-        env = self.messenger.receive(incoming)
-        if env is None:
+        inbound = self.messenger.receive(incoming)
+        if inbound is None:
             return
+        message = inbound.message
         try:
-            if env.kind is MessageKind.PLAN:
-                self._on_plan(env)
-            elif env.kind is MessageKind.COMMAND:
-                self._on_command(env)
-            elif env.kind in (MessageKind.ACTIVATION, MessageKind.GRADIENT):
-                self._on_data(env)
-            elif env.kind is MessageKind.WEIGHTS:
-                self._on_weights(env)
+            if isinstance(message, PlanMessage):
+                self._on_plan(message.plan)
+            elif isinstance(message, Command):
+                self._on_command(inbound, message)
+            elif isinstance(message, (Activation, Gradient)):
+                self._on_data(inbound, message)
+            elif isinstance(message, LayerReplica):
+                self._on_weights(inbound, message)
             else:
-                self.messenger.drops.drop("unexpected_kind",
-                                          f"{env.kind.value} on {incoming.topic}")
+                self.messenger.drops.drop(DropReason.UNEXPECTED_KIND,
+                                          f"{inbound.kind.value} on {incoming.topic}")
         except StageInputError as exc:
             self.messenger.drops.drop(exc.reason, str(exc))
-        except (KeyError, TypeError, ValueError) as exc:
-            self.messenger.drops.drop("bad_body", f"{env.kind.value}: {exc}")
 
-    def _on_plan(self, env: Envelope) -> None:
-        try:
-            plan = Plan.from_dict(env.body["plan"])
-        except (PlanError, KeyError, TypeError) as exc:
-            self.messenger.drops.drop("bad_plan", str(exc))
-            return
+    def _on_plan(self, plan: Plan) -> None:
         if plan.job != self.job:
-            self.messenger.drops.drop("wrong_job", f"plan for job {plan.job!r}")
+            self.messenger.drops.drop(DropReason.WRONG_JOB, f"plan for job {plan.job!r}")
             return
         if self.plan is not None and plan.version <= self.plan.version:
             return
@@ -310,11 +266,11 @@ class DeviceAgent:
             self.transport.unsubscribe(self.topics.weights_of_layer(layer))
             self._weight_subscriptions.discard(layer)
 
-    def _on_weights(self, env: Envelope) -> None:
-        if self.plan is None or env.plan_version < self.plan.since:
-            self.messenger.drops.drop("stale_run", f"replica of plan {env.plan_version}")
+    def _on_weights(self, inbound: Inbound, replica: LayerReplica) -> None:
+        if self.plan is None or inbound.plan_version < self.plan.since:
+            self.messenger.drops.drop(DropReason.STALE_RUN,
+                                      f"replica of plan {inbound.plan_version}")
             return
-        replica = replica_from_body(env.body)
         if replica.layer in self._neighbour_layers:
             self.neighbour.add(replica)
         if self.loader is not None and self.loader.offer(replica):
@@ -339,7 +295,7 @@ class DeviceAgent:
                                   plan.train.seed)
             shapes = cut_shapes(layers, plan.input_shape, plan.num_classes, plan.train.model.name)
         except ModelError as exc:
-            self._report(ResultType.ERROR, message=str(exc))
+            self._report(DeviceError(str(exc)))
             log.error("cannot build stage for plan %d: %s", plan.version, exc)
             return
         stage = Stage(index=assignment.stage, n_stages=plan.n_stages,
@@ -353,7 +309,7 @@ class DeviceAgent:
         log.info("plan %d: %s holds stage %d, layers [%d, %d), from step %d", plan.version,
                  self.name, assignment.stage, assignment.start, assignment.end,
                  plan.resume_step)
-        self._report(ResultType.READY, stage=assignment.stage)
+        self._report(Ready(assignment.stage))
 
     def _drop_stage(self) -> None:
         self.loader = None
@@ -371,17 +327,17 @@ class DeviceAgent:
             self.transport.subscribe(self.topics.stage_grad(stage.index))
             self._subscribed_stage = stage.index
 
-    def _on_command(self, env: Envelope) -> None:
-        op = CommandOp(env.body["op"])
-        if op is CommandOp.SHUTDOWN:
+    def _on_command(self, inbound: Inbound, command: Command) -> None:
+        if command.op is CommandOp.SHUTDOWN:
             log.info("device %s: shutdown requested by the controller", self.name)
             self.stopped.set()
-        elif op is CommandOp.REPLICATE:
-            if self.plan is None or env.plan_version != self.plan.version:
-                self.messenger.drops.drop("stale_plan", f"replicate for plan {env.plan_version}")
+        elif command.op is CommandOp.REPLICATE:
+            if self.plan is None or inbound.plan_version != self.plan.version:
+                self.messenger.drops.drop(DropReason.STALE_PLAN,
+                                          f"replicate for plan {inbound.plan_version}")
                 return
-            if "layers" in env.body:
-                self._resend_layers(int(env.body["version"]), list(env.body["layers"]))
+            if command.layers is not None and command.version is not None:
+                self._resend_layers(command.version, command.layers)
             else:
                 self._replicate()
 
@@ -390,7 +346,7 @@ class DeviceAgent:
         if self.stage is None or self.plan is None:
             return
         if not self.stage.at_step_boundary:
-            self._report(ResultType.ERROR, message="replicate asked in the middle of a step")
+            self._report(DeviceError("replicate asked in the middle of a step"))
             return
         total = 0
         replicas = self.stage.export()
@@ -398,45 +354,46 @@ class DeviceAgent:
             total += self._publish_replica(replica)
             self.own_replicas[replica.layer] = replica
         self.metrics.replication_bytes.inc(total)
-        self._report(ResultType.REPLICATED, version=self.stage.version,
-                     layers=[self.stage.first_layer, self.stage.first_layer + len(replicas)],
-                     bytes=total, drops=self.messenger.drops.counts)
+        first = self.stage.first_layer
+        self._report(Replicated(self.stage.version, (first, first + len(replicas)), total,
+                                self.messenger.drops.counts))
 
     def _publish_replica(self, replica: LayerReplica) -> int:
         assert self.plan is not None
         return self.messenger.send_replica(self.topics, self.plan.version, replica)
 
-    def _resend_layers(self, version: int, layers: list[int]) -> None:
+    def _resend_layers(self, version: int, layers: tuple[int, ...]) -> None:
         for layer in layers:
             replica = self.own_replicas.get(layer)
             if replica is not None and replica.version == version:
                 self._publish_replica(replica)
 
-    def _on_data(self, env: Envelope) -> None:
+    def _on_data(self, inbound: Inbound, message: Activation | Gradient) -> None:
         if self.plan is None or (self.stage is None and self.loader is None):
-            self.messenger.drops.drop("no_stage", f"{env.kind.value} before a plan")
+            self.messenger.drops.drop(DropReason.NO_STAGE,
+                                      f"{inbound.kind.value} before a plan")
             return
-        if env.plan_version < self.plan.version:
-            self.messenger.drops.drop("stale_plan", f"plan {env.plan_version} < "
+        if inbound.plan_version < self.plan.version:
+            self.messenger.drops.drop(DropReason.STALE_PLAN, f"plan {inbound.plan_version} < "
                                       f"{self.plan.version}")
             return
-        if env.plan_version > self.plan.version:
-            self.messenger.drops.drop("future_plan", f"plan {env.plan_version} > "
+        if inbound.plan_version > self.plan.version:
+            self.messenger.drops.drop(DropReason.FUTURE_PLAN, f"plan {inbound.plan_version} > "
                                       f"{self.plan.version}")
             return
         if self.stage is None:
-            self.messenger.drops.drop("not_ready", "data before the stage finished loading")
+            self.messenger.drops.drop(DropReason.NOT_READY,
+                                      "data before the stage finished loading")
             return
-        self.link.observe(env, time.time())
-        self._current_step = env.step
-        if env.kind is MessageKind.ACTIVATION:
-            train = bool(env.body["train"])
-            outputs = self.stage.forward(env.step, env.micro_batch, env.body["x"], env.body["y"],
-                                         train)
-            if train:
-                self.metrics.samples.inc(len(env.body["y"]))
+        self.link.observe(inbound.timestamp, message.nbytes, time.time())
+        self._current_step = inbound.step
+        if isinstance(message, Activation):
+            outputs = self.stage.forward(inbound.step, inbound.micro_batch, message.x, message.y,
+                                         message.train)
+            if message.train:
+                self.metrics.samples.inc(len(message.y))
         else:
-            outputs = self.stage.backward(env.step, env.micro_batch, env.body["g"])
+            outputs = self.stage.backward(inbound.step, inbound.micro_batch, message.g)
         for output in outputs:
             self._emit(output)
 
@@ -459,23 +416,20 @@ class DeviceAgent:
         assert self.stage is not None and self.plan is not None
         version = self.plan.version
         if isinstance(output, SendActivation):
-            env = self.messenger.make(MessageKind.ACTIVATION, version, output.step,
-                                      output.micro_batch, x=output.x, y=output.y,
-                                      train=output.train)
-            self._emulate_link(self.messenger.send(self.topics.stage_act(self.stage.index + 1),
-                                                   env))
+            sent = self.messenger.send(self.topics.stage_act(self.stage.index + 1),
+                                       Activation(output.x, output.y, output.train), version,
+                                       output.step, output.micro_batch)
+            self._emulate_link(sent)
         elif isinstance(output, SendGradient):
-            env = self.messenger.make(MessageKind.GRADIENT, version, output.step,
-                                      output.micro_batch, g=output.grad)
-            self._emulate_link(self.messenger.send(self.topics.stage_grad(self.stage.index - 1),
-                                                   env))
+            sent = self.messenger.send(self.topics.stage_grad(self.stage.index - 1),
+                                       Gradient(output.grad), version, output.step,
+                                       output.micro_batch)
+            self._emulate_link(sent)
         elif isinstance(output, MicroBatchResult):
-            kind = ResultType.LOSS if output.train else ResultType.EVAL
-            self._report(kind, step=output.step, micro_batch=output.micro_batch,
-                         loss=output.loss, correct=output.correct, count=output.count)
+            self._report(MicroBatchLoss(output.loss, output.correct, output.count, output.train),
+                         output.step, output.micro_batch)
         elif isinstance(output, MicroBatchDone):
-            self._report(ResultType.MICRO_BATCH_DONE, step=output.step,
-                         micro_batch=output.micro_batch)
+            self._report(MicroBatchFinished(), output.step, output.micro_batch)
         elif isinstance(output, StepDone):
             self._on_step_done(output)
 
@@ -485,22 +439,16 @@ class DeviceAgent:
         self.metrics.backward_seconds.observe(output.backward_s)
         self.metrics.steps.inc()
         self._last_step = output.step
-        self._last_step_compute = (output.forward_s, output.backward_s)
-        self._last_layer_times = [[f, b] for f, b in zip(output.layer_forward_s,
-                                                         output.layer_backward_s)]
-        self._report(ResultType.STEP_DONE, step=output.step, stage=self.stage.index,
-                     forward_s=output.forward_s, backward_s=output.backward_s,
-                     layer_times=self._last_layer_times)
+        self._last_step_done = output
+        self._report(StageStepDone(self.stage.index, output.forward_s, output.backward_s,
+                                   output.layer_times), output.step)
         every = self.plan.train.replicate_every
         if every and (output.step + 1) % every == 0:
             self._replicate()
 
-    def _report(self, kind: ResultType, step: int = -1, micro_batch: int = -1,
-                **body: object) -> None:
+    def _report(self, body: ResultBody, step: int = -1, micro_batch: int = -1) -> None:
         version = self.plan.version if self.plan is not None else 0
-        env = self.messenger.make(MessageKind.RESULT, version, step, micro_batch,
-                                  type=kind.value, **body)
-        self.messenger.send(self.topics.results, env)
+        self.messenger.send(self.topics.results, Result(body), version, step, micro_batch)
 
     def tick(self, heartbeat: bool = True) -> None:
         """Periodic work: heartbeats (when not sent by the thread), loading retries."""
@@ -509,22 +457,21 @@ class DeviceAgent:
             self._loader_since = now
             assert self.plan is not None
             # A retained copy may have been overwritten by a newer version: ask for ours.
-            self._report(ResultType.MISSING, version=self.loader.version,
-                         layers=sorted(self.loader.missing))
+            self._report(Missing(self.loader.version, tuple(sorted(self.loader.missing))))
         if heartbeat and now >= self._next_heartbeat:
             self._next_heartbeat = now + self.options.heartbeat_interval_s
             self.heartbeat()
 
     def heartbeat(self) -> None:
         """Publish one heartbeat: step, stage, last step's compute time, queue depth, drops."""
-        forward_s, backward_s = self._last_step_compute
-        stage = self.stage
-        env = self.messenger.make(
-            MessageKind.HEARTBEAT, self.plan.version if self.plan else 0, self._last_step,
-            stage=-1 if stage is None else stage.index, forward_s=forward_s,
-            backward_s=backward_s, queue_depth=self.transport.inbox.qsize(),
-            drops=self.messenger.drops.counts, layer_times=self._last_layer_times,
+        stage, done = self.stage, self._last_step_done
+        beat = Heartbeat(
+            stage=-1 if stage is None else stage.index,
             first_layer=-1 if stage is None else stage.first_layer,
-            link_bytes_per_s=self.link.bytes_per_s, link_latency_s=self.link.latency_s,
-        )
-        self.messenger.send(Topics.dev_heartbeat(self.name), env, qos=0)
+            forward_s=done.forward_s if done else 0.0,
+            backward_s=done.backward_s if done else 0.0,
+            layer_times=done.layer_times if done else (),
+            queue_depth=self.transport.inbox.qsize(), drops=self.messenger.drops.counts,
+            link_bytes_per_s=self.link.bytes_per_s, link_latency_s=self.link.latency_s)
+        self.messenger.send(Topics.dev_heartbeat(self.name), beat,
+                            self.plan.version if self.plan else 0, self._last_step, qos=0)

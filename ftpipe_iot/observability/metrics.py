@@ -6,39 +6,20 @@ Names follow Prometheus conventions: prefix ``ftpipe_``, base units, ``_total`` 
 from __future__ import annotations
 
 import logging
+import math
 import threading
-from enum import Enum
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-from ftpipe_iot.control.liveness import FailureCause
+from ftpipe_iot.protocol.vocab import DropReason, FailureCause
 
 _TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                  10.0)
 
-
-class DropReason(str, Enum):
-    """Known ``reason`` labels of ``ftpipe_messages_dropped_total``. ``DropLog.drop`` accepts any
-    string; these are only the ones exported at zero from the start, so that dashboards and
-    alerts see a series (and a rate of 0) before the first drop happens."""
-
-    MALFORMED = "malformed"
-    UNKNOWN_VERSION = "unknown_version"
-    UNKNOWN_KIND = "unknown_kind"
-    BAD_CHECKSUM = "bad_checksum"
-    OVERSIZED = "oversized"
-    WRONG_JOB = "wrong_job"
-    STALE_PLAN = "stale_plan"
-    FUTURE_PLAN = "future_plan"
-    BAD_PLAN = "bad_plan"
-    BAD_BODY = "bad_body"
-    UNEXPECTED_KIND = "unexpected_kind"
-    NO_STAGE = "no_stage"
-    BAD_TENSOR = "bad_tensor"
-    BAD_SHAPE = "bad_shape"
-    BAD_LABEL = "bad_label"
-    DUPLICATE = "duplicate"
-    UNEXPECTED = "unexpected"
 
 
 class MessagingMetrics:
@@ -109,20 +90,6 @@ class ControllerMetrics(MessagingMetrics):
                             registry=registry)
         self.devices_online = Gauge("ftpipe_devices_online", "Devices whose status is online",
                                     registry=registry)
-        self.device_step_seconds = Gauge("ftpipe_device_step_compute_seconds",
-                                         "Forward+backward compute seconds of the last step, "
-                                         "from heartbeats", ["device"], registry=registry)
-        self.device_capacity = Gauge("ftpipe_device_capacity_factor",
-                                     "Smoothed slow-down of a device vs. the reference profile "
-                                     "(1 = reference speed, 4 = four times slower)", ["device"],
-                                     registry=registry)
-        self.device_link_rate = Gauge("ftpipe_device_link_bytes_per_second",
-                                      "Payload bytes per second of a device's incoming pipeline "
-                                      "messages (array bytes over one-way latency), smoothed",
-                                      ["device"], registry=registry)
-        self.device_stage = Gauge("ftpipe_device_stage_assigned",
-                                  "Stage a device holds in the current plan (-1 = none)",
-                                  ["device"], registry=registry)
         self.failures = Counter("ftpipe_failures_total", "Device failures detected, by signal",
                                 ["cause"], registry=registry)
         # Labelled counters export nothing until a label set is used: start every known cause
@@ -142,9 +109,77 @@ class ControllerMetrics(MessagingMetrics):
         self.repartitions = Counter("ftpipe_repartitions_total",
                                     "Plan changes made to rebalance the pipeline",
                                     registry=registry)
-        self.device_heartbeat_age = Gauge("ftpipe_device_last_heartbeat_timestamp_seconds",
-                                          "Unix time of the last heartbeat", ["device"],
-                                          registry=registry)
+        self.fleet = FleetFigures()
+        registry.register(FleetCollector(self.fleet))
+
+
+@dataclass
+class DeviceFigures:
+    """The latest per-device figures the controller knows (NaN = not known yet)."""
+
+    heartbeat_unix_s: float = math.nan
+    step_compute_s: float = math.nan
+    capacity_factor: float = math.nan
+    link_bytes_per_s: float = math.nan
+    stage: int = -1
+
+
+class FleetFigures:
+    """Per-device figures written by the controller's worker and read at scrape time (the lock
+    keeps a scrape from seeing a half-updated fleet)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._devices: dict[str, DeviceFigures] = {}
+
+    def update(self, device: str, **values: float) -> None:
+        with self._lock:
+            figures = self._devices.setdefault(device, DeviceFigures())
+            for name, value in values.items():
+                setattr(figures, name, value)
+
+    def assign(self, stages: Mapping[str, int], known: Iterable[str]) -> None:
+        """Stage of every device in the new plan; -1 for the other ``known`` devices."""
+        with self._lock:
+            for device in {*known, *stages}:
+                self._devices.setdefault(device, DeviceFigures()).stage = stages.get(device, -1)
+
+    def snapshot(self) -> dict[str, DeviceFigures]:
+        with self._lock:
+            return {name: replace(figures) for name, figures in self._devices.items()}
+
+
+# name, help, DeviceFigures attribute
+_DEVICE_GAUGES = (
+    ("ftpipe_device_step_compute_seconds",
+     "Forward+backward compute seconds of the last step, from heartbeats", "step_compute_s"),
+    ("ftpipe_device_capacity_factor", "Smoothed slow-down of a device vs. the reference profile "
+     "(1 = reference speed, 4 = four times slower)", "capacity_factor"),
+    ("ftpipe_device_link_bytes_per_second", "Payload bytes per second of a device's incoming "
+     "pipeline messages (array bytes over one-way latency), smoothed", "link_bytes_per_s"),
+    ("ftpipe_device_stage_assigned", "Stage a device holds in the current plan (-1 = none)",
+     "stage"),
+    ("ftpipe_device_last_heartbeat_timestamp_seconds", "Unix time of the last heartbeat",
+     "heartbeat_unix_s"),
+)
+
+
+class FleetCollector(Collector):
+    """Exports the per-device gauges (label ``device``) from ``FleetFigures`` at scrape time;
+    a figure not known yet is left out rather than exported as NaN."""
+
+    def __init__(self, figures: FleetFigures) -> None:
+        self._figures = figures
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        devices = self._figures.snapshot()
+        for name, documentation, attribute in _DEVICE_GAUGES:
+            family = GaugeMetricFamily(name, documentation, labels=["device"])
+            for device in sorted(devices):
+                value = float(getattr(devices[device], attribute))
+                if not math.isnan(value):
+                    family.add_metric([device], value)
+            yield family
 
 
 class DropLog:
@@ -157,13 +192,14 @@ class DropLog:
         self._counts: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def drop(self, reason: str, detail: str) -> None:
-        self._metrics.dropped.labels(reason=reason).inc()
+    def drop(self, reason: DropReason, detail: str) -> None:
+        self._metrics.dropped.labels(reason=reason.value).inc()
         with self._lock:
-            count = self._counts.get(reason, 0) + 1
-            self._counts[reason] = count
+            count = self._counts.get(reason.value, 0) + 1
+            self._counts[reason.value] = count
         if count == 1 or count % 1000 == 0:
-            self._log.warning("dropped a message (%s, %d so far): %s", reason, count, detail)
+            self._log.warning("dropped a message (%s, %d so far): %s", reason.value, count,
+                              detail)
 
     @property
     def counts(self) -> dict[str, int]:

@@ -12,27 +12,15 @@ import json
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from ftpipe_iot.errors import ReportError
+from ftpipe_iot.protocol.vocab import EventType
 
 REPORT_JSON = "report.json"
 REPORT_PNG = "report.png"
-# The controller's event when the first step is sent: before it the fleet is being assembled.
-_TRAINING_STARTED = "training_started"
 
-
-
-class MarkedEvent(str, Enum):
-    """Events drawn as vertical lines. The values are the controller's event types
-    (``controller.EventType``); unknown types in a summary are listed in the JSON but not drawn."""
-
-    PLAN_CHANGED = "plan_changed"
-    REPARTITIONED = "repartitioned"
-    FAILURE_DETECTED = "failure_detected"
-    RECOVERY_DONE = "recovery_done"
 
 
 @dataclass(frozen=True)
@@ -42,13 +30,14 @@ class _Style:
     label: str
 
 
-# One look per marked event, chosen so that failures (red, solid) stand out from the routine
-# plan changes (grey, dashed) even in a greyscale print.
-_STYLES: dict[MarkedEvent, _Style] = {
-    MarkedEvent.PLAN_CHANGED: _Style("#7f7f7f", "--", "plan changed"),
-    MarkedEvent.REPARTITIONED: _Style("#9467bd", "-.", "repartitioned"),
-    MarkedEvent.FAILURE_DETECTED: _Style("#d62728", "-", "failure detected"),
-    MarkedEvent.RECOVERY_DONE: _Style("#2ca02c", ":", "recovery done"),
+# Events drawn as vertical lines (other types are listed in the JSON but not drawn): one look
+# per event, chosen so that failures (red, solid) stand out from the routine plan changes
+# (grey, dashed) even in a greyscale print.
+_STYLES: dict[EventType, _Style] = {
+    EventType.PLAN_CHANGED: _Style("#7f7f7f", "--", "plan changed"),
+    EventType.REPARTITIONED: _Style("#9467bd", "-.", "repartitioned"),
+    EventType.FAILURE_DETECTED: _Style("#d62728", "-", "failure detected"),
+    EventType.RECOVERY_DONE: _Style("#2ca02c", ":", "recovery done"),
 }
 
 
@@ -136,7 +125,7 @@ def _list_of_dicts(summary: dict[str, Any], key: str) -> list[dict[str, Any]]:
     return value
 
 
-def _count(events: list[dict[str, Any]], kind: MarkedEvent) -> int:
+def _count(events: list[dict[str, Any]], kind: EventType) -> int:
     return sum(1 for e in events if e.get("type") == kind.value)
 
 
@@ -148,9 +137,9 @@ def _recovering(events: list[dict[str, Any]], end_t: float) -> tuple[float, list
     down_since: float | None = None
     for event in sorted(events, key=lambda e: float(e.get("t", 0.0))):
         kind, t = event.get("type"), float(event.get("t", 0.0))
-        if kind == MarkedEvent.FAILURE_DETECTED.value and down_since is None:
+        if kind == EventType.FAILURE_DETECTED.value and down_since is None:
             down_since = t
-        elif kind == MarkedEvent.RECOVERY_DONE.value and down_since is not None:
+        elif kind == EventType.RECOVERY_DONE.value and down_since is not None:
             intervals.append((down_since, t))
             down_since = None
     if down_since is not None:
@@ -191,10 +180,10 @@ def build_report(summary: dict[str, Any]) -> RunReport:
                         else (steady[0] if steady else None)),
         train_s=_number(summary, "train_s"),
         wall_s=_number(summary, "wall_s"),
-        plan_changes=_count(events, MarkedEvent.PLAN_CHANGED),
-        repartitions=_count(events, MarkedEvent.REPARTITIONED),
-        failures=_count(events, MarkedEvent.FAILURE_DETECTED),
-        recoveries=_count(events, MarkedEvent.RECOVERY_DONE),
+        plan_changes=_count(events, EventType.PLAN_CHANGED),
+        repartitions=_count(events, EventType.REPARTITIONED),
+        failures=_count(events, EventType.FAILURE_DETECTED),
+        recoveries=_count(events, EventType.RECOVERY_DONE),
         recovering_s=round(recovering, 3),
         stalled_s=round(sum(b - a for a, b in _stalls(_series(history, "loss")[0])), 3),
         evals=evals,
@@ -206,11 +195,13 @@ def build_report(summary: dict[str, Any]) -> RunReport:
 def _mark_events(axes: list[Any], events: list[dict[str, Any]],
                  stalls: list[tuple[float, float]]) -> None:
     """Vertical lines for marked events and shaded stalls on every axis; legend entries once."""
-    seen: set[MarkedEvent] = set()
+    seen: set[EventType] = set()
     for event in events:
         try:
-            kind = MarkedEvent(event.get("type"))
+            kind = EventType(event.get("type"))
         except ValueError:
+            continue
+        if kind not in _STYLES:
             continue
         t = event.get("t")
         if not isinstance(t, (int, float)):
@@ -295,7 +286,8 @@ def plot_report(summary: dict[str, Any], path: Path, report: RunReport | None = 
         for ax in axes:
             ax.grid(True, alpha=0.3)
         _mark_events(list(axes), events, _stalls(loss_t))
-        started = [float(e["t"]) for e in events if e.get("type") == _TRAINING_STARTED
+        started = [float(e["t"]) for e in events
+                   if e.get("type") == EventType.TRAINING_STARTED.value
                    and isinstance(e.get("t"), (int, float))]
         if started:
             for index, ax in enumerate(axes):

@@ -9,8 +9,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ftpipe_iot.errors import WireError
+from ftpipe_iot.protocol.messages import (
+    ControllerState,
+    DeviceStatus,
+    Event,
+    Heartbeat,
+    PlanMessage,
+    decode_message,
+)
+from ftpipe_iot.protocol.plan import StageAssignment
 from ftpipe_iot.protocol.topics import Topics
-from ftpipe_iot.protocol.wire import MessageKind, Reassembler, WireError
+from ftpipe_iot.protocol.vocab import ControllerStatus, EventType
+from ftpipe_iot.protocol.wire import Reassembler
 from ftpipe_iot.transport.base import Incoming, Transport
 from ftpipe_iot.transport.config import BrokerConfig
 from ftpipe_iot.transport.mqtt import MqttTransport
@@ -32,6 +43,22 @@ class DeviceView:
     last_heartbeat: float | None = None
 
 
+@dataclass(frozen=True)
+class SeenEvent:
+    """A controller event as an observer saw it: the event, when it was sent, at which step."""
+
+    event: Event
+    timestamp: float
+    step: int
+
+    @property
+    def type(self) -> EventType:
+        return self.event.type
+
+    def to_dict(self) -> dict:
+        return {"timestamp": self.timestamp, "step": self.step, **self.event.to_dict()}
+
+
 @dataclass
 class JobView:
     """The controller's view as published: phase, step, plan, newest complete version, events."""
@@ -43,8 +70,8 @@ class JobView:
     plan_version: int = 0
     complete_version: int | None = None
     capacities: dict[str, float] = field(default_factory=dict)
-    stages: list[dict] = field(default_factory=list)
-    events: list[dict] = field(default_factory=list)
+    stages: tuple[StageAssignment, ...] = ()
+    events: list[SeenEvent] = field(default_factory=list)
     progress: list[tuple[int, float]] = field(default_factory=list)
 
 
@@ -98,41 +125,39 @@ class JobWatcher:
     def _fold(self, incoming: Incoming) -> None:
         try:
             env = self._reassembler.feed(incoming.payload) if incoming.payload else None
+            inbound = decode_message(env, incoming.topic) if env is not None else None
         except WireError:
+            return  # an observer ignores what it cannot read; the job's processes count it
+        if inbound is None:
             return
-        if env is None:
-            return
-        body = env.body
-        if env.kind is MessageKind.STATE and env.job == self.job.job:
-            self.job.state = str(body.get("state", "unknown"))
-            self.job.phase = str(body.get("phase", self.job.phase))
-            self.job.step = max(env.step, 0)
-            if body.get("state") == "training":
-                self.job.progress.append((env.step, env.timestamp))
-            self.job.plan_version = env.plan_version
-            self.job.complete_version = body.get("complete_version")
-            self.job.capacities = dict(body.get("capacities") or {})
-        elif env.kind is MessageKind.PLAN and env.job == self.job.job:
-            self.job.stages = list(body.get("plan", {}).get("stages", []))
-            self.job.plan_version = env.plan_version
-        elif env.kind is MessageKind.EVENT and env.job == self.job.job:
-            self.job.events.append({"type": body.get("type"), "timestamp": env.timestamp,
-                                    "step": env.step, **{k: v for k, v in body.items()
-                                                         if k in ("cause", "devices",
-                                                                  "recover_s")}})
-        elif env.kind is MessageKind.STATUS:
-            view = self.devices.setdefault(env.sender, DeviceView(env.sender))
-            view.state = str(body.get("state", "unknown"))
-            view.job = body.get("job")
-            view.version = body.get("version")
-        elif env.kind is MessageKind.HEARTBEAT:
-            view = self.devices.setdefault(env.sender, DeviceView(env.sender))
-            view.stage = int(body.get("stage", -1))
-            view.step = env.step
-            view.plan_version = env.plan_version
-            view.compute_s = float(body.get("forward_s", 0.0)) + float(body.get("backward_s", 0.0))
-            view.queue_depth = int(body.get("queue_depth", 0))
-            view.last_heartbeat = env.timestamp
+        message, job = inbound.message, self.job
+        if inbound.job == job.job and isinstance(message, ControllerState):
+            job.state = message.state.value
+            job.phase = message.phase.value if message.phase else job.phase
+            job.step = max(inbound.step, 0)
+            if message.state is ControllerStatus.TRAINING:
+                job.progress.append((inbound.step, inbound.timestamp))
+            job.plan_version = inbound.plan_version
+            job.complete_version = message.complete_version
+            job.capacities = dict(message.capacities)
+        elif inbound.job == job.job and isinstance(message, PlanMessage):
+            job.stages = message.plan.stages
+            job.plan_version = inbound.plan_version
+        elif inbound.job == job.job and isinstance(message, Event):
+            job.events.append(SeenEvent(message, inbound.timestamp, inbound.step))
+        elif isinstance(message, DeviceStatus):
+            view = self.devices.setdefault(inbound.sender, DeviceView(inbound.sender))
+            view.state = message.state.value
+            view.job = message.job
+            view.version = message.software_version
+        elif isinstance(message, Heartbeat):
+            view = self.devices.setdefault(inbound.sender, DeviceView(inbound.sender))
+            view.stage = message.stage
+            view.step = inbound.step
+            view.plan_version = inbound.plan_version
+            view.compute_s = message.compute_s
+            view.queue_depth = message.queue_depth
+            view.last_heartbeat = inbound.timestamp
 
     def wait_for(self, predicate, timeout_s: float) -> bool:
         """Block until ``predicate(self)`` holds or the timeout passes."""
@@ -148,22 +173,22 @@ class JobWatcher:
     def wait_step(self, step: int, timeout_s: float) -> bool:
         return self.wait_for(lambda w: w.job.step >= step, timeout_s)
 
-    def events_of(self, kind: str) -> list[dict]:
-        return [e for e in list(self.job.events) if e["type"] == kind]
+    def events_of(self, kind: EventType) -> list[SeenEvent]:
+        return [e for e in list(self.job.events) if e.type is kind]
 
 
 def fleet_table(watcher: JobWatcher, now: float | None = None) -> dict:
     """The fleet as ``ftpipe-iot status`` shows it: one row per device seen on the broker."""
     now = time.time() if now is None else now
-    stage_of = {s["device"]: s for s in watcher.job.stages}
+    stage_of = {s.device: s for s in watcher.job.stages}
     rows = []
     for name in sorted(watcher.devices):
         view = watcher.devices[name]
         stage = stage_of.get(name)
         rows.append({
             "device": name, "state": view.state, "job": view.job,
-            "stage": stage["stage"] if stage else None,
-            "layers": [stage["start"], stage["end"]] if stage else None,
+            "stage": stage.stage if stage else None,
+            "layers": [stage.start, stage.end] if stage else None,
             "capacity": watcher.job.capacities.get(name),
             "heartbeat_age_s": None if view.last_heartbeat is None
             else round(now - view.last_heartbeat, 1),

@@ -12,6 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ftpipe_iot.errors import ConfigError, PartitionError
+
 
 def balanced_split(costs: Sequence[float], n_stages: int) -> list[tuple[int, int]]:
     """Split layers into ``n_stages`` contiguous, non-empty ranges minimising the largest
@@ -21,13 +23,13 @@ def balanced_split(costs: Sequence[float], n_stages: int) -> list[tuple[int, int
     """
     n = len(costs)
     if n_stages < 1:
-        raise ValueError(f"need at least one stage, got {n_stages}")
+        raise PartitionError(f"need at least one stage, got {n_stages}")
     if n_stages > n:
-        raise ValueError(f"cannot split {n} layers into {n_stages} non-empty stages")
+        raise PartitionError(f"cannot split {n} layers into {n_stages} non-empty stages")
     prefix = [0.0]
     for c in costs:
         if c < 0:
-            raise ValueError("layer costs must be >= 0")
+            raise PartitionError("layer costs must be >= 0")
         prefix.append(prefix[-1] + float(c))
     inf = float("inf")
     # best[k][i]: minimal bottleneck of splitting the first i layers into k stages
@@ -60,7 +62,7 @@ def should_repartition(
     cannot run) is beaten by any finite proposal.
     """
     if not 0 <= threshold < 1:
-        raise ValueError(f"threshold must be in [0, 1), got {threshold}")
+        raise ConfigError(f"threshold must be in [0, 1), got {threshold}")
     if math.isnan(current_bottleneck_s) or math.isnan(proposed_bottleneck_s):
         raise ValueError("bottlenecks must not be NaN")
     if current_bottleneck_s < 0 or proposed_bottleneck_s < 0:
@@ -84,9 +86,9 @@ class RepartitionPolicy:
 
     def __post_init__(self) -> None:
         if not 0 <= self.threshold < 1:
-            raise ValueError(f"threshold must be in [0, 1), got {self.threshold}")
+            raise ConfigError(f"threshold must be in [0, 1), got {self.threshold}")
         if self.cooldown_steps < 0:
-            raise ValueError(f"cooldown_steps must be >= 0, got {self.cooldown_steps}")
+            raise ConfigError(f"cooldown_steps must be >= 0, got {self.cooldown_steps}")
 
     def decide(
         self,

@@ -16,20 +16,21 @@ from ftpipe_iot.planning.solver import (
     predict_bottleneck,
     solve_partition,
 )
+from ftpipe_iot.protocol.messages import Capabilities
 
 Assignment = list[tuple[str, int, int]]
 
 
 def device_specs(devices: Sequence[str], capacity: CapacityEstimator,
-                 capabilities: Mapping[str, Mapping], bound: int | None = None
+                 capabilities: Mapping[str, Capabilities], bound: int | None = None
                  ) -> list[DeviceSpec]:
     """Solver inputs per device: measured factor (median, or with ``bound`` 0/1 the lowest/
     highest recent one), declared link cap and memory budget (inf when not declared)."""
     specs = []
     for name in devices:
-        caps = capabilities.get(name, {})
-        bandwidth = caps.get("bandwidth_bytes_per_s") or math.inf
-        memory = caps.get("memory_bytes") or math.inf
+        caps = capabilities.get(name, Capabilities())
+        bandwidth = caps.bandwidth_bytes_per_s or math.inf
+        memory = caps.memory_bytes or math.inf
         factor = capacity.factor(name) if bound is None else capacity.bounds(name)[bound]
         specs.append(DeviceSpec(name, factor, float(bandwidth), float(memory)))
     return specs
@@ -75,7 +76,7 @@ class RebalanceInputs:
 
 
 def propose_rebalance(cost_model: LayerCosts, current: Assignment, candidates: Sequence[str],
-                      capacity: CapacityEstimator, capabilities: Mapping[str, Mapping],
+                      capacity: CapacityEstimator, capabilities: Mapping[str, Capabilities],
                       policy: RepartitionPolicy, at: RebalanceInputs) -> Rebalance | None:
     """A new assignment when it beats the current one by the policy's threshold, after its
     cooldown, and saves more time over the rest of the job than a re-plan costs.

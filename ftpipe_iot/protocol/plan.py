@@ -6,21 +6,14 @@ carries the plan version it belongs to and anything of an older plan is dropped.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from pathlib import Path
 from typing import Any
 
-from ftpipe_iot.core.data import DataSpec
-from ftpipe_iot.core.models import ModelSpec
-from ftpipe_iot.errors import PlanError
-from ftpipe_iot.protocol.wire import WireDtype
-
-
-class OptimizerName(str, Enum):
-    """Optimizers a stage can run (one instance per layer, so per-layer state can be replicated)."""
-
-    SGD = "sgd"
-    ADAM = "adam"
+from ftpipe_iot.errors import ConfigError, PlanError
+from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
+from ftpipe_iot.protocol.vocab import OptimizerName, WireDtype
 
 
 @dataclass(frozen=True)
@@ -75,6 +68,24 @@ class TrainConfig:
         data["data"]["shape"] = list(self.data.shape)
         return data
 
+    def save(self, path: Path) -> Path:
+        """Write this config as JSON (the demo hands its controller one this way)."""
+        path.write_text(json.dumps(self.to_dict(), indent=2))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainConfig:
+        """Read a config written by ``save``."""
+        try:
+            raw = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read training config {path}: {exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"training config {path} is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise PlanError(f"training config {path} must be a JSON object")
+        return cls.from_dict(raw)
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
         try:
@@ -98,6 +109,23 @@ class StageAssignment:
     device: str
     start: int
     end: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "device": self.device, "start": self.start, "end": self.end}
+
+    @classmethod
+    def from_dict(cls, raw: object) -> StageAssignment:
+        if not isinstance(raw, dict):
+            raise PlanError(f"a stage must be a map, got {type(raw).__name__}")
+        try:
+            values = {key: raw[key] for key in ("stage", "device", "start", "end")}
+        except KeyError as exc:
+            raise PlanError(f"a stage misses {exc}") from exc
+        if not isinstance(values["device"], str) or not all(
+                isinstance(values[k], int) and not isinstance(values[k], bool)
+                for k in ("stage", "start", "end")):
+            raise PlanError(f"bad stage {raw!r}: device is a name, stage/start/end integers")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -151,13 +179,13 @@ class Plan:
         return {"version": self.version, "job": self.job, "num_layers": self.num_layers,
                 "input_shape": list(self.input_shape), "num_classes": self.num_classes,
                 "resume_step": self.resume_step, "since": self.since, "train": self.train.to_dict(),
-                "stages": [asdict(s) for s in self.stages]}
+                "stages": [s.to_dict() for s in self.stages]}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Plan:
         try:
             return cls(version=int(raw["version"]), job=str(raw["job"]),
-                       stages=tuple(StageAssignment(**s) for s in raw["stages"]),
+                       stages=tuple(StageAssignment.from_dict(s) for s in raw["stages"]),
                        train=TrainConfig.from_dict(raw["train"]),
                        num_layers=int(raw["num_layers"]),
                        input_shape=tuple(int(d) for d in raw["input_shape"]),

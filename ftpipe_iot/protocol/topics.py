@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ftpipe_iot.errors import ConfigError
+
 ROOT = "ftpipe"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -16,7 +18,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 def check_name(kind: str, value: str) -> str:
     """Reject names that would break topic structure (wildcards, slashes, empty)."""
     if not _NAME.match(value):
-        raise ValueError(
+        raise ConfigError(
             f"{kind} name {value!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
         )
     return value

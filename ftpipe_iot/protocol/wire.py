@@ -1,4 +1,4 @@
-"""The wire format, owned here and nowhere else (DESIGN.md section 4).
+"""The wire format, owned here and nowhere else (docs/design.md, "Wire format").
 
 A frame on the wire is a msgpack map (the envelope) with the protocol version, kind, job, sender,
 plan version, step, micro-batch index, sequence number, timestamp and the body. The body is itself
@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import lz4.frame
@@ -23,12 +21,14 @@ import numpy as np
 
 from ftpipe_iot.errors import (
     BadChecksum,
+    ConfigError,
     MalformedFrame,
     Oversized,
     UnknownKind,
     UnknownVersion,
     WireError,
 )
+from ftpipe_iot.protocol.vocab import MessageKind, WireDtype
 
 PROTOCOL_VERSION = 1
 # Below this the lz4 frame header costs more than it can save.
@@ -38,27 +38,6 @@ COMPRESS_MIN_GAIN = 0.10
 _DIGEST_BYTES = 16
 
 
-class MessageKind(str, Enum):
-    """Every kind of message on the wire."""
-
-    PLAN = "plan"
-    STATE = "state"
-    COMMAND = "cmd"
-    ACTIVATION = "act"
-    GRADIENT = "grad"
-    RESULT = "result"
-    WEIGHTS = "weights"
-    STATUS = "status"
-    HEARTBEAT = "hb"
-    EVENT = "event"
-    CHUNK = "chunk"
-
-
-class WireDtype(str, Enum):
-    """Dtype of float tensors on the wire. fp16 halves traffic but breaks exactness."""
-
-    NATIVE = "native"
-    FP16 = "fp16"
 
 
 
@@ -92,7 +71,7 @@ class WireOptions:
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1024:
-            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+            raise ConfigError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
 
 
 _SAFE_KINDS = frozenset("biufc")
@@ -338,15 +317,3 @@ class Reassembler:
         for key in stale:
             del self._partials[key]
             self.expired += 1
-
-
-def tensor_to_wire(array: Any) -> np.ndarray:
-    """A torch tensor or array as a contiguous numpy array for the body."""
-    if hasattr(array, "detach"):
-        array = array.detach().cpu().numpy()
-    return np.ascontiguousarray(array)
-
-
-def total_bytes(frames: Iterable[bytes]) -> int:
-    """Total size of encoded frames."""
-    return sum(len(f) for f in frames)

@@ -1,16 +1,14 @@
 """The demo: a broker, a controller and N device agents as separate OS processes on this machine.
 
-Every child runs in its own session and is asked to die with its parent (PR_SET_PDEATHSIG), and
-the demo stops all of them on Ctrl-C, SIGTERM or the failure of any one: no orphans, no leftover
-broker.
+The children are started and stopped through ``runtime.supervise`` (own sessions, die with their
+parent); the demo stops all of them on Ctrl-C, SIGTERM or the failure of any one: no orphans, no
+leftover broker.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -19,52 +17,23 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from ftpipe_iot.errors import DemoError
-from ftpipe_iot.observability.report import ReportError, write_report
+from ftpipe_iot.errors import ConfigError, DemoError, ReportError
+from ftpipe_iot.observability.report import write_report
 from ftpipe_iot.observability.watch import JobWatcher
+from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.vocab import EventType
 from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess
 from ftpipe_iot.runtime.faults import Fault, FaultAction
+from ftpipe_iot.runtime.supervise import ProcessGroup
 from ftpipe_iot.transport.config import BrokerConfig, parse_protocol
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
-
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the demo's own cleanup still applies
-
-
-def stop_process_groups(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    """Stop children started with ``start_new_session``: SIGCONT (a stopped process ignores
-    TERM), SIGTERM to each process group, SIGKILL what is left after ``grace_s``."""
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGCONT)
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-
 
 @dataclass
 class DemoOptions:
-    """What the demo runs. ``controller_args`` are passed through to ``ftpipe-iot controller``.
+    """What the demo runs: ``train`` goes to the controller as a JSON file; ``controller_args``
+    and ``device_args`` are passed through to ``ftpipe-iot controller`` and ``device``.
 
     ``work_dir`` keeps logs, the summary and the report (default: ``default_work_dir``).
     ``metrics_port_base`` N > 0 serves ``/metrics`` on port N for the controller and N+1..N+k for
@@ -75,6 +44,7 @@ class DemoOptions:
     job: str = "demo"
     broker_url: str | None = None
     embedded: bool = False
+    train: TrainConfig = field(default_factory=TrainConfig)
     controller_args: list[str] = field(default_factory=list)
     device_args: list[str] = field(default_factory=list)
     work_dir: Path | None = None
@@ -84,7 +54,7 @@ class DemoOptions:
 
     def __post_init__(self) -> None:
         if self.metrics_port_base and not 1024 <= self.metrics_port_base <= 65535 - self.devices:
-            raise ValueError(f"metrics_port_base {self.metrics_port_base} leaves no room for "
+            raise ConfigError(f"metrics_port_base {self.metrics_port_base} leaves no room for "
                              f"{self.devices} device ports below 65536 (or is privileged)")
 
 
@@ -95,23 +65,18 @@ def default_work_dir(job: str, now: datetime | None = None, root: Path | None = 
     return (root or Path.cwd()) / "runs" / f"{job}-{stamp}"
 
 
-@dataclass
-class _Child:
-    name: str
-    proc: subprocess.Popen
-
-
 class Demo:
     """Starts and supervises the demo's processes."""
 
     def __init__(self, options: DemoOptions) -> None:
         self.options = options
         self.broker: BrokerProcess | None = None
-        self.children: list[_Child] = []
         self.work_dir = options.work_dir or default_work_dir(options.job)
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.children = ProcessGroup(self.work_dir)
         self.common: list[str] = []
         self.summary_path = self.work_dir / "summary.json"
+        self.train_path = options.train.save(self.work_dir / "train.json")
         self.watcher: JobWatcher | None = None
         self.pending_faults = list(options.faults)
         self.injected: list[dict] = []
@@ -119,31 +84,18 @@ class Demo:
         self.hung: set[str] = set()
         self._next_device = options.devices
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        cmd = [sys.executable, "-m", "ftpipe_iot", *args]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=None if name == "controller" else self._log(name),
-                                start_new_session=True, preexec_fn=_die_with_parent)
-        self.children = [c for c in self.children if c.name != name]
-        self.children.append(_Child(name, proc))
-
-    def _child(self, name: str) -> _Child | None:
-        return next((c for c in self.children if c.name == name), None)
-
     def _spawn_device(self, index: int) -> None:
         name = f"dev{index}"
-        self._spawn(name, ["device", "--name", name, *self.common,
-                           *self._metrics_args(index + 1), *self.options.device_args])
+        self.children.start(name, "device", "--name", name, *self.common,
+                            *self._metrics_args(index + 1), *self.options.device_args)
 
     def _spawn_controller(self, resume: bool = False) -> None:
-        self._spawn("controller", ["controller", *self.common, "--devices",
-                                   str(self.options.devices), "--stop-devices",
-                                   "--summary-json", str(self.summary_path),
-                                   *(["--resume"] if resume else []),
-                                   *self._metrics_args(0), *self.options.controller_args])
-
-    def _log(self, name: str):
-        return open(self.work_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the child
+        # The controller's progress lines are the demo's output: its stderr stays on ours.
+        self.children.start("controller", "controller", *self.common, "--devices",
+                            str(self.options.devices), "--stop-devices",
+                            "--summary-json", str(self.summary_path),
+                            *(["--resume"] if resume else ["--train-config", str(self.train_path)]),
+                            *self._metrics_args(0), *self.options.controller_args, log=False)
 
     def run(self) -> dict:
         """Run to the end; returns the controller's summary plus broker kind and wall time."""
@@ -205,19 +157,17 @@ class Demo:
     def _supervise(self, started: float) -> None:
         while True:
             self._inject_due()
-            controller = self._child("controller")
-            assert controller is not None
-            code = controller.proc.poll()
+            code = self.children.procs["controller"].poll()
             if code is not None and "controller" not in self.expected_exit:
                 if code != 0:
                     raise DemoError(f"controller exited with code {code}")
                 self._wait_devices()
                 return
-            for child in self.children:
-                if child.name != "controller" and child.name not in self.expected_exit and \
-                        child.proc.poll() not in (None, 0):
-                    raise DemoError(f"{child.name} exited with code {child.proc.returncode}; "
-                                    f"its log: {self.work_dir / (child.name + '.log')}")
+            for name, proc in self.children.procs.items():
+                if name != "controller" and name not in self.expected_exit and \
+                        proc.poll() not in (None, 0):
+                    raise DemoError(f"{name} exited with code {proc.returncode}; "
+                                    f"its log: {self.children.log_path(name)}")
             if self.broker is not None and self.broker.proc is not None and \
                     self.broker.proc.poll() is not None:
                 raise DemoError(f"broker exited with code {self.broker.proc.returncode}")
@@ -239,19 +189,18 @@ class Demo:
         log.warning("injecting fault %s", fault)
         print(f"fault: {fault}", file=sys.stderr, flush=True)
         if fault.action in (FaultAction.KILL, FaultAction.HANG, FaultAction.CONT):
-            child = self._child(name or "")
-            if child is None or child.proc.poll() is not None:
-                log.warning("fault %s: %s is not running", fault, name)
-                return
+            assert name is not None
             sig = {FaultAction.KILL: signal.SIGKILL, FaultAction.HANG: signal.SIGSTOP,
                    FaultAction.CONT: signal.SIGCONT}[fault.action]
-            os.killpg(child.proc.pid, sig)
+            if not self.children.signal(name, sig):
+                log.warning("fault %s: %s is not running", fault, name)
+                return
             if fault.action is FaultAction.KILL:
-                self.expected_exit.add(child.name)
+                self.expected_exit.add(name)
             elif fault.action is FaultAction.HANG:
-                self.hung.add(child.name)
+                self.hung.add(name)
             else:
-                self.hung.discard(child.name)
+                self.hung.discard(name)
         elif fault.action is FaultAction.JOIN:
             self._spawn_device(self._next_device)
             self._next_device += 1
@@ -261,11 +210,9 @@ class Demo:
                 return
             self.broker.restart()
         elif fault.action is FaultAction.CONTROLLER_RESTART:
-            controller = self._child("controller")
-            assert controller is not None
             self.expected_exit.add("controller")
-            os.killpg(controller.proc.pid, signal.SIGKILL)
-            controller.proc.wait()
+            self.children.signal("controller", signal.SIGKILL)
+            self.children.wait("controller", 30)
             self._spawn_controller(resume=True)
             self.expected_exit.discard("controller")
         self.injected.append({"fault": str(fault), "action": fault.action.value,
@@ -274,41 +221,38 @@ class Demo:
     def _fault_figures(self, summary: dict) -> dict:
         """Detection delay of each device fault, measured from the moment it was injected."""
         assert self.watcher is not None
-        detections = self.watcher.events_of("failure_detected")
+        detections = self.watcher.events_of(EventType.FAILURE_DETECTED)
         detect = []
         for fault in self.injected:
             if fault["action"] not in ("kill", "hang"):
                 continue
-            later = [e["timestamp"] - fault["at"] for e in detections
-                     if e["timestamp"] >= fault["at"] and fault["device"] in e.get("devices", [])]
+            later = [e.timestamp - fault["at"] for e in detections
+                     if e.timestamp >= fault["at"] and fault["device"] in (e.event.devices or ())]
             if later:
                 detect.append(round(min(later), 3))
         # Counted from the events topic: a resumed controller only knows its own part of the job.
-        recovered = self.watcher.events_of("recovery_done")
+        recovered = self.watcher.events_of(EventType.RECOVERY_DONE)
         return {"faults": [f["fault"] for f in self.injected],
                 "failures_detected": len(detections), "recoveries": len(recovered),
-                "recover_s": [round(float(e["recover_s"]), 3) for e in recovered
-                              if e.get("recover_s") is not None],
+                "recover_s": [round(e.event.recover_s, 3) for e in recovered
+                              if e.event.recover_s is not None],
                 "detect_silence_s": summary.get("detect_s", []), "detect_s": detect}
 
     def _wait_devices(self, timeout_s: float = 10.0) -> None:
         for name in list(self.hung):  # a stopped process cannot act on its shutdown command
-            child = self._child(name)
-            if child is not None and child.proc.poll() is None:
-                os.killpg(child.proc.pid, signal.SIGCONT)
+            self.children.signal(name, signal.SIGCONT)
         deadline = time.monotonic() + timeout_s
-        for child in self.children:
+        for name, proc in self.children.procs.items():
             try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
+                proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("%s did not exit after shutdown; stopping it", child.name)
+                log.warning("%s did not exit after shutdown; stopping it", name)
 
     def stop(self) -> None:
         """Terminate every child (SIGCONT, SIGTERM, then SIGKILL) and the broker."""
         if self.watcher is not None:
             self.watcher.close()
             self.watcher = None
-        stop_process_groups([child.proc for child in self.children])
+        self.children.stop_all()
         if self.broker is not None:
             self.broker.stop()
-        self.children = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,3 +63,21 @@ def topic_matches(pattern: str, topic: str) -> bool:
         if part != "+" and part != top[i]:
             return False
     return len(pat) == len(top)
+
+
+def serve(inbox: queue.Queue[Incoming], handle: Callable[[Incoming], None],
+          tick: Callable[[], None], done: Callable[[], bool], poll_s: float) -> None:
+    """A process's worker loop: wait up to ``poll_s`` for a message, handle it and everything
+    already queued behind it, then do the periodic work; until ``done()``."""
+    while not done():
+        try:
+            incoming: Incoming | None = inbox.get(timeout=poll_s)
+        except queue.Empty:
+            incoming = None
+        while incoming is not None:
+            handle(incoming)
+            try:
+                incoming = inbox.get_nowait()
+            except queue.Empty:
+                incoming = None
+        tick()

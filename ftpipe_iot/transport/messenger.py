@@ -1,4 +1,4 @@
-"""Turns envelopes into MQTT publishes and MQTT messages back into envelopes, with chunk
+"""Typed messages into MQTT publishes and MQTT messages back into typed messages, with chunk
 reassembly, job filtering and drop accounting. Shared by the device agent and the controller."""
 
 from __future__ import annotations
@@ -6,20 +6,18 @@ from __future__ import annotations
 import itertools
 import logging
 
-from ftpipe_iot.core.replicas import LayerReplica, replica_body
+from ftpipe_iot.errors import ConfigError, WireError
 from ftpipe_iot.observability.metrics import DropLog, MessagingMetrics
+from ftpipe_iot.protocol.messages import Inbound, LayerReplica, Message, decode_message, envelope
 from ftpipe_iot.protocol.topics import Topics
-from ftpipe_iot.protocol.wire import (
-    Envelope,
-    MessageKind,
-    Reassembler,
-    WireError,
-    WireOptions,
-    encode,
-)
+from ftpipe_iot.protocol.vocab import DropReason, MessageKind
+from ftpipe_iot.protocol.wire import Reassembler, WireOptions, encode
 from ftpipe_iot.transport.base import Incoming, Transport
 
 log = logging.getLogger(__name__)
+
+# Kinds every job's processes may see from devices of other jobs (fleet-wide topics).
+_FLEET_KINDS = (MessageKind.STATUS, MessageKind.HEARTBEAT)
 
 
 class Messenger:
@@ -37,68 +35,58 @@ class Messenger:
         self.reassembler = Reassembler(max_body_bytes=1024 * 1024 * 1024)
         self._seq = itertools.count(1)
 
-    def make(self, kind: MessageKind, plan_version: int = 0, step: int = -1,
-             micro_batch: int = -1, **body: object) -> Envelope:
-        return Envelope(kind=kind, job=self.job, sender=self.name, plan_version=plan_version,
-                        step=step, micro_batch=micro_batch, seq=next(self._seq), body=dict(body))
-
-    def send(self, topic: str, env: Envelope, qos: int = 1, retain: bool = False,
+    def send(self, topic: str, message: Message, plan_version: int = 0, step: int = -1,
+             micro_batch: int = -1, qos: int = 1, retain: bool = False,
              options: WireOptions | None = None) -> int:
         """Encode and publish; returns the bytes sent."""
+        env = envelope(message, self.job, self.name, plan_version, step, micro_batch,
+                       next(self._seq))
         frames = encode(env, options or self.options)
         if retain and len(frames) > 1:
-            raise ValueError(f"retained message on {topic} needs {len(frames)} chunks; retained "
+            raise ConfigError(f"retained message on {topic} needs {len(frames)} chunks; retained "
                              "payloads must fit one message")
+        return self._publish([(topic, frame) for frame in frames], message.KIND, qos, retain)
+
+    def _publish(self, frames: list[tuple[str, bytes]], kind: MessageKind, qos: int,
+                 retain: bool) -> int:
         sent = 0
-        for frame in frames:
+        for topic, frame in frames:
             self.transport.publish(topic, frame, qos=qos, retain=retain)
             sent += len(frame)
-        self.metrics.messages_sent.labels(kind=env.kind.value).inc()
+        self.metrics.messages_sent.labels(kind=kind.value).inc()
         self.metrics.bytes_sent.inc(sent)
         return sent
-
-    def send_chunked_retained(self, base_topic: str, env: Envelope,
-                              options: WireOptions | None = None) -> tuple[int, int]:
-        """Publish a possibly large message as retained chunks on ``<base_topic>/<i>``.
-
-        A retained topic holds one message, so each chunk gets its own topic; a subscriber to
-        ``<base_topic>/+`` receives every chunk and reassembles them. Returns (bytes, chunks).
-        """
-        frames = encode(env, options or self.options)
-        sent = 0
-        for index, frame in enumerate(frames):
-            self.transport.publish(f"{base_topic}/{index}", frame, qos=1, retain=True)
-            sent += len(frame)
-        self.metrics.messages_sent.labels(kind=env.kind.value).inc()
-        self.metrics.bytes_sent.inc(sent)
-        return sent, len(frames)
 
     def send_replica(self, topics: Topics, plan_version: int, replica: LayerReplica) -> int:
         """Publish a layer replica retained on its weights topic; returns the bytes sent.
 
-        Weights are dense: lz4 rarely pays, and an uncompressed size keeps the chunk count of a
-        layer stable from version to version.
+        A retained topic holds one message, so each chunk gets its own topic
+        (``weights/<layer>/<i>``); a subscriber to ``weights/<layer>/+`` receives every chunk and
+        reassembles them. Weights are dense: lz4 rarely pays, and an uncompressed size keeps the
+        chunk count of a layer stable from version to version.
         """
-        env = self.make(MessageKind.WEIGHTS, plan_version, step=replica.version,
-                        **replica_body(replica))
+        env = envelope(replica, self.job, self.name, plan_version, replica.version,
+                       seq=next(self._seq))
         options = WireOptions(compress=False, max_message_bytes=self.options.max_message_bytes)
-        sent, _ = self.send_chunked_retained(topics.weights(replica.layer), env, options)
-        return sent
+        base = topics.weights(replica.layer)
+        frames = [(f"{base}/{index}", frame) for index, frame in enumerate(encode(env, options))]
+        return self._publish(frames, replica.KIND, qos=1, retain=True)
 
-    def receive(self, incoming: Incoming) -> Envelope | None:
+    def receive(self, incoming: Incoming) -> Inbound | None:
         """Decode one MQTT message; None when it is a partial chunk or was dropped (counted)."""
         self.metrics.bytes_received.inc(len(incoming.payload))
         if not incoming.payload:
             return None  # a cleared retained topic
         try:
             env = self.reassembler.feed(incoming.payload)
+            if env is None:
+                return None
+            if env.job != self.job and env.kind not in _FLEET_KINDS:
+                self.drops.drop(DropReason.WRONG_JOB, f"on {incoming.topic}: job {env.job!r}")
+                return None
+            inbound = decode_message(env, incoming.topic)
         except WireError as exc:
             self.drops.drop(exc.reason, f"on {incoming.topic}: {exc}")
             return None
-        if env is None:
-            return None
-        if env.job != self.job and env.kind not in (MessageKind.STATUS, MessageKind.HEARTBEAT):
-            self.drops.drop("wrong_job", f"on {incoming.topic}: job {env.job!r}")
-            return None
         self.metrics.messages_received.labels(kind=env.kind.value).inc()
-        return env
+        return inbound

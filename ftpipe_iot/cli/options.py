@@ -1,0 +1,177 @@
+"""Option groups shared by several commands, and turning their values into the library's config
+objects (parsing only: every check of a value's meaning lives in the config classes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from ftpipe_iot.errors import FtpipeError
+from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
+from ftpipe_iot.protocol.vocab import OptimizerName, WireDtype
+from ftpipe_iot.transport.config import BrokerConfig, load_bundle, parse_protocol
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+class CliCommand(click.Command):
+    """Every ``FtpipeError`` the command lets through becomes a one-line error (exit code 1):
+    a user mistake never shows a traceback; anything else is a bug and keeps its traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except FtpipeError as exc:
+            raise click.ClickException(str(exc)) from None
+
+
+class CliGroup(click.Group):
+    """A command group whose commands are ``CliCommand``s."""
+
+    command_class = CliCommand
+
+
+def command(name: str | None = None, **settings: Any) -> Callable[[Callable[..., Any]],
+                                                                    click.Command]:
+    """``click.command`` for a ``CliCommand``."""
+    return click.command(name, cls=CliCommand, **settings)
+
+
+_TRAINING: list[Decorator] = [
+    click.option("--model", default="cnn", show_default=True,
+                 help="mlp | cnn | mobilenetv2 | module:callable (returns nn.Sequential or a list "
+                      "of modules)"),
+    click.option("--data", default="digits", show_default=True,
+                 help="digits | synthetic | npz:PATH (arrays x and y)"),
+    click.option("--data-shape", default="3,32,32", show_default=True,
+                 help="sample shape of synthetic data, comma separated"),
+    click.option("--data-classes", type=click.IntRange(min=2), default=10, show_default=True,
+                 help="classes of synthetic data"),
+    click.option("--data-samples", type=click.IntRange(min=4), default=2048, show_default=True,
+                 help="samples of synthetic data"),
+    click.option("--epochs", type=click.IntRange(min=1), default=6, show_default=True),
+    click.option("--max-steps", type=click.IntRange(min=1), default=None,
+                 help="stop after this many steps (evaluates at the end)"),
+    click.option("--micro-batches", type=click.IntRange(min=1), default=4, show_default=True,
+                 help="micro-batches per step (M)"),
+    click.option("--micro-batch-size", type=click.IntRange(min=1), default=8, show_default=True),
+    click.option("--optimizer", type=click.Choice([o.value for o in OptimizerName]),
+                 default="sgd", show_default=True),
+    click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.05,
+                 show_default=True),
+    click.option("--momentum", type=click.FloatRange(0, 1, max_open=True), default=0.9,
+                 show_default=True),
+    click.option("--seed", type=int, default=0, show_default=True),
+    click.option("--max-in-flight", type=click.IntRange(min=1), default=8, show_default=True,
+                 help="micro-batches in flight at most (brokers drop beyond their queue limits)"),
+    click.option("--wire-dtype", type=click.Choice([d.value for d in WireDtype]),
+                 default="native", show_default=True,
+                 help="fp16 halves activation traffic but breaks exactness"),
+    click.option("--no-compress", is_flag=True, help="never lz4-compress message bodies"),
+    click.option("--replicate-every", type=click.IntRange(min=0), default=10, show_default=True,
+                 help="replicate weights every R steps (0 = only at plan changes)"),
+]
+TRAINING_NAMES = ("model", "data", "data_shape", "data_classes", "data_samples", "epochs",
+                  "max_steps", "micro_batches", "micro_batch_size", "optimizer", "lr",
+                  "momentum", "seed", "max_in_flight", "wire_dtype", "no_compress",
+                  "replicate_every")
+
+_CONNECTION: list[Decorator] = [
+    click.option("--broker", "broker_url", default="mqtt://127.0.0.1:1883", show_default=True,
+                 help="mqtt://host:port or mqtts://host:port"),
+    click.option("--config", "config_file", type=click.Path(dir_okay=False),
+                 help="bundle file from `ftpipe-iot fleet add-device` (overrides --broker)"),
+    click.option("--mqtt-protocol", default="auto", show_default=True,
+                 type=click.Choice(["auto", "5", "3.1.1"])),
+    click.option("--max-message-bytes", type=click.IntRange(min=1024), default=256 * 1024,
+                 show_default=True, help="larger payloads are chunked"),
+    click.option("--keepalive", type=click.IntRange(min=1), default=10, show_default=True,
+                 help="MQTT keepalive seconds (the broker fires the Last Will after 1.5x)"),
+]
+
+_PROCESS: list[Decorator] = [
+    click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=0,
+                 show_default=True, help="serve /metrics on this port (0 = off)"),
+    click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+                 help="torch intra-op threads"),
+    click.option("--log-level", default="INFO", show_default=True,
+                 type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False)),
+]
+
+
+def _group(options: list[Decorator]) -> Decorator:
+    def attach(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return attach
+
+
+training_options = _group(_TRAINING)
+"""The training options shared by ``controller`` and ``demo``."""
+connection_options = _group(_CONNECTION)
+"""--broker/--config/--mqtt-protocol/--max-message-bytes/--keepalive."""
+process_options = _group(_PROCESS)
+"""--metrics-port/--threads/--log-level of a long-running process."""
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers",
+                                 param_hint="--data-shape") from exc
+    if not shape or any(d < 1 for d in shape):
+        raise click.BadParameter(f"{text!r}: every dimension must be >= 1",
+                                 param_hint="--data-shape")
+    return shape
+
+
+def train_config(kw: dict[str, Any]) -> TrainConfig:
+    """The training config the training options describe (raises the library's errors)."""
+    return TrainConfig(
+        model=ModelSpec(kw["model"]),
+        data=DataSpec(kw["data"], shape=parse_shape(kw["data_shape"]),
+                      classes=kw["data_classes"], samples=kw["data_samples"]),
+        micro_batches=kw["micro_batches"], micro_batch_size=kw["micro_batch_size"],
+        optimizer=OptimizerName(kw["optimizer"]), lr=kw["lr"], momentum=kw["momentum"],
+        seed=kw["seed"], epochs=kw["epochs"], max_steps=kw["max_steps"],
+        max_in_flight=kw["max_in_flight"], wire_dtype=WireDtype(kw["wire_dtype"]),
+        compress=not kw["no_compress"], replicate_every=kw["replicate_every"])
+
+
+def explicit(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
+    """Options among ``names`` the user gave on the command line (not defaults)."""
+    return [name for name in names
+            if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+
+
+def parse_assignment(text: str) -> tuple[tuple[str, int, int], ...]:
+    """``dev3:0-10,dev0:10-22`` -> ((dev3, 0, 10), (dev0, 10, 22))."""
+    stages = []
+    for part in text.split(","):
+        try:
+            device, _, span = part.partition(":")
+            start, _, end = span.partition("-")
+            stages.append((device.strip(), int(start), int(end)))
+        except ValueError as exc:
+            raise click.BadParameter(f"{part!r} is not DEVICE:START-END",
+                                     param_hint="--assignment") from exc
+    if any(not d for d, _, _ in stages):
+        raise click.BadParameter("every stage needs a device name", param_hint="--assignment")
+    return tuple(stages)
+
+
+def broker_settings(url: str, config_file: str | None, protocol: str, max_message: int,
+                    keepalive: int, job: str | None) -> tuple[BrokerConfig, str | None, str]:
+    """Broker settings, identity name and job from a bundle file or from the options."""
+    if config_file:
+        bundle = load_bundle(config_file)
+        return bundle.broker, bundle.name, job or bundle.job
+    config = BrokerConfig.from_url(url, protocol=parse_protocol(protocol),
+                                   max_message_bytes=max_message, keepalive_s=keepalive)
+    return config, None, job or "default"

@@ -1,0 +1,72 @@
+"""The controller's own copy of every layer (FTPipeHD's central replica): the replicas it has
+collected, which version the broker retains for each layer, and the checkpoint files."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ftpipe_iot.control.checkpoint import save_weights
+from ftpipe_iot.control.recovery import RecoveryPlan, recovery_plan
+from ftpipe_iot.core.replicas import ReplicaStore
+from ftpipe_iot.protocol.messages import LayerReplica
+
+
+class CentralReplicas:
+    """Replicas by layer and version, plus ``last_published``: the version of each layer's
+    retained copy on the broker (what a device loading that layer will find)."""
+
+    def __init__(self, num_layers: int, checkpoint_dir: Path | None = None) -> None:
+        self.num_layers = num_layers
+        self.store = ReplicaStore(num_layers)
+        self.last_published: dict[int, int] = {}
+        self.checkpoint_dir = checkpoint_dir
+
+    def offer(self, replica: LayerReplica) -> bool:
+        """A replica seen on the weights topics; True when it was new to the store. Writes the
+        checkpoint file of a version that became complete."""
+        self.last_published[replica.layer] = replica.version
+        if not self.store.add(replica):
+            return False
+        if self.checkpoint_dir is not None and self.store.complete(replica.version):
+            path = self.checkpoint_dir / f"step-{replica.version:07d}.npz"
+            if not path.exists():
+                self.save(path, replica.version)
+        return True
+
+    def latest_complete(self) -> int | None:
+        return self.store.latest_complete()
+
+    def complete(self, version: int) -> bool:
+        return self.store.complete(version)
+
+    def weights_at(self, version: int) -> dict[int, dict[str, np.ndarray]]:
+        """Every layer's state at a complete ``version``."""
+        replicas = [self.store.get(layer, version) for layer in range(self.num_layers)]
+        missing = [layer for layer, r in enumerate(replicas) if r is None]
+        if missing:
+            raise KeyError(f"version {version} is not complete: layers {missing} missing")
+        return {layer: r.state for layer, r in enumerate(replicas) if r is not None}
+
+    def save(self, path: Path, version: int) -> None:
+        save_weights(path, self.weights_at(version), self.num_layers)
+
+    def recover(self, current: Sequence[str], online: Iterable[str], dead: Iterable[str],
+                wanted: int) -> RecoveryPlan:
+        """Where to resume after a failure; versions past it are forgotten (they belong to
+        steps that will be recomputed)."""
+        plan = recovery_plan(self.store, self.last_published, current, online, dead, wanted)
+        self.store.drop_newer_than(plan.version)
+        return plan
+
+    def to_republish(self, version: int, layers: Iterable[int]) -> list[LayerReplica]:
+        """The replicas of ``layers`` at ``version`` to publish again (recorded as retained)."""
+        out = []
+        for layer in layers:
+            replica = self.store.get(layer, version)
+            if replica is not None:
+                out.append(replica)
+                self.last_published[layer] = version
+        return out

@@ -1,0 +1,40 @@
+"""What a controller is asked to do: the job, how patient to be, when to re-plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ftpipe_iot.errors import ConfigError
+from ftpipe_iot.protocol.plan import TrainConfig
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """What job to run, how patient to be, and when to re-plan."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    devices: int = 3
+    device_names: tuple[str, ...] = ()
+    wait_devices_s: float = 120.0
+    stall_timeout_s: float = 30.0
+    heartbeat_timeout_s: float = 5.0
+    save_weights: Path | None = None
+    checkpoint_dir: Path | None = None
+    stop_devices: bool = False
+    resume: bool = False
+    repartition: bool = True
+    repartition_threshold: float = 0.10
+    repartition_cooldown_steps: int = 10
+    assignment: tuple[tuple[str, int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ConfigError(f"devices must be >= 1, got {self.devices}")
+        if self.device_names and len(self.device_names) != self.devices:
+            raise ConfigError("device_names must name exactly `devices` devices")
+        if self.heartbeat_timeout_s <= 0 or self.stall_timeout_s <= 0:
+            raise ConfigError("timeouts must be > 0")
+        if self.assignment and self.device_names and \
+                {d for d, _, _ in self.assignment} != set(self.device_names):
+            raise ConfigError("assignment and device_names name different devices")

@@ -1,0 +1,184 @@
+"""Everything that happens in a job, recorded once: each method turns one happening into the run
+summary, the metrics, the progress line and the events topic together, so the four never
+disagree and the controller's phase machine says each thing once."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from ftpipe_iot.control.liveness import Failure
+from ftpipe_iot.control.summary import RunSummary, ThroughputMeter
+from ftpipe_iot.core.feed import StepSummary
+from ftpipe_iot.observability.metrics import ControllerMetrics
+from ftpipe_iot.observability.progress import ProgressReporter
+from ftpipe_iot.protocol.messages import Event, Heartbeat
+from ftpipe_iot.protocol.plan import Plan, StageAssignment
+from ftpipe_iot.protocol.vocab import EventType
+
+
+@dataclass(frozen=True)
+class EpochResult:
+    """Test figures after an epoch."""
+
+    epoch: int
+    step: int
+    accuracy: float
+    loss: float
+
+
+class Recorder:
+    """Records one job. ``publish`` sends an event on the events topic."""
+
+    def __init__(self, job: str, metrics: ControllerMetrics, progress: ProgressReporter,
+                 publish: Callable[[Event], None], clock: Callable[[], float]) -> None:
+        self.summary = RunSummary(job=job)
+        self.metrics = metrics
+        self.progress = progress
+        self.throughput = ThroughputMeter()
+        self._publish = publish
+        self._clock = clock
+        self._started = clock()
+
+    @property
+    def elapsed_s(self) -> float:
+        return self._clock() - self._started
+
+    def message(self, text: str) -> None:
+        """A line for the person watching (no event)."""
+        self.progress.message(text)
+
+    def _event(self, event: Event) -> None:
+        self.summary.events.append({"t": self.elapsed_s, "step": self.summary.steps,
+                                    **event.to_dict()})
+        self._publish(event)
+
+    # -- plans and training ---------------------------------------------------------------------
+    def plan_changed(self, plan: Plan, known_devices: Iterable[str]) -> None:
+        stages = plan.stages
+        self.metrics.plan_version.set(plan.version)
+        self.metrics.stages.set(len(stages))
+        self.metrics.fleet.assign({s.device: s.stage for s in stages}, known_devices)
+        self.summary.devices = len(stages)
+        self.summary.stages = [s.to_dict() for s in stages]
+        table = ", ".join(f"stage {s.stage}: {s.device} layers [{s.start},{s.end})"
+                          for s in stages)
+        self.progress.message(f"plan {plan.version} from step {plan.resume_step}: {table}")
+        self._event(Event(EventType.PLAN_CHANGED, plan=plan.version,
+                          resume_step=plan.resume_step, stages=stages))
+
+    def training_started(self, total_steps: int) -> None:
+        self.progress.start(total_steps)
+        self._event(Event(EventType.TRAINING_STARTED, steps=total_steps))
+
+    def rewound(self, start: int) -> None:
+        """Training (re)starts at ``start``: steps past it will be computed again."""
+        if self.summary.steps > start:
+            self.summary.recomputed_steps += self.summary.steps - start
+        self.summary.steps = start
+        self.summary.history = [h for h in self.summary.history if h["step"] < start]
+
+    def step_completed(self, step: StepSummary, plan_version: int) -> float:
+        """Returns the moving throughput in samples/s."""
+        now = self._clock()
+        self.summary.steps = step.step + 1
+        self.summary.final_loss = step.loss
+        self.metrics.step.set(step.step + 1)
+        self.metrics.epoch.set(step.epoch)
+        self.metrics.loss.set(step.loss)
+        self.metrics.samples.inc(step.samples)
+        rate = self.throughput.step(now, step.samples)
+        self.metrics.samples_per_second.set(rate)
+        self.summary.history.append({"step": step.step, "t": now - self._started,
+                                     "loss": step.loss, "samples_per_s": rate,
+                                     "plan_version": plan_version})
+        self.progress.step(step.step + 1, step.loss, rate)
+        return rate
+
+    def epoch_evaluated(self, result: EpochResult) -> None:
+        self.summary.test_accuracy, self.summary.test_loss = result.accuracy, result.loss
+        self.summary.epochs = result.epoch + 1
+        self.summary.evals.append({"epoch": result.epoch, "step": result.step,
+                                   "test_accuracy": result.accuracy, "test_loss": result.loss,
+                                   "t": self.elapsed_s})
+        self.metrics.test_accuracy.set(result.accuracy)
+        self.progress.message(f"epoch {result.epoch + 1}: test accuracy {result.accuracy:.4f}, "
+                              f"test loss {result.loss:.4f}")
+        self._event(Event(EventType.EPOCH_EVALUATED, epoch=result.epoch,
+                          test_accuracy=result.accuracy))
+
+    # -- failures, recoveries, rebalancing ------------------------------------------------------
+    def failure_detected(self, failure: Failure) -> None:
+        named = ", ".join(sorted(failure.devices)) or "no device"
+        self.summary.failures_detected += 1
+        self.summary.detect_s.append(round(failure.silent_s, 3))
+        self.metrics.failures.labels(cause=failure.cause.value).inc()
+        if failure.devices:
+            self.metrics.detection_seconds.observe(failure.silent_s)
+        self.progress.message(f"failure: {failure.cause.value} ({named}); recovering")
+        self._event(Event(EventType.FAILURE_DETECTED, cause=failure.cause,
+                          devices=tuple(sorted(failure.devices)), silent_s=failure.silent_s))
+
+    def recovered(self, recover_s: float, resume_step: int) -> None:
+        self.summary.recoveries += 1
+        self.summary.recover_s.append(round(recover_s, 3))
+        self.metrics.recoveries.inc()
+        self.metrics.recovery_seconds.observe(recover_s)
+        self.progress.message(f"recovered in {recover_s:.2f}s: resuming at step {resume_step}")
+        self._event(Event(EventType.RECOVERY_DONE, recover_s=recover_s, resume_step=resume_step))
+
+    def rebalancing(self, step: int, current_s: float, proposed_s: float) -> None:
+        self.progress.message(f"rebalancing at step {step}: predicted bottleneck "
+                              f"{current_s * 1e3:.1f} ms -> {proposed_s * 1e3:.1f} ms per "
+                              "micro-batch")
+
+    def repartitioned(self, at_step: int, stages: tuple[StageAssignment, ...]) -> None:
+        self.metrics.repartitions.inc()
+        self.summary.repartitions += 1
+        self._event(Event(EventType.REPARTITIONED, at_step=at_step, stages=stages))
+
+    # -- devices --------------------------------------------------------------------------------
+    def devices_online(self, count: int) -> None:
+        self.metrics.devices_online.set(count)
+
+    def heartbeat(self, device: str, beat: Heartbeat) -> None:
+        self.metrics.fleet.update(device, heartbeat_unix_s=time.time(),
+                                  step_compute_s=beat.compute_s)
+        if beat.link_bytes_per_s > 0:
+            self.summary.device_links[device] = {"bytes_per_s": beat.link_bytes_per_s,
+                                                 "latency_s": beat.link_latency_s}
+            self.metrics.fleet.update(device, link_bytes_per_s=beat.link_bytes_per_s)
+
+    def capacity(self, device: str, factor: float) -> None:
+        self.metrics.fleet.update(device, capacity_factor=factor)
+
+    def layer_seconds(self, device: str, first_layer: int,
+                      times: tuple[tuple[float, float], ...]) -> None:
+        self.summary.device_layer_seconds[device] = {
+            first_layer + i: [f, b] for i, (f, b) in enumerate(times)}
+
+    def replicated(self, device: str, n_bytes: int, drops: dict[str, int]) -> None:
+        self.summary.replicated_bytes += n_bytes
+        self.summary.device_dropped[device] = dict(drops)
+
+    # -- end ------------------------------------------------------------------------------------
+    def close(self, dropped: dict[str, int]) -> RunSummary:
+        """Final wall time and drop counts; returns the summary."""
+        self.summary.wall_s = self.elapsed_s
+        self.summary.dropped = dropped
+        return self.summary
+
+    def job_done(self, dropped: dict[str, int]) -> None:
+        # Samples this controller trained (recomputed steps included) over its training time.
+        self.summary.train_s = self.throughput.train_s
+        self.summary.samples_per_s = self.throughput.mean_rate
+        self.close(dropped)
+        self._event(Event(EventType.JOB_DONE, steps=self.summary.steps,
+                          test_accuracy=self.summary.test_accuracy))
+
+    def job_failed(self, reason: str, dropped: dict[str, int]) -> None:
+        self.progress.message(f"FAILED: {reason}")
+        self.summary.error = reason
+        self._event(Event(EventType.JOB_FAILED, reason=reason))
+        self.close(dropped)

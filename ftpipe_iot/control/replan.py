@@ -1,0 +1,109 @@
+"""Plan changes at step boundaries (pure): which change is pending and why, when the last one
+was, what a change costs as measured, and whether rebalancing the running plan pays off."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from ftpipe_iot.control.job import JobModel
+from ftpipe_iot.planning.capacity import CapacityEstimator
+from ftpipe_iot.planning.partition import RepartitionPolicy
+from ftpipe_iot.planning.rebalance import (
+    Assignment,
+    Rebalance,
+    RebalanceInputs,
+    propose_rebalance,
+)
+from ftpipe_iot.protocol.messages import Capabilities
+from ftpipe_iot.protocol.plan import Plan, StageAssignment
+
+
+class ReplanReason(str, Enum):
+    """Why a plan changes at a step boundary (failures re-plan at once instead)."""
+
+    REBALANCE = "rebalance"
+    REJOIN = "rejoin"
+    FINAL = "final"
+
+
+@dataclass
+class PendingReplan:
+    """A plan change waiting for a step boundary; ``version`` is set once every stage has been
+    asked to replicate at that boundary (the change follows when the version is complete)."""
+
+    reason: ReplanReason
+    target: Assignment | None = None
+    version: int | None = None
+
+
+@dataclass
+class Replanner:
+    """Bookkeeping of voluntary plan changes (rebalance, rejoin, the final gathering)."""
+
+    policy: RepartitionPolicy
+    rebalance: bool = True
+    pending: PendingReplan | None = None
+    last_change_step: int | None = None
+    cost_s: float = 1.0  # measured seconds from asking a change to training again, smoothed
+    _asked_at: float | None = None
+
+    def request(self, reason: ReplanReason, target: Assignment | None = None) -> None:
+        """Ask for a change at the next boundary; the final gathering overrides anything else."""
+        if self.pending is None or reason is ReplanReason.FINAL:
+            self.pending = PendingReplan(reason, list(target) if target else None)
+
+    def replicating(self, version: int, now: float) -> PendingReplan:
+        """Every stage replicates ``version`` for the pending change."""
+        assert self.pending is not None
+        self.pending.version = version
+        self._asked_at = now
+        return self.pending
+
+    def take(self) -> PendingReplan:
+        """The pending change, now carried out."""
+        assert self.pending is not None
+        pending, self.pending = self.pending, None
+        return pending
+
+    def training_from(self, step: int, now: float) -> bool:
+        """Training (re)starts at ``step`` under a new plan; True when it is the job's first."""
+        first = self.last_change_step is None
+        self.last_change_step = step
+        if self._asked_at is not None:
+            self.cost_s = 0.5 * self.cost_s + 0.5 * (now - self._asked_at)
+            self._asked_at = None
+        return first
+
+    def consider(self, step: int, model: JobModel, plan: Plan, candidates: Sequence[str],
+                 capacity: CapacityEstimator, capabilities: Mapping[str, Capabilities]
+                 ) -> Rebalance | None:
+        """At a step boundary: a better partition that pays off (and is now pending), or None."""
+        if not self.rebalance or self.pending is not None:
+            return None
+        current = [(s.device, s.start, s.end) for s in plan.stages]
+        better = propose_rebalance(
+            model.cost_model, current, candidates, capacity, capabilities, self.policy,
+            RebalanceInputs(step, self.last_change_step, model.total_steps - step,
+                            plan.train.micro_batches, self.cost_s))
+        if better is not None:
+            self.request(ReplanReason.REBALANCE, better.assignment)
+        return better
+
+
+def next_plan(job: str, model: JobModel, assignment: Assignment, previous: Plan | None,
+              resume_step: int, since: int | None) -> Plan:
+    """The plan that follows ``previous`` with ``assignment``, resuming at ``resume_step``.
+
+    Plan versions are millisecond timestamps: they increase across controller restarts too, so a
+    device never mistakes an old job's plan for a newer one. ``since`` (None for the job's first
+    plan) is the version of this run's first plan.
+    """
+    version = max(int(time.time() * 1000), (previous.version + 1) if previous else 0)
+    stages = tuple(StageAssignment(i, d, lo, hi) for i, (d, lo, hi) in enumerate(assignment))
+    return Plan(version=version, job=job, stages=stages, train=model.train,
+                num_layers=model.num_layers, input_shape=model.data.input_shape,
+                num_classes=model.data.num_classes, resume_step=resume_step,
+                since=version if since is None else since)

@@ -1,0 +1,119 @@
+"""Training under one plan: feeds stage 0 from the job's schedule with a bounded number of
+micro-batches in flight, collects losses and stage step completions, measures each device's
+speed, and evaluates at the end of every epoch. It tells the controller when a step boundary is
+reached, where the controller may re-plan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ftpipe_iot.control.job import JobModel
+from ftpipe_iot.control.recorder import EpochResult, Recorder
+from ftpipe_iot.core.feed import EvalRound, StepSummary, TrainFeed
+from ftpipe_iot.planning.capacity import CapacityEstimator
+from ftpipe_iot.protocol.messages import (
+    Activation,
+    MicroBatchFinished,
+    MicroBatchLoss,
+    ResultBody,
+    StageStepDone,
+)
+from ftpipe_iot.protocol.plan import Plan
+
+# send(batch, step, micro-batch index) publishes a batch into stage 0
+SendBatch = Callable[[Activation, int, int], None]
+
+
+class PlanTraining:
+    """Feeds and collects the steps of one plan, from its resume step to the job's end."""
+
+    def __init__(self, model: JobModel, plan: Plan, send: SendBatch, recorder: Recorder,
+                 capacity: CapacityEstimator, clock: Callable[[], float],
+                 step_done: Callable[[], None]) -> None:
+        self.model = model
+        self.plan = plan
+        self.train = plan.train
+        self._send = send
+        self._recorder = recorder
+        self._capacity = capacity
+        self._clock = clock
+        self._step_done = step_done
+        self.feed = TrainFeed(model.schedule, plan.n_stages, plan.resume_step,
+                              model.total_steps, self.train.max_in_flight)
+        self.eval_round: EvalRound | None = None
+
+    @property
+    def evaluating(self) -> bool:
+        return self.eval_round is not None
+
+    @property
+    def step(self) -> int:
+        """The next step to complete (the version a replication now would have)."""
+        return self.feed.step
+
+    @property
+    def finished(self) -> bool:
+        return self.feed.finished
+
+    def pump(self) -> None:
+        """Send what the in-flight bound allows now."""
+        data = self.model.data
+        if self.eval_round is not None:
+            for index, indices in self.eval_round.next_to_send():
+                self._send(Activation(data.x_test[indices], data.y_test[indices], train=False),
+                           self.eval_round.tag, index)
+            return
+        for mb in self.feed.next_to_send():
+            self._send(Activation(data.x_train[mb.sample_indices],
+                                  data.y_train[mb.sample_indices], train=True),
+                       mb.step, mb.index)
+
+    def on_result(self, step: int, micro_batch: int, body: ResultBody
+                  ) -> tuple[bool, int | None]:
+        """Fold in one device result: (whether the job progressed, the step boundary reached
+        or None). At a boundary nothing more is sent until ``pump`` is called again."""
+        if isinstance(body, MicroBatchLoss) and body.train:
+            return self.feed.on_loss(step, micro_batch, body.loss, body.correct,
+                                     body.count), None
+        if isinstance(body, MicroBatchFinished):
+            return self.feed.on_micro_batch_done(step, micro_batch), None
+        if isinstance(body, StageStepDone):
+            return True, self._on_stage_step_done(step, body)
+        if isinstance(body, MicroBatchLoss) and self.eval_round is not None:
+            if not self.eval_round.on_result(micro_batch, body.loss, body.correct, body.count):
+                return False, None
+            return True, self._on_eval_complete() if self.eval_round.done else None
+        return False, None
+
+    def _on_stage_step_done(self, step: int, done: StageStepDone) -> int | None:
+        if step == self.feed.step and done.stage < self.plan.n_stages:
+            stage = self.plan.stages[done.stage]
+            if len(done.layer_times) == stage.end - stage.start:
+                self._recorder.layer_seconds(stage.device, stage.start, done.layer_times)
+            factor = self._capacity.observe(stage.device, stage.start, stage.end,
+                                            done.compute_s, self.train.micro_batches)
+            if factor is not None:
+                self._recorder.capacity(stage.device, factor)
+        summary = self.feed.on_stage_step_done(step, done.stage, done.compute_s)
+        return None if summary is None else self._on_step_complete(summary)
+
+    def _on_step_complete(self, step: StepSummary) -> int | None:
+        self._recorder.step_completed(step, self.plan.version)
+        self._step_done()
+        if self.model.schedule.is_last_of_epoch(step.step) or self.feed.finished:
+            self._recorder.throughput.pause(self._clock())
+            self.eval_round = EvalRound(len(self.model.data.x_test), self.train.eval_batch_size,
+                                        self.train.max_in_flight, tag=step.step)
+            self.pump()
+            return None
+        return step.step + 1
+
+    def _on_eval_complete(self) -> int:
+        assert self.eval_round is not None
+        step = self.eval_round.tag + 1
+        self._recorder.epoch_evaluated(EpochResult(self.model.schedule.epoch_of(step - 1), step,
+                                                   self.eval_round.accuracy,
+                                                   self.eval_round.loss))
+        self.eval_round = None
+        self._recorder.throughput.resume(self._clock())
+        return step

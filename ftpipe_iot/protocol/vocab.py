@@ -1,0 +1,140 @@
+"""Every vocabulary of the protocol, as enums: what a value on the wire may be.
+
+Both sides import these; a value outside an enum is a bad body (dropped and counted). Nothing here
+imports anything else of the project, so any module can use the vocabulary.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class MessageKind(str, Enum):
+    """Every kind of message on the wire (the envelope's ``k``)."""
+
+    PLAN = "plan"
+    STATE = "state"
+    COMMAND = "cmd"
+    ACTIVATION = "act"
+    GRADIENT = "grad"
+    RESULT = "result"
+    WEIGHTS = "weights"
+    STATUS = "status"
+    HEARTBEAT = "hb"
+    EVENT = "event"
+    CHUNK = "chunk"
+
+
+class WireDtype(str, Enum):
+    """Dtype of float tensors on the wire. fp16 halves traffic but breaks exactness."""
+
+    NATIVE = "native"
+    FP16 = "fp16"
+
+
+class OptimizerName(str, Enum):
+    """Optimizers a stage can run (one instance per layer, so per-layer state can be replicated)."""
+
+    SGD = "sgd"
+    ADAM = "adam"
+
+
+class DeviceState(str, Enum):
+    """A device agent as published on its retained status topic (and its Last Will)."""
+
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+
+class ControllerStatus(str, Enum):
+    """The controller as published on the retained state topic (and its Last Will)."""
+
+    ONLINE = "online"
+    TRAINING = "training"
+    DONE = "done"
+    FAILED = "failed"
+    OFFLINE = "offline"
+
+
+class ControllerPhase(str, Enum):
+    """Where the controller is in the job (published with its state)."""
+
+    RESUMING = "resuming"
+    WAITING_DEVICES = "waiting_devices"
+    DEPLOYING = "deploying"
+    TRAINING = "training"
+    REPLICATING = "replicating"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class CommandOp(str, Enum):
+    """Commands the controller sends to one device."""
+
+    REPLICATE = "replicate"
+    SHUTDOWN = "shutdown"
+
+
+class ResultType(str, Enum):
+    """What a message on the results topic reports."""
+
+    READY = "ready"
+    LOSS = "loss"
+    EVAL = "eval"
+    MICRO_BATCH_DONE = "mb_done"
+    STEP_DONE = "step_done"
+    REPLICATED = "replicated"
+    MISSING = "missing"
+    ERROR = "error"
+
+
+class EventType(str, Enum):
+    """Events the controller publishes on the job's events topic."""
+
+    PLAN_CHANGED = "plan_changed"
+    TRAINING_STARTED = "training_started"
+    EPOCH_EVALUATED = "epoch_evaluated"
+    FAILURE_DETECTED = "failure_detected"
+    RECOVERY_DONE = "recovery_done"
+    REPARTITIONED = "repartitioned"
+    JOB_DONE = "job_done"
+    JOB_FAILED = "job_failed"
+
+
+class FailureCause(str, Enum):
+    """Why the controller decided something failed."""
+
+    LAST_WILL = "last_will"
+    HEARTBEAT_TIMEOUT = "heartbeat_timeout"
+    STALLED_STEP = "stalled_step"
+    CONNECTION_LOST = "connection_lost"
+    NOT_READY = "not_ready"
+
+
+class DropReason(str, Enum):
+    """Every ``reason`` label of ``ftpipe_messages_dropped_total``; each is exported at zero from
+    the start, so dashboards and alerts see a series (and a rate of 0) before the first drop."""
+
+    # the frame itself
+    MALFORMED = "malformed"
+    UNKNOWN_VERSION = "unknown_version"
+    UNKNOWN_KIND = "unknown_kind"
+    BAD_CHECKSUM = "bad_checksum"
+    OVERSIZED = "oversized"
+    # the body
+    BAD_BODY = "bad_body"
+    BAD_PLAN = "bad_plan"
+    UNEXPECTED_KIND = "unexpected_kind"
+    # where it belongs
+    WRONG_JOB = "wrong_job"
+    STALE_PLAN = "stale_plan"
+    FUTURE_PLAN = "future_plan"
+    STALE_RUN = "stale_run"
+    NO_STAGE = "no_stage"
+    NOT_READY = "not_ready"
+    # what a stage can use
+    BAD_TENSOR = "bad_tensor"
+    BAD_SHAPE = "bad_shape"
+    BAD_LABEL = "bad_label"
+    DUPLICATE = "duplicate"
+    UNEXPECTED = "unexpected"

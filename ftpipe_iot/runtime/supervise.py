@@ -1,0 +1,114 @@
+"""Starting and stopping ``ftpipe-iot`` processes on this machine: the demo, the benchmarks and
+the tests all run their brokers' clients through here.
+
+Every child runs in its own session (so a signal to its process group reaches everything it
+started) and, on Linux, is asked to die with its parent (PR_SET_PDEATHSIG): no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the supervisor's own cleanup still applies
+
+
+def spawn_cli(args: list[str], stderr: IO | int | None = None,
+              stdout: IO | int | None = subprocess.DEVNULL) -> subprocess.Popen:
+    """``python -m ftpipe_iot ARGS`` in its own session, tied to this process's life."""
+    return subprocess.Popen([sys.executable, "-m", "ftpipe_iot", *args],
+                            stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                            text=stdout == subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> bool:
+    """Send ``sig`` to the child's process group; False when it is already gone."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_process_groups(procs: Iterable[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Stop children started with ``spawn_cli``: SIGCONT (a stopped process ignores TERM),
+    SIGTERM to each process group, SIGKILL what is left after ``grace_s``."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            signal_group(proc, signal.SIGCONT)
+            signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            signal_group(proc, signal.SIGKILL)
+            proc.wait()
+
+
+class ProcessGroup:
+    """Named ``ftpipe-iot`` child processes, each with its stderr in ``<log_dir>/<name>.log``."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._logs: dict[str, IO] = {}
+
+    def start(self, name: str, *args: str, stdout: IO | int | None = subprocess.DEVNULL,
+              log: bool = True) -> subprocess.Popen:
+        """Start (or restart, under the same name) one child; ``log=False`` keeps its stderr
+        on this process's stderr (for a child whose output the user should see)."""
+        self._close_log(name)
+        stderr = None
+        if log:
+            stderr = self._logs[name] = open(self.log_path(name), "w")  # noqa: SIM115
+        proc = spawn_cli(list(args), stderr=stderr, stdout=stdout)
+        self.procs[name] = proc
+        return proc
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def log(self, name: str) -> str:
+        path = self.log_path(name)
+        return path.read_text() if path.exists() else ""
+
+    def signal(self, name: str, sig: int) -> bool:
+        """Send ``sig`` to a child's process group; False when it is not running."""
+        proc = self.procs.get(name)
+        return proc is not None and proc.poll() is None and signal_group(proc, sig)
+
+    def wait(self, name: str, timeout_s: float) -> int:
+        """Wait for a child's exit code; raises ``subprocess.TimeoutExpired``."""
+        return self.procs[name].wait(timeout_s)
+
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        stop_process_groups(self.procs.values(), grace_s)
+        for proc in self.procs.values():
+            if proc.stdout:
+                proc.stdout.close()
+        for name in list(self._logs):
+            self._close_log(name)
+
+    def _close_log(self, name: str) -> None:
+        log = self._logs.pop(name, None)
+        if log is not None:
+            log.close()
