@@ -9,8 +9,8 @@ Trains ``mobilenetv2`` (CIFAR-style, synthetic 32x32x3 data, 10 classes) with
   baseline: it ignores device speed); ``--split 0:5,5:9,...`` overrides it.
 * **Schedule**: synchronous ``ScheduleGPipe`` by default (fill-drain: all forwards of the M
   micro-batches, then all backwards, then one SGD step per stage), which matches ftpipe-iot's
-  synchronous schedule (DESIGN.md section 5). ``--schedule 1f1b`` uses ``Schedule1F1B``.
-* **Slow-down emulation** (DESIGN.md section 7): each stage module is wrapped in
+  synchronous schedule (docs/design.md §5). ``--schedule 1f1b`` uses ``Schedule1F1B``.
+* **Slow-down emulation** (docs/design.md §7): each stage module is wrapped in
   :class:`SlowedStage`. Forward: the real forward is timed with ``time.perf_counter`` and
   followed by a sleep of ``(F - 1) x real``. Backward: two identity ``torch.autograd.Function``
   markers bracket the stage's sub-graph -- ``_BackwardStart`` on the stage output and

@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ftpipe_iot.control.liveness import FailureCause, LivenessTracker
+from ftpipe_iot.control.liveness import LivenessTracker
 from ftpipe_iot.control.recovery import choose_devices, recovery_plan
 from ftpipe_iot.core.loader import StageLoader
 from ftpipe_iot.core.replicas import ReplicaStore, export_layer, import_layer
 from ftpipe_iot.core.stage import make_optimizer
 from ftpipe_iot.protocol.messages import LayerReplica
 from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.vocab import FailureCause
 from ftpipe_iot.protocol.wire import Envelope, MessageKind, decode, encode
 
 

@@ -24,8 +24,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from ftpipe_iot.control.liveness import FailureCause
-from ftpipe_iot.observability.metrics import DropReason
+from ftpipe_iot.protocol.vocab import DropReason, FailureCause
 from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess, find_free_port, mosquitto_binary
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,17 +7,8 @@ dead. Nothing here touches the network or the clock on its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
-
-class FailureCause(str, Enum):
-    """Why the controller decided something failed."""
-
-    LAST_WILL = "last_will"
-    HEARTBEAT_TIMEOUT = "heartbeat_timeout"
-    STALLED_STEP = "stalled_step"
-    CONNECTION_LOST = "connection_lost"
-    NOT_READY = "not_ready"
+from ftpipe_iot.protocol.vocab import FailureCause
 
 
 @dataclass(frozen=True)

@@ -53,10 +53,6 @@ class TrainFeed:
     def finished(self) -> bool:
         return self.step >= self.end_step
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._in_flight)
-
     def next_to_send(self) -> list[MicroBatch]:
         """Micro-batches that may be sent now (marks them in flight)."""
         out = []

@@ -3,7 +3,7 @@ the in-memory store of replicas by layer and version.
 
 A version is a step boundary: version ``v`` is the state after ``v`` optimizer steps (before step
 ``v``). A checkpoint version is complete when every layer has it; recovery restores one complete
-version on every stage and never mixes versions (docs/design.md, "Replication and recovery").
+version on every stage and never mixes versions (docs/design.md §6).
 """
 
 from __future__ import annotations

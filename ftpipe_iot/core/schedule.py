@@ -1,4 +1,4 @@
-"""The synchronous schedule as data (DESIGN.md section 5).
+"""The synchronous schedule as data (docs/design.md §5).
 
 Step ``s`` is one mini-batch of ``M`` micro-batches drawn from a seeded permutation of the training
 set, one permutation per epoch; the last incomplete mini-batch of an epoch is dropped so every step

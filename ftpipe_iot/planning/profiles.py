@@ -1,4 +1,4 @@
-"""Device profiles: emulate a heterogeneous fleet on one machine (DESIGN.md section 7).
+"""Device profiles: emulate a heterogeneous fleet on one machine (docs/design.md §7).
 
 A profile is a small JSON file (see ``devices/README.md``)::
 

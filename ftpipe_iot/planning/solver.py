@@ -1,7 +1,7 @@
 """Heterogeneity-aware partition solver (pure, no I/O, no torch).
 
 Splits a sequence of layers into contiguous stages, chooses which device runs which stage, and may
-leave devices out, minimising the bottleneck stage time (DESIGN.md section 7).
+leave devices out, minimising the bottleneck stage time (docs/design.md §7).
 
 Units (all per *micro-batch*; the costs are measured at one micro-batch size and are only valid
 for it):

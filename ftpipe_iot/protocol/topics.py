@@ -1,4 +1,4 @@
-"""Every MQTT topic name the system uses, in one place (DESIGN.md section 3).
+"""Every MQTT topic name the system uses, in one place (docs/design.md §3).
 
 Per-device topics live under ``ftpipe/dev/<device>/`` so broker ACLs can use ``%u`` patterns;
 everything a job exchanges lives under ``ftpipe/<job>/``.
@@ -68,9 +68,6 @@ class Topics:
     def weights(self, layer: int) -> str:
         """Base topic of a layer's replica; chunk ``i`` is retained at ``<base>/<i>``."""
         return f"{self.base}/weights/{layer}"
-
-    def weights_chunk(self, layer: int, chunk: int) -> str:
-        return f"{self.weights(layer)}/{chunk}"
 
     def weights_of_layer(self, layer: int) -> str:
         return f"{self.weights(layer)}/+"

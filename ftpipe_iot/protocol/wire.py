@@ -1,4 +1,4 @@
-"""The wire format, owned here and nowhere else (docs/design.md, "Wire format").
+"""The wire format, owned here and nowhere else (docs/design.md §4).
 
 A frame on the wire is a msgpack map (the envelope) with the protocol version, kind, job, sender,
 plan version, step, micro-batch index, sequence number, timestamp and the body. The body is itself

@@ -177,9 +177,6 @@ class MqttTransport:
     def connected(self) -> bool:
         return self._connected.is_set()
 
-    def wait_connected(self, timeout_s: float) -> bool:
-        return self._connected.wait(timeout_s)
-
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
         if self._client is None:
             raise TransportError("publish before connect")

@@ -1,0 +1,173 @@
+"""Typed message bodies: every body survives the wire unchanged, every bad field is one BadBody
+(counted as a ``bad_body`` drop), and the protocol package loads without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from ftpipe_iot.errors import BadBody
+from ftpipe_iot.observability.metrics import ControllerMetrics
+from ftpipe_iot.protocol.messages import (
+    Activation,
+    Capabilities,
+    Command,
+    ControllerState,
+    DeviceError,
+    DeviceStatus,
+    Event,
+    Gradient,
+    Heartbeat,
+    LayerReplica,
+    MicroBatchFinished,
+    MicroBatchLoss,
+    Missing,
+    PlanMessage,
+    Ready,
+    Replicated,
+    Result,
+    StageStepDone,
+    decode_message,
+    envelope,
+)
+from ftpipe_iot.protocol.plan import Plan, StageAssignment, TrainConfig
+from ftpipe_iot.protocol.vocab import (
+    CommandOp,
+    ControllerPhase,
+    ControllerStatus,
+    DeviceState,
+    EventType,
+    FailureCause,
+    MessageKind,
+)
+from ftpipe_iot.protocol.wire import Envelope, decode, encode
+from ftpipe_iot.transport.memory import MemoryBroker
+from ftpipe_iot.transport.messenger import Messenger
+
+
+def _plan() -> Plan:
+    return Plan(version=7, job="j", stages=(StageAssignment(0, "a", 0, 2),
+                                            StageAssignment(1, "b", 2, 6)),
+                train=TrainConfig(), num_layers=6, input_shape=(1, 8, 8), num_classes=10)
+
+
+MESSAGES = [
+    PlanMessage(_plan()),
+    Command(CommandOp.SHUTDOWN),
+    Command(CommandOp.REPLICATE, version=4, layers=(1, 3)),
+    ControllerState(ControllerStatus.TRAINING, "j", ControllerPhase.TRAINING, 10, {"a": 1.5}),
+    ControllerState(ControllerStatus.OFFLINE, "j"),
+    Event(EventType.FAILURE_DETECTED, cause=FailureCause.LAST_WILL, devices=("a",),
+          silent_s=0.5),
+    Event(EventType.PLAN_CHANGED, plan=7, resume_step=0, stages=_plan().stages),
+    Event(EventType.JOB_FAILED, reason="no devices"),
+    Activation(np.ones((2, 3), np.float32), np.array([1, 2]), train=True),
+    Gradient(np.zeros((2, 3), np.float32)),
+    LayerReplica(3, 10, {"weight": np.ones((2, 2), np.float32)},
+                 {"state": {"0": {"momentum_buffer": np.zeros((2, 2), np.float32)}},
+                  "param_groups": [{"lr": 0.1, "params": [0]}]}),
+    LayerReplica(0, 0, {}, None),
+    DeviceStatus(DeviceState.ONLINE, "j", "0.1.0", Capabilities("rpi4", 5e6, 2**28)),
+    Heartbeat(1, 2, 0.1, 0.2, ((0.01, 0.02),), 3, {"malformed": 2}, 1e6, 0.01),
+    Result(Ready(1)),
+    Result(MicroBatchLoss(2.3, 4, 8)),
+    Result(MicroBatchLoss(18.0, 50, 64, train=False)),
+    Result(MicroBatchFinished()),
+    Result(StageStepDone(0, 0.1, 0.2, ((0.05, 0.1), (0.05, 0.1)))),
+    Result(Replicated(10, (0, 2), 1234, {"stale_plan": 1})),
+    Result(Missing(10, (4, 5))),
+    Result(DeviceError("cannot build the stage")),
+]
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if hasattr(a, "__dataclass_fields__"):
+        return type(a) is type(b) and all(_equal(getattr(a, f), getattr(b, f))
+                                          for f in a.__dataclass_fields__)
+    return a == b
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_body_round_trips_through_the_wire(message):
+    env = envelope(message, "j", "sender", plan_version=7, step=3, micro_batch=1)
+    inbound = decode_message(decode(encode(env)[0]), "some/topic")
+    assert inbound.kind is message.KIND
+    assert (inbound.sender, inbound.plan_version, inbound.step, inbound.micro_batch) == \
+        ("sender", 7, 3, 1)
+    assert _equal(inbound.message, message)
+
+
+@pytest.mark.parametrize(("kind", "body", "field"), [
+    (MessageKind.STATUS, {"state": "online", "job": "j",
+                          "capabilities": {"memory_bytes": "lots"}}, "memory_bytes"),
+    (MessageKind.STATUS, {"state": "sleeping", "job": "j"}, "state"),
+    (MessageKind.HEARTBEAT, {"forward_s": float("nan")}, "forward_s"),
+    (MessageKind.HEARTBEAT, {"layer_times": [[0.1]]}, "layer_times"),
+    (MessageKind.RESULT, {"type": "loss", "loss": "high", "correct": 1, "count": 2}, "loss"),
+    (MessageKind.RESULT, {"type": "step_done", "stage": -1, "forward_s": 0,
+                          "backward_s": 0}, "stage"),
+    (MessageKind.RESULT, {"type": "teleported"}, "type"),
+    (MessageKind.RESULT, {"type": "missing", "version": 3, "layers": ["x"]}, "layers"),
+    (MessageKind.ACTIVATION, {"x": [1, 2], "y": np.zeros(2, np.int64), "train": True}, "x"),
+    (MessageKind.ACTIVATION, {"x": np.zeros(2), "y": np.zeros(2, np.int64)}, "train"),
+    (MessageKind.WEIGHTS, {"layer": 1, "version": 2, "state": {"w": [1.0]}}, "state"),
+    (MessageKind.COMMAND, {"op": "reboot"}, "op"),
+    (MessageKind.PLAN, {"plan": {"version": 1}}, "plan"),
+    (MessageKind.EVENT, {"type": "failure_detected", "cause": "gremlins"}, "cause"),
+    (MessageKind.STATE, {"state": "online", "job": "j", "capacities": {"a": "fast"}},
+     "capacities"),
+])
+def test_a_bad_field_is_one_bad_body_error_naming_it(kind, body, field):
+    env = Envelope(kind, "j", "s", body=body)
+    with pytest.raises(BadBody, match=field):
+        decode_message(decode(encode(env)[0]))
+
+
+def test_messenger_counts_a_bad_body_as_a_drop_and_keeps_going():
+    broker = MemoryBroker()
+    messenger = Messenger(broker.transport("c"), "c", "j", ControllerMetrics(CollectorRegistry()))
+    bad = encode(Envelope(MessageKind.HEARTBEAT, "j", "d", body={"queue_depth": -3}))[0]
+    good = encode(envelope(Heartbeat(queue_depth=3), "j", "d"))[0]
+    from ftpipe_iot.transport.base import Incoming
+
+    assert messenger.receive(Incoming("ftpipe/dev/d/hb", bad)) is None
+    inbound = messenger.receive(Incoming("ftpipe/dev/d/hb", good))
+    assert inbound is not None and inbound.message == Heartbeat(queue_depth=3)
+    assert messenger.drops.counts == {"bad_body": 1}
+
+
+finite = st.floats(min_value=0, max_value=1e6, allow_nan=False)
+
+
+@given(stage=st.integers(0, 64), forward=finite, backward=finite,
+       times=st.lists(st.tuples(finite, finite), max_size=8))
+def test_step_results_round_trip_for_any_valid_values(stage, forward, backward, times):
+    message = Result(StageStepDone(stage, forward, backward, tuple(times)))
+    back = decode_message(decode(encode(envelope(message, "j", "d"))[0])).message
+    assert back == message
+
+
+def test_loading_a_plan_imports_no_torch():
+    code = ("import sys, json\n"
+            "from ftpipe_iot.protocol.messages import PlanMessage, decode_message, envelope\n"
+            "from ftpipe_iot.protocol.wire import decode, encode\n"
+            "from ftpipe_iot.protocol.plan import Plan, StageAssignment, TrainConfig\n"
+            "plan = Plan(1, 'j', (StageAssignment(0, 'a', 0, 3),), TrainConfig(), 3, (4,), 2)\n"
+            "back = decode_message(decode(encode(envelope(PlanMessage(plan), 'j', 'c'))[0]))\n"
+            "assert back.message.plan == plan\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False", out.stderr
