@@ -1,9 +1,9 @@
 """A device bundle: the directory copied onto a device (or the controller/operator host).
 
-Contents: ``<role>.json`` (loadable by ``ftpipe_iot.config.load_bundle``; paths inside are relative
-to it so the directory can be installed anywhere), ``password`` (0600, the only clear-text copy of
-the password), ``ca.crt``, ``client.crt``, ``client.key`` (0600), and for devices a systemd unit
-rendered from ``devices/ftpipe-device.service.template``.
+Contents: ``<role>.json`` (loadable by ``ftpipe_iot.transport.config.load_bundle``; paths
+inside are relative to it so the directory can be installed anywhere), ``password`` (0600, the
+only clear-text copy of the password), ``ca.crt``, ``client.crt``, ``client.key`` (0600), and for
+devices a systemd unit rendered from ``devices/ftpipe-device.service.template``.
 """
 
 from __future__ import annotations
