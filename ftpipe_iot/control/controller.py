@@ -35,20 +35,16 @@ from ftpipe_iot.protocol.messages import (
     Activation,
     Command,
     ControllerState,
-    DeviceError,
     DeviceStatus,
     Event,
     Heartbeat,
     Inbound,
     LayerReplica,
-    Missing,
     PlanMessage,
-    Ready,
-    Replicated,
-    Result,
     envelope,
 )
 from ftpipe_iot.protocol.plan import Plan, StageAssignment, TrainConfig
+from ftpipe_iot.protocol.results import DeviceError, Missing, Ready, Replicated, Result
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import (
     CommandOp,

@@ -13,12 +13,14 @@ from ftpipe_iot.core.feed import EvalRound, StepSummary, TrainFeed
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.protocol.messages import (
     Activation,
+)
+from ftpipe_iot.protocol.plan import Plan
+from ftpipe_iot.protocol.results import (
     MicroBatchFinished,
     MicroBatchLoss,
     ResultBody,
     StageStepDone,
 )
-from ftpipe_iot.protocol.plan import Plan
 
 # send(batch, step, micro-batch index) publishes a batch into stage 0
 SendBatch = Callable[[Activation, int, int], None]

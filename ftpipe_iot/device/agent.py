@@ -37,24 +37,26 @@ from ftpipe_iot.protocol.messages import (
     Activation,
     Capabilities,
     Command,
-    DeviceError,
     DeviceStatus,
     Gradient,
     Heartbeat,
     Inbound,
     LayerReplica,
+    PlanMessage,
+    envelope,
+)
+from ftpipe_iot.protocol.plan import Plan
+from ftpipe_iot.protocol.results import (
+    DeviceError,
     MicroBatchFinished,
     MicroBatchLoss,
     Missing,
-    PlanMessage,
     Ready,
     Replicated,
     Result,
     ResultBody,
     StageStepDone,
-    envelope,
 )
-from ftpipe_iot.protocol.plan import Plan
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import CommandOp, DeviceState, DropReason
 from ftpipe_iot.protocol.wire import WireOptions, encode

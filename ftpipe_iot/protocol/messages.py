@@ -8,7 +8,6 @@ dataclass, receivers get one back from ``decode`` (see ``Inbound``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -16,7 +15,11 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ftpipe_iot.errors import BadBody, PlanError
+from ftpipe_iot.protocol.fields import REQUIRED, BodyReader
 from ftpipe_iot.protocol.plan import Plan, StageAssignment
+from ftpipe_iot.protocol.results import (
+    Result,
+)
 from ftpipe_iot.protocol.vocab import (
     CommandOp,
     ControllerPhase,
@@ -25,123 +28,8 @@ from ftpipe_iot.protocol.vocab import (
     EventType,
     FailureCause,
     MessageKind,
-    ResultType,
 )
 from ftpipe_iot.protocol.wire import Envelope
-
-_REQUIRED: Any = object()
-
-
-class _Fields:
-    """Reads one body's fields, each checked; every failure is a ``BadBody`` naming the field."""
-
-    def __init__(self, raw: object, what: str) -> None:
-        if not isinstance(raw, Mapping):
-            raise BadBody(f"{what}: body is not a map")
-        self.raw = raw
-        self.what = what
-
-    def _get(self, key: str, default: Any) -> Any:
-        if key in self.raw and self.raw[key] is not None:
-            return self.raw[key]
-        if default is _REQUIRED:
-            raise BadBody(f"{self.what}: field {key!r} is missing")
-        return default
-
-    def fail(self, key: str, expected: str, value: object) -> BadBody:
-        return BadBody(f"{self.what}: field {key!r} must be {expected}, got {value!r:.60}")
-
-    def int(self, key: str, default: Any = _REQUIRED, low: int | None = None) -> int:
-        value = self._get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise self.fail(key, "an integer", value)
-        if low is not None and value < low:
-            raise self.fail(key, f"an integer >= {low}", value)
-        return int(value)
-
-    def optional_int(self, key: str, low: int | None = None) -> int | None:
-        return None if self.raw.get(key) is None else self.int(key, low=low)
-
-    def float(self, key: str, default: Any = _REQUIRED, low: float | None = None) -> float:
-        value = self._get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-                or not math.isfinite(float(value)):
-            raise self.fail(key, "a finite number", value)
-        if low is not None and value < low:
-            raise self.fail(key, f"a number >= {low}", value)
-        return float(value)
-
-    def optional_float(self, key: str, low: float | None = None) -> float | None:
-        return None if self.raw.get(key) is None else self.float(key, low=low)
-
-    def str(self, key: str, default: Any = _REQUIRED) -> str:
-        value = self._get(key, default)
-        if not isinstance(value, str):
-            raise self.fail(key, "a string", value)
-        return value
-
-    def optional_str(self, key: str) -> str | None:
-        return None if self.raw.get(key) is None else self.str(key)
-
-    def bool(self, key: str, default: Any = _REQUIRED) -> bool:
-        value = self._get(key, default)
-        if not isinstance(value, bool):
-            raise self.fail(key, "true or false", value)
-        return value
-
-    def enum(self, key: str, vocabulary: type, default: Any = _REQUIRED) -> Any:
-        value = self._get(key, default)
-        try:
-            return vocabulary(value)
-        except ValueError:
-            raise self.fail(key, f"one of {[v.value for v in vocabulary]}", value) from None
-
-    def array(self, key: str) -> np.ndarray:
-        value = self._get(key, _REQUIRED)
-        if not isinstance(value, np.ndarray):
-            raise self.fail(key, "an array", type(value).__name__)
-        return value
-
-    def int_list(self, key: str, default: Any = _REQUIRED) -> tuple[int, ...]:
-        value = self._get(key, default)
-        if not isinstance(value, (list, tuple)) or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in value):
-            raise self.fail(key, "a list of integers", value)
-        return tuple(int(v) for v in value)
-
-    def str_list(self, key: str, default: Any = _REQUIRED) -> tuple[str, ...]:
-        value = self._get(key, default)
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise self.fail(key, "a list of strings", value)
-        return tuple(value)
-
-    def pairs(self, key: str) -> tuple[tuple[float, float], ...]:
-        """Per-layer (forward, backward) seconds."""
-        value = self._get(key, [])
-        try:
-            pairs = tuple((float(f), float(b)) for f, b in value)
-        except (TypeError, ValueError):
-            raise self.fail(key, "a list of [forward_s, backward_s] pairs", value) from None
-        if not all(math.isfinite(f) and math.isfinite(b) and f >= 0 and b >= 0
-                   for f, b in pairs):
-            raise self.fail(key, "non-negative finite seconds", value)
-        return pairs
-
-    def counts(self, key: str) -> dict[str, int]:
-        value = self._get(key, {})
-        if not isinstance(value, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                for k, v in value.items()):
-            raise self.fail(key, "a map of names to counts", value)
-        return dict(value)
-
-    def numbers(self, key: str) -> dict[str, float]:
-        value = self._get(key, {})
-        if not isinstance(value, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                and math.isfinite(v) for k, v in value.items()):
-            raise self.fail(key, "a map of names to finite numbers", value)
-        return {k: float(v) for k, v in value.items()}
 
 
 # -- controller -> devices ----------------------------------------------------------------------
@@ -157,9 +45,9 @@ class PlanMessage:
 
     @classmethod
     def from_body(cls, raw: object) -> PlanMessage:
-        fields = _Fields(raw, "plan")
+        fields = BodyReader(raw, "plan")
         try:
-            return cls(Plan.from_dict(fields._get("plan", _REQUIRED)))
+            return cls(Plan.from_dict(fields._get("plan", REQUIRED)))
         except PlanError as exc:
             raise BadBody(f"plan: {exc}") from exc
 
@@ -181,7 +69,7 @@ class Command:
 
     @classmethod
     def from_body(cls, raw: object) -> Command:
-        f = _Fields(raw, "command")
+        f = BodyReader(raw, "command")
         layers = f.int_list("layers") if f.raw.get("layers") is not None else None
         return cls(f.enum("op", CommandOp), f.optional_int("version", low=0) if layers else None,
                    layers)
@@ -206,7 +94,7 @@ class ControllerState:
 
     @classmethod
     def from_body(cls, raw: object) -> ControllerState:
-        f = _Fields(raw, "state")
+        f = BodyReader(raw, "state")
         phase = f.enum("phase", ControllerPhase) if f.raw.get("phase") is not None else None
         return cls(f.enum("state", ControllerStatus), f.str("job"), phase,
                    f.optional_int("complete_version", low=0), f.numbers("capacities"))
@@ -248,7 +136,7 @@ class Event:
 
     @classmethod
     def from_body(cls, raw: object) -> Event:
-        f = _Fields(raw, "event")
+        f = BodyReader(raw, "event")
         stages = None
         if f.raw.get("stages") is not None:
             try:
@@ -289,7 +177,7 @@ class Activation:
 
     @classmethod
     def from_body(cls, raw: object) -> Activation:
-        f = _Fields(raw, "activation")
+        f = BodyReader(raw, "activation")
         return cls(f.array("x"), f.array("y"), f.bool("train"))
 
 
@@ -309,7 +197,7 @@ class Gradient:
 
     @classmethod
     def from_body(cls, raw: object) -> Gradient:
-        return cls(_Fields(raw, "gradient").array("g"))
+        return cls(BodyReader(raw, "gradient").array("g"))
 
 
 @dataclass(frozen=True)
@@ -338,8 +226,8 @@ class LayerReplica:
 
     @classmethod
     def from_body(cls, raw: object) -> LayerReplica:
-        f = _Fields(raw, "weights")
-        state = f._get("state", _REQUIRED)
+        f = BodyReader(raw, "weights")
+        state = f._get("state", REQUIRED)
         if not isinstance(state, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, np.ndarray) for k, v in state.items()):
             raise f.fail("state", "a map of names to arrays", type(state).__name__)
@@ -367,7 +255,7 @@ class Capabilities:
 
     @classmethod
     def from_body(cls, raw: object) -> Capabilities:
-        f = _Fields(raw or {}, "capabilities")
+        f = BodyReader(raw or {}, "capabilities")
         bandwidth = f.optional_float("bandwidth_bytes_per_s", low=0)
         memory = f.optional_float("memory_bytes", low=0)
         return cls(f.optional_str("profile"), bandwidth or None, memory or None)
@@ -389,7 +277,7 @@ class DeviceStatus:
 
     @classmethod
     def from_body(cls, raw: object) -> DeviceStatus:
-        f = _Fields(raw, "status")
+        f = BodyReader(raw, "status")
         return cls(f.enum("state", DeviceState), f.str("job"), f.str("version", ""),
                    Capabilities.from_body(f.raw.get("capabilities")))
 
@@ -422,169 +310,11 @@ class Heartbeat:
 
     @classmethod
     def from_body(cls, raw: object) -> Heartbeat:
-        f = _Fields(raw, "heartbeat")
+        f = BodyReader(raw, "heartbeat")
         return cls(f.int("stage", -1, low=-1), f.int("first_layer", -1, low=-1),
                    f.float("forward_s", 0.0, low=0), f.float("backward_s", 0.0, low=0),
                    f.pairs("layer_times"), f.int("queue_depth", 0, low=0), f.counts("drops"),
                    f.float("link_bytes_per_s", 0.0, low=0), f.float("link_latency_s", 0.0, low=0))
-
-
-@dataclass(frozen=True)
-class Ready:
-    """The device built (or loaded) its stage for the plan in the envelope."""
-
-    TYPE: ClassVar[ResultType] = ResultType.READY
-    stage: int
-
-    def fields(self) -> dict[str, Any]:
-        return {"stage": self.stage}
-
-    @classmethod
-    def parse(cls, f: _Fields) -> Ready:
-        return cls(f.int("stage", low=0))
-
-
-@dataclass(frozen=True)
-class MicroBatchLoss:
-    """From the last stage: loss, correct predictions and samples of one micro-batch (step and
-    index in the envelope). ``train`` False is an evaluation batch (loss summed, not mean)."""
-
-    TYPE: ClassVar[ResultType] = ResultType.LOSS
-    loss: float
-    correct: int
-    count: int
-    train: bool = True
-
-    def fields(self) -> dict[str, Any]:
-        return {"loss": self.loss, "correct": self.correct, "count": self.count}
-
-    @classmethod
-    def parse(cls, f: _Fields) -> MicroBatchLoss:
-        train = f.enum("type", ResultType) is ResultType.LOSS
-        return cls(f.float("loss", low=0), f.int("correct", low=0), f.int("count", low=0), train)
-
-
-@dataclass(frozen=True)
-class MicroBatchFinished:
-    """From the first stage: a training micro-batch finished its backward pass (frees a slot)."""
-
-    TYPE: ClassVar[ResultType] = ResultType.MICRO_BATCH_DONE
-
-    def fields(self) -> dict[str, Any]:
-        return {}
-
-    @classmethod
-    def parse(cls, f: _Fields) -> MicroBatchFinished:
-        return cls()
-
-
-@dataclass(frozen=True)
-class StageStepDone:
-    """A stage applied its optimizer for the step in the envelope, with its compute times."""
-
-    TYPE: ClassVar[ResultType] = ResultType.STEP_DONE
-    stage: int
-    forward_s: float
-    backward_s: float
-    layer_times: tuple[tuple[float, float], ...] = ()
-
-    @property
-    def compute_s(self) -> float:
-        return self.forward_s + self.backward_s
-
-    def fields(self) -> dict[str, Any]:
-        return {"stage": self.stage, "forward_s": self.forward_s, "backward_s": self.backward_s,
-                "layer_times": [list(t) for t in self.layer_times]}
-
-    @classmethod
-    def parse(cls, f: _Fields) -> StageStepDone:
-        return cls(f.int("stage", low=0), f.float("forward_s", low=0),
-                   f.float("backward_s", low=0), f.pairs("layer_times"))
-
-
-@dataclass(frozen=True)
-class Replicated:
-    """A device published its layers [first, end) at ``version``; with its drop counts."""
-
-    TYPE: ClassVar[ResultType] = ResultType.REPLICATED
-    version: int
-    layers: tuple[int, int]
-    bytes: int
-    drops: dict[str, int] = field(default_factory=dict)
-
-    def fields(self) -> dict[str, Any]:
-        return {"version": self.version, "layers": list(self.layers), "bytes": self.bytes,
-                "drops": dict(self.drops)}
-
-    @classmethod
-    def parse(cls, f: _Fields) -> Replicated:
-        layers = f.int_list("layers")
-        if len(layers) != 2:
-            raise f.fail("layers", "[first, end]", layers)
-        return cls(f.int("version", low=0), (layers[0], layers[1]), f.int("bytes", 0, low=0),
-                   f.counts("drops"))
-
-
-@dataclass(frozen=True)
-class Missing:
-    """A device still lacks these layers at ``version`` (a retained copy was overwritten)."""
-
-    TYPE: ClassVar[ResultType] = ResultType.MISSING
-    version: int
-    layers: tuple[int, ...]
-
-    def fields(self) -> dict[str, Any]:
-        return {"version": self.version, "layers": list(self.layers)}
-
-    @classmethod
-    def parse(cls, f: _Fields) -> Missing:
-        return cls(f.int("version", low=0), f.int_list("layers"))
-
-
-@dataclass(frozen=True)
-class DeviceError:
-    """A device cannot go on with this plan; the message says why."""
-
-    TYPE: ClassVar[ResultType] = ResultType.ERROR
-    message: str
-
-    def fields(self) -> dict[str, Any]:
-        return {"message": self.message}
-
-    @classmethod
-    def parse(cls, f: _Fields) -> DeviceError:
-        return cls(f.str("message"))
-
-
-ResultBody = Ready | MicroBatchLoss | MicroBatchFinished | StageStepDone | Replicated | Missing \
-    | DeviceError
-_RESULTS: dict[ResultType, Any] = {
-    ResultType.READY: Ready, ResultType.LOSS: MicroBatchLoss, ResultType.EVAL: MicroBatchLoss,
-    ResultType.MICRO_BATCH_DONE: MicroBatchFinished, ResultType.STEP_DONE: StageStepDone,
-    ResultType.REPLICATED: Replicated, ResultType.MISSING: Missing, ResultType.ERROR: DeviceError,
-}
-
-
-@dataclass(frozen=True)
-class Result:
-    """A device -> controller report on the results topic."""
-
-    KIND: ClassVar[MessageKind] = MessageKind.RESULT
-    body: ResultBody
-
-    @property
-    def type(self) -> ResultType:
-        if isinstance(self.body, MicroBatchLoss) and not self.body.train:
-            return ResultType.EVAL
-        return self.body.TYPE
-
-    def to_body(self) -> dict[str, Any]:
-        return {"type": self.type.value, **self.body.fields()}
-
-    @classmethod
-    def from_body(cls, raw: object) -> Result:
-        f = _Fields(raw, "result")
-        return cls(_RESULTS[f.enum("type", ResultType)].parse(f))
 
 
 Message = PlanMessage | Command | ControllerState | Event | Activation | Gradient | LayerReplica \

@@ -1,0 +1,126 @@
+"""Reading a message body field by field: each value checked for presence, type and range;
+every failure is one ``BadBody`` naming the body and the field (counted as a ``bad_body`` drop)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ftpipe_iot.errors import BadBody
+
+REQUIRED: Any = object()
+
+
+class BodyReader:
+    """Reads one body's fields, each checked; every failure is a ``BadBody`` naming the field."""
+
+    def __init__(self, raw: object, what: str) -> None:
+        if not isinstance(raw, Mapping):
+            raise BadBody(f"{what}: body is not a map")
+        self.raw = raw
+        self.what = what
+
+    def _get(self, key: str, default: Any) -> Any:
+        if key in self.raw and self.raw[key] is not None:
+            return self.raw[key]
+        if default is REQUIRED:
+            raise BadBody(f"{self.what}: field {key!r} is missing")
+        return default
+
+    def fail(self, key: str, expected: str, value: object) -> BadBody:
+        return BadBody(f"{self.what}: field {key!r} must be {expected}, got {value!r:.60}")
+
+    def int(self, key: str, default: Any = REQUIRED, low: int | None = None) -> int:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise self.fail(key, "an integer", value)
+        if low is not None and value < low:
+            raise self.fail(key, f"an integer >= {low}", value)
+        return int(value)
+
+    def optional_int(self, key: str, low: int | None = None) -> int | None:
+        return None if self.raw.get(key) is None else self.int(key, low=low)
+
+    def float(self, key: str, default: Any = REQUIRED, low: float | None = None) -> float:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(float(value)):
+            raise self.fail(key, "a finite number", value)
+        if low is not None and value < low:
+            raise self.fail(key, f"a number >= {low}", value)
+        return float(value)
+
+    def optional_float(self, key: str, low: float | None = None) -> float | None:
+        return None if self.raw.get(key) is None else self.float(key, low=low)
+
+    def str(self, key: str, default: Any = REQUIRED) -> str:
+        value = self._get(key, default)
+        if not isinstance(value, str):
+            raise self.fail(key, "a string", value)
+        return value
+
+    def optional_str(self, key: str) -> str | None:
+        return None if self.raw.get(key) is None else self.str(key)
+
+    def bool(self, key: str, default: Any = REQUIRED) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise self.fail(key, "true or false", value)
+        return value
+
+    def enum(self, key: str, vocabulary: type, default: Any = REQUIRED) -> Any:
+        value = self._get(key, default)
+        try:
+            return vocabulary(value)
+        except ValueError:
+            raise self.fail(key, f"one of {[v.value for v in vocabulary]}", value) from None
+
+    def array(self, key: str) -> np.ndarray:
+        value = self._get(key, REQUIRED)
+        if not isinstance(value, np.ndarray):
+            raise self.fail(key, "an array", type(value).__name__)
+        return value
+
+    def int_list(self, key: str, default: Any = REQUIRED) -> tuple[int, ...]:
+        value = self._get(key, default)
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise self.fail(key, "a list of integers", value)
+        return tuple(int(v) for v in value)
+
+    def str_list(self, key: str, default: Any = REQUIRED) -> tuple[str, ...]:
+        value = self._get(key, default)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise self.fail(key, "a list of strings", value)
+        return tuple(value)
+
+    def pairs(self, key: str) -> tuple[tuple[float, float], ...]:
+        """Per-layer (forward, backward) seconds."""
+        value = self._get(key, [])
+        try:
+            pairs = tuple((float(f), float(b)) for f, b in value)
+        except (TypeError, ValueError):
+            raise self.fail(key, "a list of [forward_s, backward_s] pairs", value) from None
+        if not all(math.isfinite(f) and math.isfinite(b) and f >= 0 and b >= 0
+                   for f, b in pairs):
+            raise self.fail(key, "non-negative finite seconds", value)
+        return pairs
+
+    def counts(self, key: str) -> dict[str, int]:
+        value = self._get(key, {})
+        if not isinstance(value, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in value.items()):
+            raise self.fail(key, "a map of names to counts", value)
+        return dict(value)
+
+    def numbers(self, key: str) -> dict[str, float]:
+        value = self._get(key, {})
+        if not isinstance(value, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(v) for k, v in value.items()):
+            raise self.fail(key, "a map of names to finite numbers", value)
+        return {k: float(v) for k, v in value.items()}

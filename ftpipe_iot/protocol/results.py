@@ -1,0 +1,168 @@
+"""Bodies of the results topic (device -> controller): one dataclass per ``ResultType``, carried
+by ``messages.Result``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ftpipe_iot.protocol.fields import BodyReader
+from ftpipe_iot.protocol.vocab import MessageKind, ResultType
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The device built (or loaded) its stage for the plan in the envelope."""
+
+    TYPE: ClassVar[ResultType] = ResultType.READY
+    stage: int
+
+    def fields(self) -> dict[str, Any]:
+        return {"stage": self.stage}
+
+    @classmethod
+    def parse(cls, f: BodyReader) -> Ready:
+        return cls(f.int("stage", low=0))
+
+
+@dataclass(frozen=True)
+class MicroBatchLoss:
+    """From the last stage: loss, correct predictions and samples of one micro-batch (step and
+    index in the envelope). ``train`` False is an evaluation batch (loss summed, not mean)."""
+
+    TYPE: ClassVar[ResultType] = ResultType.LOSS
+    loss: float
+    correct: int
+    count: int
+    train: bool = True
+
+    def fields(self) -> dict[str, Any]:
+        return {"loss": self.loss, "correct": self.correct, "count": self.count}
+
+    @classmethod
+    def parse(cls, f: BodyReader) -> MicroBatchLoss:
+        train = f.enum("type", ResultType) is ResultType.LOSS
+        return cls(f.float("loss", low=0), f.int("correct", low=0), f.int("count", low=0), train)
+
+
+@dataclass(frozen=True)
+class MicroBatchFinished:
+    """From the first stage: a training micro-batch finished its backward pass (frees a slot)."""
+
+    TYPE: ClassVar[ResultType] = ResultType.MICRO_BATCH_DONE
+
+    def fields(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def parse(cls, f: BodyReader) -> MicroBatchFinished:
+        return cls()
+
+
+@dataclass(frozen=True)
+class StageStepDone:
+    """A stage applied its optimizer for the step in the envelope, with its compute times."""
+
+    TYPE: ClassVar[ResultType] = ResultType.STEP_DONE
+    stage: int
+    forward_s: float
+    backward_s: float
+    layer_times: tuple[tuple[float, float], ...] = ()
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    def fields(self) -> dict[str, Any]:
+        return {"stage": self.stage, "forward_s": self.forward_s, "backward_s": self.backward_s,
+                "layer_times": [list(t) for t in self.layer_times]}
+
+    @classmethod
+    def parse(cls, f: BodyReader) -> StageStepDone:
+        return cls(f.int("stage", low=0), f.float("forward_s", low=0),
+                   f.float("backward_s", low=0), f.pairs("layer_times"))
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """A device published its layers [first, end) at ``version``; with its drop counts."""
+
+    TYPE: ClassVar[ResultType] = ResultType.REPLICATED
+    version: int
+    layers: tuple[int, int]
+    bytes: int
+    drops: dict[str, int] = field(default_factory=dict)
+
+    def fields(self) -> dict[str, Any]:
+        return {"version": self.version, "layers": list(self.layers), "bytes": self.bytes,
+                "drops": dict(self.drops)}
+
+    @classmethod
+    def parse(cls, f: BodyReader) -> Replicated:
+        layers = f.int_list("layers")
+        if len(layers) != 2:
+            raise f.fail("layers", "[first, end]", layers)
+        return cls(f.int("version", low=0), (layers[0], layers[1]), f.int("bytes", 0, low=0),
+                   f.counts("drops"))
+
+
+@dataclass(frozen=True)
+class Missing:
+    """A device still lacks these layers at ``version`` (a retained copy was overwritten)."""
+
+    TYPE: ClassVar[ResultType] = ResultType.MISSING
+    version: int
+    layers: tuple[int, ...]
+
+    def fields(self) -> dict[str, Any]:
+        return {"version": self.version, "layers": list(self.layers)}
+
+    @classmethod
+    def parse(cls, f: BodyReader) -> Missing:
+        return cls(f.int("version", low=0), f.int_list("layers"))
+
+
+@dataclass(frozen=True)
+class DeviceError:
+    """A device cannot go on with this plan; the message says why."""
+
+    TYPE: ClassVar[ResultType] = ResultType.ERROR
+    message: str
+
+    def fields(self) -> dict[str, Any]:
+        return {"message": self.message}
+
+    @classmethod
+    def parse(cls, f: BodyReader) -> DeviceError:
+        return cls(f.str("message"))
+
+
+ResultBody = Ready | MicroBatchLoss | MicroBatchFinished | StageStepDone | Replicated | Missing \
+    | DeviceError
+_RESULTS: dict[ResultType, Any] = {
+    ResultType.READY: Ready, ResultType.LOSS: MicroBatchLoss, ResultType.EVAL: MicroBatchLoss,
+    ResultType.MICRO_BATCH_DONE: MicroBatchFinished, ResultType.STEP_DONE: StageStepDone,
+    ResultType.REPLICATED: Replicated, ResultType.MISSING: Missing, ResultType.ERROR: DeviceError,
+}
+
+
+@dataclass(frozen=True)
+class Result:
+    """A device -> controller report on the results topic."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.RESULT
+    body: ResultBody
+
+    @property
+    def type(self) -> ResultType:
+        if isinstance(self.body, MicroBatchLoss) and not self.body.train:
+            return ResultType.EVAL
+        return self.body.TYPE
+
+    def to_body(self) -> dict[str, Any]:
+        return {"type": self.type.value, **self.body.fields()}
+
+    @classmethod
+    def from_body(cls, raw: object) -> Result:
+        f = BodyReader(raw, "result")
+        return cls(_RESULTS[f.enum("type", ResultType)].parse(f))
