@@ -4,6 +4,7 @@ objects (parsing only: every check of a value's meaning lives in the config clas
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import click
@@ -12,7 +13,7 @@ from ftpipe_iot.errors import FtpipeError
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
 from ftpipe_iot.protocol.vocab import OptimizerName, WireDtype
-from ftpipe_iot.transport.config import BrokerConfig, load_bundle, parse_protocol
+from ftpipe_iot.transport.config import BrokerConfig, Bundle, load_bundle, parse_protocol
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -48,8 +49,9 @@ _TRAINING: list[Decorator] = [
                  help="digits | synthetic | npz:PATH (arrays x and y)"),
     click.option("--data-shape", default="3,32,32", show_default=True,
                  help="sample shape of synthetic data, comma separated"),
-    click.option("--data-classes", type=click.IntRange(min=2), default=10, show_default=True,
-                 help="classes of synthetic data"),
+    click.option("--data-classes", type=click.IntRange(min=2), default=None,
+                 help="classes of synthetic data [default: 10] or of an npz file [default: its "
+                      "largest label + 1]"),
     click.option("--data-samples", type=click.IntRange(min=4), default=2048, show_default=True,
                  help="samples of synthetic data"),
     click.option("--epochs", type=click.IntRange(min=1), default=6, show_default=True),
@@ -169,9 +171,17 @@ def parse_assignment(text: str) -> tuple[tuple[str, int, int], ...]:
 def broker_settings(url: str, config_file: str | None, protocol: str, max_message: int,
                     keepalive: int, job: str | None) -> tuple[BrokerConfig, str | None, str]:
     """Broker settings, identity name and job from a bundle file or from the options."""
+    bundle = identity(url, config_file, protocol, max_message, keepalive, job)
+    return bundle.broker, bundle.name or None, bundle.job
+
+
+def identity(url: str, config_file: str | None, protocol: str, max_message: int,
+             keepalive: int, job: str | None) -> Bundle:
+    """The bundle file's identity (its job overridden by ``job``), or one made of the options
+    (with an empty name)."""
     if config_file:
         bundle = load_bundle(config_file)
-        return bundle.broker, bundle.name, job or bundle.job
+        return replace(bundle, job=job or bundle.job)
     config = BrokerConfig.from_url(url, protocol=parse_protocol(protocol),
                                    max_message_bytes=max_message, keepalive_s=keepalive)
-    return config, None, job or "default"
+    return Bundle(name="", job=job or "default", broker=config)

@@ -16,6 +16,7 @@ from ftpipe_iot.cli.options import (
     command,
     connection_options,
     explicit,
+    identity,
     parse_assignment,
     process_options,
     train_config,
@@ -57,25 +58,33 @@ def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
               show_default=True, help="seconds between heartbeats")
 @click.option("--profile", "profile_file", type=click.Path(dir_okay=False), default=None,
               help="device profile (devices/profiles/*.json) emulating a slower device")
+@click.option("--controller-name", default="controller", show_default=True,
+              help="sender name the job's plans must carry")
+@click.option("--allow-model-module", "allowed_modules", multiple=True, metavar="MODULE",
+              help="module a plan's user model (MODULE:callable) may be imported from "
+                   "(repeatable; also `allow_model_modules` in the bundle)")
 @connection_options
 @process_options
 def device(name: str | None, job: str | None, heartbeat_interval: float,
-           profile_file: str | None, broker_url: str, config_file: str | None,
-           mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
-           threads: int, log_level: str) -> None:
+           profile_file: str | None, controller_name: str, allowed_modules: tuple[str, ...],
+           broker_url: str, config_file: str | None, mqtt_protocol: str,
+           max_message_bytes: int, keepalive: int, metrics_port: int, threads: int,
+           log_level: str) -> None:
     """Run a device agent: announce, take a stage from the plan, compute, report."""
     from ftpipe_iot.device.agent import DeviceOptions
     from ftpipe_iot.planning.profiles import load_profile
     from ftpipe_iot.runtime.entry import ProcessOptions, run_device
 
-    config, bundle_name, job = broker_settings(broker_url, config_file, mqtt_protocol,
-                                               max_message_bytes, keepalive, job)
-    name = name or bundle_name
+    bundle = identity(broker_url, config_file, mqtt_protocol, max_message_bytes, keepalive, job)
+    name = name or bundle.name
     if not name:
         raise click.UsageError("give --name or a --config bundle")
     profile = load_profile(profile_file) if profile_file else None
-    sys.exit(run_device(name, job, config, ProcessOptions(metrics_port, threads, log_level),
-                        DeviceOptions(heartbeat_interval_s=heartbeat_interval), profile))
+    options = DeviceOptions(heartbeat_interval_s=heartbeat_interval, controller=controller_name,
+                            allowed_model_modules=(*bundle.allow_model_modules,
+                                                   *allowed_modules))
+    sys.exit(run_device(name, bundle.job, bundle.broker,
+                        ProcessOptions(metrics_port, threads, log_level), options, profile))
 
 
 @command()
@@ -151,7 +160,7 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                              default_progress(), client_id=bundle_name,
                              summary_path=Path(summary_json) if summary_json else None)
     if as_json:
-        click.echo(json.dumps(summary.to_dict(with_history=False)))
+        click.echo(summary.to_json(with_history=False))
     if summary.error:
         raise click.ClickException(summary.error)
 
@@ -174,11 +183,17 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
               help="inject a fault with real signals: kill:2@step=30, hang:1@step=50, "
                    "cont:1@step=60, join@step=40, broker-restart@step=70, "
                    "controller-restart@step=80 (repeatable)")
+@click.option("--restart-devices", is_flag=True,
+              help="start a device process again when it dies (as systemd would)")
+@click.option("--max-message-bytes", type=click.IntRange(min=1024), default=None,
+              help="largest MQTT message (larger payloads are chunked); at most the broker's "
+                   "limit")
 @click.option("--json", "as_json", is_flag=True,
               help="print the summary as one JSON object on the last line of stdout")
 @training_options
 def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
-         work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...], as_json: bool,
+         work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...],
+         restart_devices: bool, max_message_bytes: int | None, as_json: bool,
          **training: Any) -> None:
     """Train the CNN on digits with a broker, a controller and N device processes."""
     from ftpipe_iot.runtime.demo import Demo, DemoOptions
@@ -195,7 +210,8 @@ def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
     options = DemoOptions(devices=devices, job=job, broker_url=broker_url,
                           embedded=embedded_broker, train=train_config(training),
                           work_dir=Path(work_dir) if work_dir else None,
-                          metrics_port_base=metrics_port_base, faults=schedule)
+                          metrics_port_base=metrics_port_base, faults=schedule,
+                          restart_devices=restart_devices, max_message_bytes=max_message_bytes)
     try:
         summary = Demo(options).run()
     except KeyboardInterrupt:

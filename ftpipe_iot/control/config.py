@@ -1,4 +1,5 @@
-"""What a controller is asked to do: the job, how patient to be, when to re-plan."""
+"""What a controller is asked to do (the job, how patient to be, when to re-plan), and the Last
+Will it leaves on the broker."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ftpipe_iot.errors import ConfigError
+from ftpipe_iot.protocol.messages import ControllerState, envelope
 from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.topics import Topics
+from ftpipe_iot.protocol.vocab import ControllerStatus
+from ftpipe_iot.protocol.wire import encode
+from ftpipe_iot.transport.base import Will
 
 
 @dataclass(frozen=True)
@@ -38,3 +44,9 @@ class ControllerConfig:
         if self.assignment and self.device_names and \
                 {d for d, _, _ in self.assignment} != set(self.device_names):
             raise ConfigError("assignment and device_names name different devices")
+
+
+def controller_will(job: str) -> Will:
+    """Last Will on the retained state topic: the controller vanished."""
+    env = envelope(ControllerState(ControllerStatus.OFFLINE, job), job, "controller")
+    return Will(Topics(job).state, encode(env)[0], qos=1, retain=True)

@@ -20,19 +20,20 @@ from ftpipe_iot.control.central import CentralReplicas
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.job import JobModel, prepare_job
 from ftpipe_iot.control.liveness import Failure, LivenessTracker
+from ftpipe_iot.control.outbox import JobOutbox
 from ftpipe_iot.control.recorder import Recorder
 from ftpipe_iot.control.replan import Replanner, ReplanReason, next_plan
 from ftpipe_iot.control.roster import Roster
 from ftpipe_iot.control.summary import RunSummary
 from ftpipe_iot.control.training import PlanTraining
 from ftpipe_iot.core.data import Dataset
+from ftpipe_iot.errors import TrainingDiverged
 from ftpipe_iot.observability.metrics import ControllerMetrics
 from ftpipe_iot.observability.progress import ProgressReporter, SilentProgress
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.partition import RepartitionPolicy
 from ftpipe_iot.planning.rebalance import Assignment, device_specs, new_assignment
 from ftpipe_iot.protocol.messages import (
-    Activation,
     Command,
     ControllerState,
     DeviceStatus,
@@ -41,7 +42,6 @@ from ftpipe_iot.protocol.messages import (
     Inbound,
     LayerReplica,
     PlanMessage,
-    envelope,
 )
 from ftpipe_iot.protocol.plan import Plan, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.results import DeviceError, Missing, Ready, Replicated, Result
@@ -54,8 +54,14 @@ from ftpipe_iot.protocol.vocab import (
     DropReason,
     FailureCause,
 )
-from ftpipe_iot.protocol.wire import WireOptions, encode
-from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, Transport, Will, serve
+from ftpipe_iot.protocol.wire import WireOptions
+from ftpipe_iot.transport.base import (
+    RECONNECTED_TOPIC,
+    Incoming,
+    Transport,
+    message_size_problem,
+    serve,
+)
 from ftpipe_iot.transport.messenger import Messenger
 
 log = logging.getLogger("ftpipe_iot.controller")
@@ -64,12 +70,6 @@ Phase = ControllerPhase
 _ACTIVE = (Phase.DEPLOYING, Phase.TRAINING, Phase.REPLICATING)
 # Consecutive failed recoveries after which the job gives up.
 _MAX_FAILURES_IN_A_ROW = 20
-
-
-def controller_will(job: str) -> Will:
-    """Last Will on the retained state topic: the controller vanished."""
-    env = envelope(ControllerState(ControllerStatus.OFFLINE, job), job, "controller")
-    return Will(Topics(job).state, encode(env)[0], qos=1, retain=True)
 
 
 class Controller:
@@ -85,9 +85,10 @@ class Controller:
         self.transport = transport
         self.metrics = ControllerMetrics(registry)
         self.messenger = Messenger(transport, "controller", job, self.metrics, logger=log)
+        self.out = JobOutbox(self.messenger, self.topics)
         self.clock = clock
         self.recorder = Recorder(job, self.metrics, progress or SilentProgress(),
-                                 self._publish_event, clock)
+                                 lambda event: self.out.event(event, self.summary.steps), clock)
         self.roster = Roster(config.devices, config.device_names,
                              tuple(d for d, _, _ in config.assignment))
         self.phase = Phase.RESUMING if config.resume else Phase.WAITING_DEVICES
@@ -133,6 +134,12 @@ class Controller:
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self.transport.connect()
+        # A broker drops oversized messages silently: find out now, not from a stalled job.
+        problem = message_size_problem(self.transport, self.topics.probe,
+                                       self.messenger.max_message_bytes)
+        if problem is not None:
+            self.fail(problem)
+            return
         topics = [Topics.ALL_STATUS, Topics.ALL_HEARTBEATS, self.topics.results,
                   self.topics.weights_all]
         if self.config.resume:
@@ -243,8 +250,12 @@ class Controller:
         elif isinstance(body, Missing):
             self._republish(body.version, body.layers)
         elif self.training is not None and self.phase is Phase.TRAINING:
-            progressed, boundary = self.training.on_result(inbound.step, inbound.micro_batch,
-                                                           body)
+            try:
+                progressed, boundary = self.training.on_result(inbound.step, inbound.micro_batch,
+                                                               body)
+            except TrainingDiverged as exc:
+                self.fail(str(exc))
+                return
             self._progressed(progressed)
             if boundary is not None:
                 self._at_boundary(boundary)
@@ -306,14 +317,11 @@ class Controller:
 
     def _check_liveness(self, now: float) -> None:
         assert self.plan is not None
-        failure = self.liveness.check({s.device for s in self.plan.stages}, now)
-        if failure is None:
-            return
-        if self.phase is Phase.DEPLOYING and failure.cause is FailureCause.STALLED_STEP:
-            failure = Failure(frozenset(s.device for s in self.plan.stages
-                                        if s.device not in self.ready),
-                              FailureCause.NOT_READY, failure.silent_s)
-        self._on_failure(failure)
+        failure = self.liveness.check_plan([s.device for s in self.plan.stages], now,
+                                           ready=self.ready
+                                           if self.phase is Phase.DEPLOYING else None)
+        if failure is not None:
+            self._on_failure(failure)
 
     def _tick_resume(self, now: float) -> None:
         if self.plan is None:
@@ -341,7 +349,7 @@ class Controller:
             if warning:
                 log.warning("%s", warning)
         self.plan = next_plan(self.job, self.model, assignment, self.plan, resume_step,
-                              self._since)
+                              self._since, self.messenger.max_message_bytes)
         self._since = self.plan.since
         stages = self.plan.stages
         self.ready = set()
@@ -349,8 +357,10 @@ class Controller:
         self.recorder.throughput.pause(self.clock())
         self.phase = Phase.DEPLOYING
         self.liveness.reset({s.device for s in stages}, self.clock())
-        self.messenger.send(self.topics.plan, PlanMessage(self.plan), self.plan.version,
-                            retain=True)
+        # Devices take a plan only once the retained state announced its version.
+        self.out.plan_version = self.plan.version
+        self._publish_state(ControllerStatus.ONLINE)
+        self.out.plan(self.plan)
         self.recorder.plan_changed(self.plan, self.roster.online)
 
     def _start_training(self) -> None:
@@ -358,9 +368,8 @@ class Controller:
         self.phase = Phase.TRAINING
         start = self.plan.resume_step
         self.recorder.rewound(start)
-        self.training = PlanTraining(self.model, self.plan, self._send_batch, self.recorder,
-                                     self.capacity, self.clock,
-                                     lambda: self._publish_state(ControllerStatus.TRAINING))
+        self.training = PlanTraining(self.model, self.plan, self.out.batch, self.recorder,
+                                     self.capacity, self.clock, self._step_completed)
         now = self.clock()
         if self._recovering_since is not None:
             self.recorder.recovered(now - self._recovering_since, start)
@@ -404,9 +413,7 @@ class Controller:
 
     def _republish(self, version: int, layers: tuple[int, ...]) -> None:
         """Publish the controller's copies of ``layers`` at ``version`` (retained)."""
-        for replica in self.central.to_republish(version, layers):
-            self.messenger.send_replica(self.topics, self.plan.version if self.plan else 0,
-                                        replica)
+        self.out.replicas(self.central.to_republish(version, layers))
 
     def _maybe_take_in(self, device: str) -> None:
         """A device came (back) online: use it at once when the job is short of devices."""
@@ -427,7 +434,7 @@ class Controller:
             self._on_replicated(version)
             return
         for stage in self.plan.stages:
-            self._command(stage.device, Command(CommandOp.REPLICATE))
+            self.out.command(stage.device, Command(CommandOp.REPLICATE))
 
     def _on_replicated(self, version: int) -> None:
         replan = self.replanner.take()
@@ -437,15 +444,17 @@ class Controller:
             stages = tuple(StageAssignment(i, d, lo, hi)
                            for i, (d, lo, hi) in enumerate(replan.target))
             self.recorder.repartitioned(version, stages)
+            if replan.rebalance is not None:
+                self.replanner.moved(version, replan.rebalance)
             self._deploy([d for d, _, _ in replan.target], version, replan.target)
         else:
             current = [s.device for s in self.plan.stages] if self.plan else []
             self._deploy(self.roster.for_recovery(current), version)
 
     # -- feeding --------------------------------------------------------------------------------
-    def _send_batch(self, batch: Activation, step: int, index: int) -> None:
-        assert self.plan is not None
-        self.messenger.send(self.topics.stage_act(0), batch, self.plan.version, step, index)
+    def _step_completed(self, step: int) -> None:
+        self.replanner.step_done(step, self.clock())
+        self._publish_state(ControllerStatus.TRAINING)
 
     def _at_boundary(self, step: int) -> None:
         """Between steps: finish, re-plan, or keep feeding."""
@@ -471,7 +480,7 @@ class Controller:
             self.central.save(self.config.save_weights, version)
         if self.config.stop_devices:
             for device in sorted(self.roster.online | {s.device for s in self.plan.stages}):
-                self._command(device, Command(CommandOp.SHUTDOWN))
+                self.out.command(device, Command(CommandOp.SHUTDOWN))
         self.recorder.job_done(self.messenger.drops.counts)
         self.phase = Phase.DONE
 
@@ -481,19 +490,9 @@ class Controller:
         version = self.central.latest_complete()
         return {} if version is None else self.central.weights_at(version)
 
-    def _command(self, device: str, command: Command) -> None:
-        assert self.plan is not None
-        self.messenger.send(self.topics.cmd(device), command, self.plan.version)
-
     def _publish_state(self, state: ControllerStatus) -> None:
         known = self.model is not None
-        state_body = ControllerState(
-            state, self.job, self.phase,
-            self.central.latest_complete() if known else None,
-            dict(self.capacity.factors) if known else {})
-        self.messenger.send(self.topics.state, state_body, self.plan.version if self.plan else 0,
-                            self.summary.steps, retain=True)
-
-    def _publish_event(self, event: Event) -> None:
-        self.messenger.send(self.topics.events, event, self.plan.version if self.plan else 0,
-                            self.summary.steps)
+        self.out.state(ControllerState(state, self.job, self.phase,
+                                       self.central.latest_complete() if known else None,
+                                       dict(self.capacity.factors) if known else {}),
+                       self.summary.steps)

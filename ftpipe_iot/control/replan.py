@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from ftpipe_iot.control.job import JobModel
@@ -37,6 +37,22 @@ class PendingReplan:
     reason: ReplanReason
     target: Assignment | None = None
     version: int | None = None
+    rebalance: Rebalance | None = None
+
+
+@dataclass(frozen=True)
+class MoveCheck:
+    """A rebalance to judge: the step it took effect at, the step time before it, and the gain
+    the planner predicted."""
+
+    at_step: int
+    before_s: float
+    predicted_gain: float
+
+
+# Steps measured on each side of a rebalance to judge it (the first step after a change refills
+# the pipeline and is left out).
+_JUDGE_STEPS = 5
 
 
 @dataclass
@@ -48,12 +64,53 @@ class Replanner:
     pending: PendingReplan | None = None
     last_change_step: int | None = None
     cost_s: float = 1.0  # measured seconds from asking a change to training again, smoothed
+    failed_moves: int = 0  # rebalances in a row whose predicted gain did not show up
     _asked_at: float | None = None
+    _check: MoveCheck | None = None
+    _step_times: dict[int, float] = field(default_factory=dict)
 
-    def request(self, reason: ReplanReason, target: Assignment | None = None) -> None:
+    @property
+    def effective_policy(self) -> RepartitionPolicy:
+        """The policy, its threshold and cooldown doubled for every failed move in a row: a
+        planner whose predictions do not come true must be surer and wait longer."""
+        scale = 2 ** self.failed_moves
+        return RepartitionPolicy(min(0.9, self.policy.threshold * scale),
+                                 self.policy.cooldown_steps * scale)
+
+    def request(self, reason: ReplanReason, target: Assignment | None = None,
+                rebalance: Rebalance | None = None) -> None:
         """Ask for a change at the next boundary; the final gathering overrides anything else."""
         if self.pending is None or reason is ReplanReason.FINAL:
-            self.pending = PendingReplan(reason, list(target) if target else None)
+            self.pending = PendingReplan(reason, list(target) if target else None,
+                                         rebalance=rebalance)
+
+    def step_done(self, step: int, now: float) -> None:
+        """A training step completed at ``now``: judge a rebalance once enough steps ran."""
+        self._step_times[step] = now
+        for old in [s for s in self._step_times if s < step - 4 * _JUDGE_STEPS]:
+            del self._step_times[old]
+        check = self._check
+        if check is None or step < check.at_step + 1 + _JUDGE_STEPS:
+            return
+        after = self._mean_step_s(check.at_step + 1, check.at_step + 1 + _JUDGE_STEPS)
+        self._check = None
+        if after is None or check.before_s <= 0:
+            return
+        realized = 1.0 - after / check.before_s
+        self.failed_moves = 0 if realized >= check.predicted_gain / 2 else self.failed_moves + 1
+
+    def _mean_step_s(self, first: int, last: int) -> float | None:
+        times = [self._step_times.get(s) for s in range(first, last + 1)]
+        if any(t is None for t in times):
+            return None
+        return (times[-1] - times[0]) / (last - first)  # type: ignore[operator]
+
+    def moved(self, at_step: int, rebalance: Rebalance) -> None:
+        """A rebalance takes effect at ``at_step``: judge it against the steps before."""
+        before = self._mean_step_s(at_step - 1 - _JUDGE_STEPS, at_step - 1)
+        if before is not None and rebalance.current_s > 0:
+            self._check = MoveCheck(at_step, before,
+                                    1.0 - rebalance.proposed_s / rebalance.current_s)
 
     def replicating(self, version: int, now: float) -> PendingReplan:
         """Every stage replicates ``version`` for the pending change."""
@@ -85,16 +142,17 @@ class Replanner:
             return None
         current = [(s.device, s.start, s.end) for s in plan.stages]
         better = propose_rebalance(
-            model.cost_model, current, candidates, capacity, capabilities, self.policy,
+            model.cost_model, current, candidates, capacity, capabilities,
+            self.effective_policy,
             RebalanceInputs(step, self.last_change_step, model.total_steps - step,
                             plan.train.micro_batches, self.cost_s))
         if better is not None:
-            self.request(ReplanReason.REBALANCE, better.assignment)
+            self.request(ReplanReason.REBALANCE, better.assignment, better)
         return better
 
 
 def next_plan(job: str, model: JobModel, assignment: Assignment, previous: Plan | None,
-              resume_step: int, since: int | None) -> Plan:
+              resume_step: int, since: int | None, max_message_bytes: int) -> Plan:
     """The plan that follows ``previous`` with ``assignment``, resuming at ``resume_step``.
 
     Plan versions are millisecond timestamps: they increase across controller restarts too, so a
@@ -106,4 +164,4 @@ def next_plan(job: str, model: JobModel, assignment: Assignment, previous: Plan 
     return Plan(version=version, job=job, stages=stages, train=model.train,
                 num_layers=model.num_layers, input_shape=model.data.input_shape,
                 num_classes=model.data.num_classes, resume_step=resume_step,
-                since=version if since is None else since)
+                since=version if since is None else since, max_message_bytes=max_message_bytes)

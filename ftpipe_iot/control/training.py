@@ -5,11 +5,13 @@ reached, where the controller may re-plan."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from ftpipe_iot.control.job import JobModel
 from ftpipe_iot.control.recorder import EpochResult, Recorder
 from ftpipe_iot.core.feed import EvalRound, StepSummary, TrainFeed
+from ftpipe_iot.errors import TrainingDiverged
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.protocol.messages import (
     Activation,
@@ -31,7 +33,7 @@ class PlanTraining:
 
     def __init__(self, model: JobModel, plan: Plan, send: SendBatch, recorder: Recorder,
                  capacity: CapacityEstimator, clock: Callable[[], float],
-                 step_done: Callable[[], None]) -> None:
+                 step_done: Callable[[int], None]) -> None:
         self.model = model
         self.plan = plan
         self.train = plan.train
@@ -73,7 +75,8 @@ class PlanTraining:
     def on_result(self, step: int, micro_batch: int, body: ResultBody
                   ) -> tuple[bool, int | None]:
         """Fold in one device result: (whether the job progressed, the step boundary reached
-        or None). At a boundary nothing more is sent until ``pump`` is called again."""
+        or None). At a boundary nothing more is sent until ``pump`` is called again. Raises
+        ``TrainingDiverged`` when a step's loss is not finite."""
         if isinstance(body, MicroBatchLoss) and body.train:
             return self.feed.on_loss(step, micro_batch, body.loss, body.correct,
                                      body.count), None
@@ -100,8 +103,11 @@ class PlanTraining:
         return None if summary is None else self._on_step_complete(summary)
 
     def _on_step_complete(self, step: StepSummary) -> int | None:
+        if not math.isfinite(step.loss):
+            raise TrainingDiverged(f"training diverged: the loss of step {step.step} is "
+                                   f"{step.loss} (try a lower --lr)")
         self._recorder.step_completed(step, self.plan.version)
-        self._step_done()
+        self._step_done(step.step)
         if self.model.schedule.is_last_of_epoch(step.step) or self.feed.finished:
             self._recorder.throughput.pause(self._clock())
             self.eval_round = EvalRound(len(self.model.data.x_test), self.train.eval_batch_size,

@@ -103,12 +103,16 @@ def _user_model(name: str) -> list[nn.Module]:
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ModelError(f"cannot import user model module {module_name!r}: {exc}") from exc
+    except Exception as exc:  # a user module may fail in any way: say which and how
+        raise ModelError(f"cannot import user model module {module_name!r}: "
+                         f"{type(exc).__name__}: {exc}") from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ModelError(f"{name!r}: {module_name} has no callable {attr!r}")
-    built = factory()
+    try:
+        built = factory()
+    except Exception as exc:
+        raise ModelError(f"user model {name!r} raised {type(exc).__name__}: {exc}") from exc
     if isinstance(built, nn.Sequential):
         return list(built.children())
     if isinstance(built, (list, tuple)) and built and all(isinstance(m, nn.Module) for m in built):

@@ -11,6 +11,7 @@ import torch
 
 from ftpipe_iot.core.data import Dataset
 from ftpipe_iot.core.models import build_layers
+from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.core.schedule import SyncSchedule
 from ftpipe_iot.core.stage import make_optimizer, micro_batch_loss
 from ftpipe_iot.protocol.plan import TrainConfig
@@ -41,9 +42,12 @@ def _train(config: TrainConfig, data: Dataset, steps: int) -> list[dict[str, np.
                             config.seed)
     for step in range(steps):
         for mb in schedule.micro_batches_of(step):
-            x = torch.from_numpy(data.x_train[mb.sample_indices])
+            h = torch.from_numpy(data.x_train[mb.sample_indices])
             y = torch.from_numpy(data.y_train[mb.sample_indices])
-            micro_batch_loss(model(x), y, config.micro_batches).backward()
+            for index, layer in enumerate(layers):  # random draws keyed as in a stage
+                seed_layer(config.seed, step, mb.index, index)
+                h = layer(h)
+            micro_batch_loss(h, y, config.micro_batches).backward()
         for optimizer in optimizers:
             if optimizer is not None:
                 optimizer.step()

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ftpipe_iot.core.replicas import export_layer, import_layer
+from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.errors import StageInputError
 from ftpipe_iot.protocol.messages import LayerReplica
 from ftpipe_iot.protocol.plan import TrainConfig
@@ -228,7 +229,8 @@ class Stage:
         if not self.is_first:
             inputs.requires_grad_(True)
         arrivals: dict[int, float] = {}
-        outputs, elapsed = self._timed(lambda: self._forward_layers(inputs, arrivals))
+        outputs, elapsed = self._timed(
+            lambda: self._forward_layers(inputs, arrivals, step, micro_batch))
         self.timings.forward_s += elapsed
         if not self.is_last:
             self.pending[key] = _Pending(inputs, outputs, arrivals)
@@ -242,14 +244,16 @@ class Stage:
         self.pending[key] = _Pending(inputs, loss, arrivals)
         return [result, *self._backward(step, micro_batch, None)]
 
-    def _forward_layers(self, inputs: torch.Tensor, arrivals: dict[int, float]
-                        ) -> torch.Tensor:
+    def _forward_layers(self, inputs: torch.Tensor, arrivals: dict[int, float], step: int,
+                        micro_batch: int) -> torch.Tensor:
         """``nn.Sequential``'s loop, timing each layer; a gradient hook on each output stamps
         when backward reaches it, which times each layer's backward too. Hooks return None, so
-        the arithmetic is exactly the unhooked one."""
+        the arithmetic is exactly the unhooked one. Each layer draws its random numbers from a
+        generator keyed by (seed, step, micro-batch, layer) (``core.rng``)."""
         self.timings.per_layer(len(self.layers))
         h = inputs
         for index, layer in enumerate(self.layers):
+            seed_layer(self.config.seed, step, micro_batch, self.first_layer + index)
             start = time.perf_counter()
             h = layer(h)
             self.timings.layer_forward_s[index] += time.perf_counter() - start

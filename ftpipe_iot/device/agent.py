@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from ftpipe_iot import __version__
 from ftpipe_iot.core.loader import StageLoader
 from ftpipe_iot.core.models import build_layers, cut_shapes
-from ftpipe_iot.core.replicas import ReplicaStore
+from ftpipe_iot.core.replicas import replica_misfit
 from ftpipe_iot.core.stage import (
     MicroBatchDone,
     MicroBatchResult,
@@ -29,7 +29,9 @@ from ftpipe_iot.core.stage import (
     StageOutput,
     StepDone,
 )
+from ftpipe_iot.device.copies import LayerCopies
 from ftpipe_iot.device.link import LinkMeter
+from ftpipe_iot.device.trust import PlanGate, Verdict
 from ftpipe_iot.errors import ModelError, StageInputError
 from ftpipe_iot.observability.metrics import DeviceMetrics
 from ftpipe_iot.planning.profiles import DeviceProfile
@@ -37,6 +39,7 @@ from ftpipe_iot.protocol.messages import (
     Activation,
     Capabilities,
     Command,
+    ControllerState,
     DeviceStatus,
     Gradient,
     Heartbeat,
@@ -85,10 +88,13 @@ def device_will(name: str, job: str) -> Will:
 
 @dataclass(frozen=True)
 class DeviceOptions:
-    """Tunables of the agent."""
+    """Tunables of the agent. ``controller`` is the sender name plans must come from;
+    ``allowed_model_modules`` the modules a plan's user model may be imported from."""
 
     heartbeat_interval_s: float = 1.0
     missing_request_s: float = 3.0
+    controller: str = "controller"
+    allowed_model_modules: tuple[str, ...] = ()
 
 
 class DeviceAgent:
@@ -110,18 +116,17 @@ class DeviceAgent:
         self.clock = clock
         self.sleep = sleep
         self.plan: Plan | None = None
+        self.gate = PlanGate(job, options.controller, frozenset(options.allowed_model_modules))
         self.stage: Stage | None = None
         self.loader: StageLoader | None = None
         self.stopped = threading.Event()
-        self.own_replicas: dict[int, LayerReplica] = {}
-        self.neighbour = ReplicaStore(num_layers=1 << 16, keep=2)
-        self._neighbour_layers: set[int] = set()
-        self._weight_subscriptions: set[int] = set()
+        self.copies = LayerCopies(transport, self.topics)
         self._subscribed_stage: int | None = None
         self._started = clock()
         self._next_heartbeat = 0.0
         self._last_step = -1
         self._last_step_done: StepDone | None = None
+        self._prepared: tuple[list, list[tuple[int, ...]]] | None = None
         self.link = LinkMeter()
         self._loader_since = 0.0
         self._current_step = 0  # step of the data being computed (profiles schedule by step)
@@ -132,6 +137,7 @@ class DeviceAgent:
         """Connect, announce (retained status), and listen for the plan and commands."""
         self.transport.connect()
         self._announce()
+        self.transport.subscribe(self.topics.state)
         self.transport.subscribe(self.topics.plan)
         self.transport.subscribe(self.topics.cmd(self.name))
         log.info("device %s online for job %s", self.name, self.job)
@@ -187,7 +193,11 @@ class DeviceAgent:
         message = inbound.message
         try:
             if isinstance(message, PlanMessage):
-                self._on_plan(message.plan)
+                self._on_plan(inbound.sender, message.plan)
+            elif isinstance(message, ControllerState):
+                held = self.gate.announce(inbound.sender, inbound.plan_version)
+                if held is not None:
+                    self._take_plan(held)
             elif isinstance(message, Command):
                 self._on_command(inbound, message)
             elif isinstance(message, (Activation, Gradient)):
@@ -200,20 +210,39 @@ class DeviceAgent:
         except StageInputError as exc:
             self.messenger.drops.drop(exc.reason, str(exc))
 
-    def _on_plan(self, plan: Plan) -> None:
-        if plan.job != self.job:
-            self.messenger.drops.drop(DropReason.WRONG_JOB, f"plan for job {plan.job!r}")
-            return
-        if self.plan is not None and plan.version <= self.plan.version:
-            return
-        local = self._local_replicas(plan.resume_step)
+    def _on_plan(self, sender: str, plan: Plan) -> None:
+        decision = self.gate.offer(sender, plan)
+        if decision.verdict is Verdict.TAKE:
+            self._take_plan(plan)
+        elif decision.verdict is Verdict.HOLD:
+            log.info("%s", decision.reason)
+        elif decision.verdict is Verdict.REFUSE:
+            self.messenger.drops.drop(DropReason.UNTRUSTED_PLAN, decision.reason)
+            if sender == self.gate.controller and plan.job == self.job:
+                # The real controller asked for something this device will not do: say why.
+                self._report(DeviceError(decision.reason), plan_version=plan.version)
+
+    def _take_plan(self, plan: Plan) -> None:
+        """Run ``plan``: build and check its stage's model first, so a plan that cannot run
+        leaves the current stage as it is."""
+        assignment = plan.stage_of(self.name)
+        prepared = None
+        if assignment is not None:
+            try:
+                prepared = self._prepare(plan)
+            except ModelError as exc:
+                log.error("cannot build stage for plan %d: %s", plan.version, exc)
+                self._report(DeviceError(str(exc)), plan_version=plan.version)
+                return
+        local = self.copies.local(plan.resume_step, self.stage)
+        self.gate.taken(plan)
         self.plan = plan
         self._drop_stage()
-        self.messenger.options = WireOptions(
-            compress=plan.train.compress, wire_dtype=plan.train.wire_dtype,
-            max_message_bytes=self.messenger.options.max_message_bytes)
-        assignment = plan.stage_of(self.name)
-        self._follow_neighbour(plan)
+        self._prepared = prepared
+        self.messenger.options = WireOptions(compress=plan.train.compress,
+                                             wire_dtype=plan.train.wire_dtype)
+        self.messenger.job_limit = plan.max_message_bytes
+        self.copies.follow(plan, self.name)
         if assignment is None:
             log.info("plan %d: no stage for %s (standing by)", plan.version, self.name)
             return
@@ -224,58 +253,32 @@ class DeviceAgent:
         self.loader = StageLoader(layers, plan.resume_step, local)
         self._loader_since = self.clock()
         for layer in self.loader.missing:
-            self._subscribe_weights(layer)
+            self.copies.subscribe(layer)
         log.info("plan %d: %s loads layers [%d, %d) at version %d (%d local, %d to fetch)",
                  plan.version, self.name, assignment.start, assignment.end, plan.resume_step,
                  len(layers) - len(self.loader.missing), len(self.loader.missing))
         self._maybe_finish_loading()
 
-    def _local_replicas(self, version: int) -> dict[int, LayerReplica]:
-        """Copies of layers at ``version`` this device already has: live, own, neighbour's."""
-        local: dict[int, LayerReplica] = {}
-        if self.stage is not None and self.stage.at_step_boundary and \
-                self.stage.version == version:
-            local.update({r.layer: r for r in self.stage.export()})
-        for layer, replica in self.own_replicas.items():
-            if replica.version == version:
-                local.setdefault(layer, replica)
-        for layer in self._neighbour_layers:
-            replica = self.neighbour.get(layer, version)
-            if replica is not None:
-                local.setdefault(layer, replica)
-        return local
-
-    def _follow_neighbour(self, plan: Plan) -> None:
-        """Keep in-memory copies of the previous stage's layers (FTPipeHD's neighbour replica)."""
-        assignment = plan.stage_of(self.name)
-        wanted: set[int] = set()
-        if assignment is not None and assignment.stage > 0:
-            previous = plan.stages[assignment.stage - 1]
-            wanted = set(range(previous.start, previous.end))
-        for layer in self._neighbour_layers - wanted:
-            self._unsubscribe_weights(layer)
-        for layer in wanted:
-            self._subscribe_weights(layer)
-        self._neighbour_layers = wanted
-
-    def _subscribe_weights(self, layer: int) -> None:
-        if layer not in self._weight_subscriptions:
-            self.transport.subscribe(self.topics.weights_of_layer(layer))
-            self._weight_subscriptions.add(layer)
-
-    def _unsubscribe_weights(self, layer: int) -> None:
-        if layer in self._weight_subscriptions:
-            self.transport.unsubscribe(self.topics.weights_of_layer(layer))
-            self._weight_subscriptions.discard(layer)
+    def _prepare(self, plan: Plan) -> tuple[list, list[tuple[int, ...]]]:
+        """The plan's layers (built from its seed) and cut shapes; raises ModelError."""
+        layers = build_layers(plan.train.model, plan.input_shape, plan.num_classes,
+                              plan.train.seed)
+        return layers, cut_shapes(layers, plan.input_shape, plan.num_classes,
+                                  plan.train.model.name)
 
     def _on_weights(self, inbound: Inbound, replica: LayerReplica) -> None:
         if self.plan is None or inbound.plan_version < self.plan.since:
             self.messenger.drops.drop(DropReason.STALE_RUN,
                                       f"replica of plan {inbound.plan_version}")
             return
-        if replica.layer in self._neighbour_layers:
-            self.neighbour.add(replica)
-        if self.loader is not None and self.loader.offer(replica):
+        self.copies.seen(replica)
+        if self.loader is None or replica.layer not in self.loader.missing:
+            return
+        assert self._prepared is not None
+        misfit = replica_misfit(replica, self._prepared[0][replica.layer])
+        if misfit is not None:
+            self.messenger.drops.drop(DropReason.BAD_SHAPE, misfit)
+        elif self.loader.offer(replica):
             self._maybe_finish_loading()
 
     def _maybe_finish_loading(self) -> None:
@@ -283,23 +286,15 @@ class DeviceAgent:
             return
         replicas = self.loader.replicas()
         self.loader = None
-        for layer in list(self._weight_subscriptions - self._neighbour_layers):
-            self._unsubscribe_weights(layer)
+        self.copies.loading_done()
         self._build_stage(replicas)
 
     def _build_stage(self, replicas: dict[int, LayerReplica]) -> None:
-        plan = self.plan
-        assert plan is not None
+        plan, prepared = self.plan, self._prepared
+        assert plan is not None and prepared is not None
         assignment = plan.stage_of(self.name)
         assert assignment is not None
-        try:
-            layers = build_layers(plan.train.model, plan.input_shape, plan.num_classes,
-                                  plan.train.seed)
-            shapes = cut_shapes(layers, plan.input_shape, plan.num_classes, plan.train.model.name)
-        except ModelError as exc:
-            self._report(DeviceError(str(exc)))
-            log.error("cannot build stage for plan %d: %s", plan.version, exc)
-            return
+        layers, shapes = prepared
         stage = Stage(index=assignment.stage, n_stages=plan.n_stages,
                       layers=layers[assignment.start:assignment.end],
                       first_layer=assignment.start, config=plan.train,
@@ -354,7 +349,7 @@ class DeviceAgent:
         replicas = self.stage.export()
         for replica in replicas:
             total += self._publish_replica(replica)
-            self.own_replicas[replica.layer] = replica
+            self.copies.own[replica.layer] = replica
         self.metrics.replication_bytes.inc(total)
         first = self.stage.first_layer
         self._report(Replicated(self.stage.version, (first, first + len(replicas)), total,
@@ -366,7 +361,7 @@ class DeviceAgent:
 
     def _resend_layers(self, version: int, layers: tuple[int, ...]) -> None:
         for layer in layers:
-            replica = self.own_replicas.get(layer)
+            replica = self.copies.own.get(layer)
             if replica is not None and replica.version == version:
                 self._publish_replica(replica)
 
@@ -448,8 +443,10 @@ class DeviceAgent:
         if every and (output.step + 1) % every == 0:
             self._replicate()
 
-    def _report(self, body: ResultBody, step: int = -1, micro_batch: int = -1) -> None:
-        version = self.plan.version if self.plan is not None else 0
+    def _report(self, body: ResultBody, step: int = -1, micro_batch: int = -1,
+                plan_version: int | None = None) -> None:
+        version = plan_version if plan_version is not None else \
+            self.plan.version if self.plan is not None else 0
         self.messenger.send(self.topics.results, Result(body), version, step, micro_batch)
 
     def tick(self, heartbeat: bool = True) -> None:

@@ -4,7 +4,9 @@ A device's factor is its measured compute time per micro-batch for its own layer
 the reference cost of those layers. The estimate is the median of the last ``window`` steps: one
 noisy step (another process grabbed the core) does not move layers around, while a real change of
 speed is fully seen after ``window // 2 + 1`` steps, which an exponential average would smear
-over many more.
+over many more. A device's history restarts when its layers change (the reference profile errs
+by different amounts on different layers); the old estimate stands in until the new layers are
+measured.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ class CapacityEstimator:
     window: int = 3
     floor: float = 0.05
     history: dict[str, list[float]] = field(default_factory=dict)
+    # Layers each device's history was measured on: the reference profile is off by a different
+    # amount for different layers, so a factor measured on other layers is not comparable.
+    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # The estimate on the previous layers: used until the new layers have been measured.
+    prior: dict[str, float] = field(default_factory=dict)
 
     def observe(self, device: str, start: int, end: int, compute_s: float,
                 micro_batches: int) -> float | None:
@@ -31,19 +38,26 @@ class CapacityEstimator:
         if reference <= 0 or micro_batches < 1 or compute_s < 0:
             return None
         measured = max(compute_s / micro_batches / reference, self.floor)
+        if self.ranges.get(device) != (start, end):
+            if device in self.history:
+                self.prior[device] = self.factor(device)
+            self.ranges[device] = (start, end)
+            self.history.pop(device, None)
         recent = [*self.history.get(device, []), measured][-self.window:]
         self.history[device] = recent
         return self.factor(device)
 
     def factor(self, device: str) -> float:
         recent = self.history.get(device)
-        return statistics.median(recent) if recent else 1.0
+        return statistics.median(recent) if recent else self.prior.get(device, 1.0)
 
-    def bounds(self, device: str, recent: int = 2) -> tuple[float, float]:
-        """Lowest and highest of the last ``recent`` measurements: a decision that holds for
-        both ends is not an artefact of one noisy step."""
-        values = self.history.get(device, [])[-recent:]
-        return (min(values), max(values)) if values else (1.0, 1.0)
+    def bounds(self, device: str) -> tuple[float, float]:
+        """Lowest and highest of the measurements in the window: a decision that holds for
+        both ends is not an artefact of noisy steps."""
+        values = self.history.get(device, [])
+        if not values:
+            return (self.factor(device),) * 2
+        return min(values), max(values)
 
     @property
     def factors(self) -> dict[str, float]:
@@ -55,3 +69,5 @@ class CapacityEstimator:
 
     def forget(self, device: str) -> None:
         self.history.pop(device, None)
+        self.ranges.pop(device, None)
+        self.prior.pop(device, None)

@@ -7,6 +7,7 @@ carries the plan version it belongs to and anything of an older plan is dropped.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ class TrainConfig:
             (self.micro_batches >= 1, f"micro_batches must be >= 1, got {self.micro_batches}"),
             (self.micro_batch_size >= 1,
              f"micro_batch_size must be >= 1, got {self.micro_batch_size}"),
-            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (math.isfinite(self.lr) and self.lr > 0,
+             f"lr must be a finite number > 0, got {self.lr}"),
             (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
             (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
             (self.max_steps is None or self.max_steps >= 1,
@@ -136,6 +138,8 @@ class Plan:
     weights built from the seed; otherwise each device loads its layers at that version.
     ``since`` is the version of this job run's first plan: replicas tagged with an older plan
     version are left-overs of an earlier run under the same job name and are never loaded.
+    ``max_message_bytes`` is the job's frame size, checked against the broker by the
+    controller: every process chunks at most this much, whatever its own setting.
     """
 
     version: int
@@ -147,8 +151,11 @@ class Plan:
     num_classes: int
     resume_step: int = 0
     since: int = 0
+    max_message_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
+        if self.max_message_bytes < 1024:
+            raise PlanError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if not self.stages:
             raise PlanError("a plan needs at least one stage")
         expected = 0
@@ -178,7 +185,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, "job": self.job, "num_layers": self.num_layers,
                 "input_shape": list(self.input_shape), "num_classes": self.num_classes,
-                "resume_step": self.resume_step, "since": self.since, "train": self.train.to_dict(),
+                "resume_step": self.resume_step, "since": self.since,
+                "max_message_bytes": self.max_message_bytes, "train": self.train.to_dict(),
                 "stages": [s.to_dict() for s in self.stages]}
 
     @classmethod
@@ -190,7 +198,8 @@ class Plan:
                        num_layers=int(raw["num_layers"]),
                        input_shape=tuple(int(d) for d in raw["input_shape"]),
                        num_classes=int(raw["num_classes"]), resume_step=int(raw["resume_step"]),
-                       since=int(raw.get("since", 0)))
+                       since=int(raw.get("since", 0)),
+                       max_message_bytes=int(raw.get("max_message_bytes", 256 * 1024)))
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError) as exc:

@@ -46,6 +46,11 @@ class Topics:
     def state(self) -> str:
         return f"{self.base}/ctrl/state"
 
+    @property
+    def probe(self) -> str:
+        """The controller's own echo topic: how large a message the broker passes."""
+        return f"{self.base}/ctrl/probe"
+
     def cmd(self, device: str) -> str:
         return f"{self.base}/ctrl/cmd/{device}"
 

@@ -124,6 +124,7 @@ class DropReason(str, Enum):
     # the body
     BAD_BODY = "bad_body"
     BAD_PLAN = "bad_plan"
+    UNTRUSTED_PLAN = "untrusted_plan"
     UNEXPECTED_KIND = "unexpected_kind"
     # where it belongs
     WRONG_JOB = "wrong_job"

@@ -22,7 +22,9 @@ from ftpipe_iot.transport.config import BrokerConfig, MqttProtocol
 
 log = logging.getLogger(__name__)
 
-_UNSUPPORTED_PROTOCOL = (1, 132)  # v3 "unacceptable protocol version", v5 "unsupported protocol"
+_UNSUPPORTED_PROTOCOL = (1, 132)
+# Bytes of a PUBLISH packet besides its payload: fixed header, topic, packet id, properties.
+_PUBLISH_HEADROOM = 1024  # v3 "unacceptable protocol version", v5 "unsupported protocol"
 
 
 def _reason_value(code: object) -> int:
@@ -75,6 +77,7 @@ class MqttTransport:
         self._ever_connected = False
         self._closing = False
         self._unacked: list[mqtt.MQTTMessageInfo] = []
+        self._server_max_packet: int | None = None
 
     # -- connection ---------------------------------------------------------------------------
     def _make_client(self, protocol: MqttProtocol) -> mqtt.Client:
@@ -152,6 +155,8 @@ class MqttTransport:
                 # Before the first success a refusal is final: stop retrying.
                 client.disconnect()
             return
+        # MQTT 5 brokers may announce the largest packet they accept (Mosquitto's max_packet_size).
+        self._server_max_packet = getattr(properties, "MaximumPacketSize", None)
         if self._ever_connected:
             self.reconnects += 1
             log.info("%s reconnected to %s", self.client_id, self.config.url)
@@ -176,6 +181,15 @@ class MqttTransport:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def max_payload_bytes(self) -> int:
+        """``max_message_bytes`` of the config, lowered to the broker's announced maximum packet
+        size less room for the PUBLISH header (topic, packet id, properties)."""
+        limit = self.config.max_message_bytes
+        if self._server_max_packet:
+            limit = min(limit, int(self._server_max_packet) - _PUBLISH_HEADROOM)
+        return limit
 
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
         if self._client is None:
