@@ -119,7 +119,7 @@ class Controller:
         self.messenger.options = WireOptions(compress=train.compress, wire_dtype=train.wire_dtype)
         self.model = prepare_job(train, self._given_data)
         self.central = CentralReplicas(self.model.num_layers, self.config.checkpoint_dir)
-        self.capacity = CapacityEstimator(self.model.layer_costs)
+        self.capacity = CapacityEstimator.for_costs(self.model.cost_model)
 
     @property
     def data(self) -> Dataset:

@@ -65,7 +65,9 @@ class Replanner:
     last_change_step: int | None = None
     cost_s: float = 1.0  # measured seconds from asking a change to training again, smoothed
     failed_moves: int = 0  # rebalances in a row whose predicted gain did not show up
+    confirmations: int = 2  # boundaries in a row that must propose the same move
     _asked_at: float | None = None
+    _candidate: tuple[tuple[tuple[str, int, int], ...], int] | None = None
     _check: MoveCheck | None = None
     _step_times: dict[int, float] = field(default_factory=dict)
 
@@ -146,8 +148,18 @@ class Replanner:
             self.effective_policy,
             RebalanceInputs(step, self.last_change_step, model.total_steps - step,
                             plan.train.micro_batches, self.cost_s))
-        if better is not None:
-            self.request(ReplanReason.REBALANCE, better.assignment, better)
+        if better is None:
+            self._candidate = None
+            return None
+        # A move must be proposed at consecutive boundaries: a device that is only briefly
+        # slower (another process took the core for a moment) does not move layers.
+        key = tuple(better.assignment)
+        seen = self._candidate[1] + 1 if self._candidate and self._candidate[0] == key else 1
+        self._candidate = (key, seen)
+        if seen < self.confirmations:
+            return None
+        self._candidate = None
+        self.request(ReplanReason.REBALANCE, better.assignment, better)
         return better
 
 

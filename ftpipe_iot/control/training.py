@@ -96,7 +96,8 @@ class PlanTraining:
             if len(done.layer_times) == stage.end - stage.start:
                 self._recorder.layer_seconds(stage.device, stage.start, done.layer_times)
             factor = self._capacity.observe(stage.device, stage.start, stage.end,
-                                            done.compute_s, self.train.micro_batches)
+                                            done.typical_s or done.compute_s,
+                                            self.train.micro_batches)
             if factor is not None:
                 self._recorder.capacity(stage.device, factor)
         summary = self.feed.on_stage_step_done(step, done.stage, done.compute_s)

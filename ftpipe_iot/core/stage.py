@@ -70,6 +70,7 @@ class StepDone:
     backward_s: float
     layer_forward_s: tuple[float, ...] = ()
     layer_backward_s: tuple[float, ...] = ()
+    typical_s: float = 0.0  # M x the median micro-batch's forward+backward: robust to hiccups
 
     @property
     def layer_times(self) -> tuple[tuple[float, float], ...]:
@@ -120,6 +121,18 @@ class StageTimings:
     backward_s: float = 0.0
     layer_forward_s: list[float] = field(default_factory=list)
     layer_backward_s: list[float] = field(default_factory=list)
+    micro_batch_s: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def typical_s(self) -> float:
+        """The step's compute as if every micro-batch took the median one's time: a process
+        descheduled during one micro-batch (another process took the core) barely moves it."""
+        times = sorted(self.micro_batch_s.values())
+        if not times:
+            return self.forward_s + self.backward_s
+        middle = len(times) // 2
+        median = times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) / 2
+        return median * len(times)
 
     def per_layer(self, n_layers: int) -> None:
         if len(self.layer_forward_s) != n_layers:
@@ -232,6 +245,7 @@ class Stage:
         outputs, elapsed = self._timed(
             lambda: self._forward_layers(inputs, arrivals, step, micro_batch))
         self.timings.forward_s += elapsed
+        self.timings.micro_batch_s[micro_batch] = elapsed
         if not self.is_last:
             self.pending[key] = _Pending(inputs, outputs, arrivals)
             return [SendActivation(step, micro_batch, outputs.detach().numpy(), y, True)]
@@ -288,6 +302,8 @@ class Stage:
 
         _, elapsed = self._timed(run)
         self.timings.backward_s += elapsed
+        self.timings.micro_batch_s[micro_batch] = \
+            self.timings.micro_batch_s.get(micro_batch, 0.0) + elapsed
         self._account_backward(pending.grad_arrivals)
         out: list[StageOutput] = []
         if not self.is_first:
@@ -323,7 +339,7 @@ class Stage:
         self.completed_steps = {s for s in self.completed_steps if s > step - 16} | {step}
         done = StepDone(step, self.timings.forward_s, self.timings.backward_s,
                         tuple(self.timings.layer_forward_s),
-                        tuple(self.timings.layer_backward_s))
+                        tuple(self.timings.layer_backward_s), self.timings.typical_s)
         self.timings = StageTimings()
         return done
 

@@ -438,7 +438,7 @@ class DeviceAgent:
         self._last_step = output.step
         self._last_step_done = output
         self._report(StageStepDone(self.stage.index, output.forward_s, output.backward_s,
-                                   output.layer_times), output.step)
+                                   output.layer_times, output.typical_s), output.step)
         every = self.plan.train.replicate_every
         if every and (output.step + 1) % every == 0:
             self._replicate()

@@ -9,6 +9,9 @@ from enum import Enum
 
 from ftpipe_iot.protocol.plan import Plan
 
+# Plans held back at most, waiting for the controller's state to announce them.
+_HELD = 4
+
 
 class Verdict(str, Enum):
     """What becomes of an offered plan."""
@@ -37,7 +40,7 @@ class PlanGate:
     allowed_modules: frozenset[str] = field(default_factory=frozenset)
     current: int = 0
     announced: int = 0
-    held: Plan | None = None
+    held: list[Plan] = field(default_factory=list)  # newest arrivals last, a few at most
 
     def offer(self, sender: str, plan: Plan) -> Decision:
         if sender != self.controller:
@@ -51,8 +54,8 @@ class PlanGate:
         if refusal is not None:
             return Decision(Verdict.REFUSE, refusal)
         if plan.version > self.announced:
-            self.held = plan if self.held is None or plan.version > self.held.version \
-                else self.held
+            # A few, not one: a forged far-future plan must not push out the real next one.
+            self.held = [*(p for p in self.held if p.version != plan.version), plan][-_HELD:]
             return Decision(Verdict.HOLD, f"plan {plan.version} not announced by the "
                                           f"controller's state (newest {self.announced})")
         return Decision(Verdict.TAKE)
@@ -62,17 +65,12 @@ class PlanGate:
         if sender != self.controller:
             return None
         self.announced = max(self.announced, plan_version)
-        held = self.held
-        if held is not None and held.version <= self.announced:
-            self.held = None
-            if held.version > self.current:
-                return held
-        return None
+        ready = [p for p in self.held if self.current < p.version <= self.announced]
+        return max(ready, key=lambda p: p.version) if ready else None
 
     def taken(self, plan: Plan) -> None:
         self.current = plan.version
-        if self.held is not None and self.held.version <= plan.version:
-            self.held = None
+        self.held = [p for p in self.held if p.version > plan.version]
 
     def model_refusal(self, plan: Plan) -> str | None:
         """Why this device will not build the plan's model, or None."""
