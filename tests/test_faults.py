@@ -139,7 +139,7 @@ def test_hung_device_is_detected_by_missing_heartbeats(fault_job):
 def test_replacement_device_that_was_not_there_at_start(fault_job):
     for i in range(3):
         fault_job.device(f"dev{i}")
-    fault_job.steps = 120
+    fault_job.steps = 240  # long enough for a new process to start while the job runs
     fault_job.controller(3)
     fault_job.wait_step(10)
     fault_job.signal("dev0", signal.SIGKILL)
