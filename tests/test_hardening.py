@@ -103,8 +103,8 @@ def test_a_status_with_a_bad_field_is_dropped_and_training_goes_on():
 
 
 def _plan(version: int, model: str = "mlp", job: str = "j") -> Plan:
-    return Plan(version, job, (StageAssignment(0, "d", 0, 6),), TrainConfig(model=ModelSpec(model)),
-                6, (1, 8, 8), 10)
+    return Plan(version, job, (StageAssignment.single(0, "d", 0, 6),),
+                TrainConfig(model=ModelSpec(model)), 6, (1, 8, 8), 10)
 
 
 def test_plan_gate_takes_only_announced_plans_of_the_controller():

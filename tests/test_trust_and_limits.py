@@ -83,8 +83,9 @@ class _Forger:
 
 
 def _plan(version: int, model: str = "mlp") -> Plan:
-    return Plan(version, JOB, (StageAssignment(0, "dev0", 0, 6 if model == "mlp" else 2),),
-                TrainConfig(model=ModelSpec(model)), 6 if model == "mlp" else 2, (1, 8, 8), 10)
+    layers = 6 if model == "mlp" else 2
+    return Plan(version, JOB, (StageAssignment.single(0, "dev0", 0, layers),),
+                TrainConfig(model=ModelSpec(model)), layers, (1, 8, 8), 10)
 
 
 def test_a_device_takes_no_forged_plan_and_imports_no_model_a_plan_names(

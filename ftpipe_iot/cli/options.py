@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from ftpipe_iot.errors import FtpipeError
-from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
 from ftpipe_iot.protocol.vocab import OptimizerName, WireDtype
 from ftpipe_iot.transport.config import BrokerConfig, Bundle, load_bundle, parse_protocol
@@ -152,19 +152,23 @@ def explicit(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
 
 
-def parse_assignment(text: str) -> tuple[tuple[str, int, int], ...]:
-    """``dev3:0-10,dev0:10-22`` -> ((dev3, 0, 10), (dev0, 10, 22))."""
+def parse_assignment(text: str) -> tuple[StageAssignment, ...]:
+    """``dev3:0-10,dev0+dev1:10-22`` -> stage 0 on dev3, stage 1 on the group dev0 and dev1
+    (equal shares)."""
     stages = []
-    for part in text.split(","):
+    for index, part in enumerate(text.split(",")):
         try:
-            device, _, span = part.partition(":")
+            devices, _, span = part.partition(":")
             start, _, end = span.partition("-")
-            stages.append((device.strip(), int(start), int(end)))
+            names = [d.strip() for d in devices.split("+")]
+            if any(not name for name in names):
+                raise click.BadParameter("every stage needs device names",
+                                         param_hint="--assignment")
+            members = tuple(Member(name, 1.0 / len(names)) for name in names)
+            stages.append(StageAssignment(index, int(start), int(end), members))
         except ValueError as exc:
-            raise click.BadParameter(f"{part!r} is not DEVICE:START-END",
+            raise click.BadParameter(f"{part!r} is not DEVICE[+DEVICE...]:START-END",
                                      param_hint="--assignment") from exc
-    if any(not d for d, _, _ in stages):
-        raise click.BadParameter("every stage needs a device name", param_hint="--assignment")
     return tuple(stages)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ftpipe_iot.errors import ConfigError
 from ftpipe_iot.protocol.messages import ControllerState, envelope
-from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.plan import StageAssignment, TrainConfig
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import ControllerStatus
 from ftpipe_iot.protocol.wire import encode
@@ -32,7 +32,8 @@ class ControllerConfig:
     repartition: bool = True
     repartition_threshold: float = 0.10
     repartition_cooldown_steps: int = 10
-    assignment: tuple[tuple[str, int, int], ...] = ()
+    retune_threshold: float = 0.05  # gain needed to retune a group's shares (no weights move)
+    assignment: tuple[StageAssignment, ...] = ()  # pinned first plan
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -41,8 +42,8 @@ class ControllerConfig:
             raise ConfigError("device_names must name exactly `devices` devices")
         if self.heartbeat_timeout_s <= 0 or self.stall_timeout_s <= 0:
             raise ConfigError("timeouts must be > 0")
-        if self.assignment and self.device_names and \
-                {d for d, _, _ in self.assignment} != set(self.device_names):
+        pinned = {d for stage in self.assignment for d in stage.devices}
+        if self.assignment and self.device_names and pinned != set(self.device_names):
             raise ConfigError("assignment and device_names name different devices")
 
 

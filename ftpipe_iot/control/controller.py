@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -22,7 +22,14 @@ from ftpipe_iot.control.job import JobModel, prepare_job
 from ftpipe_iot.control.liveness import Failure, LivenessTracker
 from ftpipe_iot.control.outbox import JobOutbox
 from ftpipe_iot.control.recorder import Recorder
-from ftpipe_iot.control.replan import Replanner, ReplanReason, next_plan
+from ftpipe_iot.control.replan import (
+    Replanner,
+    ReplanReason,
+    next_plan,
+    retuned,
+    single_stages,
+    without,
+)
 from ftpipe_iot.control.roster import Roster
 from ftpipe_iot.control.summary import RunSummary
 from ftpipe_iot.control.training import PlanTraining
@@ -32,7 +39,7 @@ from ftpipe_iot.observability.metrics import ControllerMetrics
 from ftpipe_iot.observability.progress import ProgressReporter, SilentProgress
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.partition import RepartitionPolicy
-from ftpipe_iot.planning.rebalance import Assignment, device_specs, new_assignment
+from ftpipe_iot.planning.rebalance import device_specs, new_assignment
 from ftpipe_iot.protocol.messages import (
     Command,
     ControllerState,
@@ -90,7 +97,7 @@ class Controller:
         self.recorder = Recorder(job, self.metrics, progress or SilentProgress(),
                                  lambda event: self.out.event(event, self.summary.steps), clock)
         self.roster = Roster(config.devices, config.device_names,
-                             tuple(d for d, _, _ in config.assignment))
+                             tuple(d for stage in config.assignment for d in stage.devices))
         self.phase = Phase.RESUMING if config.resume else Phase.WAITING_DEVICES
         self.plan: Plan | None = None
         self.ready: set[str] = set()
@@ -245,14 +252,14 @@ class Controller:
             self.fail(f"device {inbound.sender}: {body.message}")
         elif isinstance(body, Ready) and self.phase is Phase.DEPLOYING:
             self.ready.add(inbound.sender)
-            if self.ready >= {s.device for s in self.plan.stages}:
+            if self.ready >= set(self.plan.devices):
                 self._start_training()
         elif isinstance(body, Missing):
             self._republish(body.version, body.layers)
         elif self.training is not None and self.phase is Phase.TRAINING:
             try:
-                progressed, boundary = self.training.on_result(inbound.step, inbound.micro_batch,
-                                                               body)
+                progressed, boundary = self.training.on_result(inbound.sender, inbound.step,
+                                                               inbound.micro_batch, body)
             except TrainingDiverged as exc:
                 self.fail(str(exc))
                 return
@@ -299,7 +306,7 @@ class Controller:
         if self.phase is Phase.RESUMING:
             self._tick_resume(now)
         elif self.phase is Phase.WAITING_DEVICES:
-            current = [s.device for s in self.plan.stages] if self.plan else []
+            current = list(self.plan.devices) if self.plan else []
             devices = self.roster.ready_to_deploy(current, first_plan=self.plan is None,
                                                   recovering=self._recovering_since is not None)
             if devices is not None:
@@ -317,7 +324,7 @@ class Controller:
 
     def _check_liveness(self, now: float) -> None:
         assert self.plan is not None
-        failure = self.liveness.check_plan([s.device for s in self.plan.stages], now,
+        failure = self.liveness.check_plan(self.plan.devices, now,
                                            ready=self.ready
                                            if self.phase is Phase.DEPLOYING else None)
         if failure is not None:
@@ -339,16 +346,21 @@ class Controller:
 
     # -- plans ----------------------------------------------------------------------------------
     def _deploy(self, devices: list[str], resume_step: int,
-                assignment: Assignment | None = None) -> None:
+                stages: Sequence[StageAssignment] | None = None) -> None:
         assert self.model is not None
-        if assignment is None and self.config.assignment and self.plan is None:
-            assignment = list(self.config.assignment)  # pinned by the user for the first plan
-        if assignment is None:
+        if stages is None and self.config.assignment and self.plan is None:
+            stages = self.config.assignment  # pinned by the user for the first plan
+        if stages is None and self.plan is not None and \
+                any(len(s.members) > 1 for s in self.plan.stages):
+            # Groups keep their layout; members that are gone leave their share to their peers.
+            stages = without(self.plan.stages, set(self.plan.devices) - set(devices)) or None
+        if stages is None:
             specs = device_specs(devices, self.capacity, self.roster.capabilities)
             assignment, warning = new_assignment(self.model.cost_model, specs)
             if warning:
                 log.warning("%s", warning)
-        self.plan = next_plan(self.job, self.model, assignment, self.plan, resume_step,
+            stages = single_stages(assignment)
+        self.plan = next_plan(self.job, self.model, stages, self.plan, resume_step,
                               self._since, self.messenger.max_message_bytes)
         self._since = self.plan.since
         stages = self.plan.stages
@@ -356,7 +368,7 @@ class Controller:
         self.training = None
         self.recorder.throughput.pause(self.clock())
         self.phase = Phase.DEPLOYING
-        self.liveness.reset({s.device for s in stages}, self.clock())
+        self.liveness.reset(set(self.plan.devices), self.clock())
         # Devices take a plan only once the retained state announced its version.
         self.out.plan_version = self.plan.version
         self._publish_state(ControllerStatus.ONLINE)
@@ -400,7 +412,7 @@ class Controller:
         if self._recovering_since is None:
             self._recovering_since = self.clock()
         self.replanner.pending = None
-        current = [s.device for s in self.plan.stages] if self.plan else []
+        current = list(self.plan.devices) if self.plan else []
         recovery = self.central.recover(current, self.roster.online, self.roster.dead,
                                         self.config.devices)
         self._republish(recovery.version, recovery.republish)
@@ -419,7 +431,7 @@ class Controller:
         """A device came (back) online: use it at once when the job is short of devices."""
         if self.phase is Phase.WAITING_DEVICES or self.plan is None:
             return
-        if self.roster.short_of([s.device for s in self.plan.stages], device):
+        if self.roster.short_of(list(self.plan.devices), device):
             self.replanner.request(ReplanReason.REJOIN)
 
     # -- planned re-plans at step boundaries ----------------------------------------------------
@@ -433,25 +445,33 @@ class Controller:
         if self.central.complete(version):
             self._on_replicated(version)
             return
-        for stage in self.plan.stages:
-            self.out.command(stage.device, Command(CommandOp.REPLICATE))
+        for stage in self.plan.stages:  # members are identical after each step: leaders suffice
+            self.out.command(stage.leader, Command(CommandOp.REPLICATE))
 
     def _on_replicated(self, version: int) -> None:
         replan = self.replanner.take()
         if replan.reason is ReplanReason.FINAL:
             self._finish(version)
         elif replan.reason is ReplanReason.REBALANCE and replan.target:
-            stages = tuple(StageAssignment(i, d, lo, hi)
-                           for i, (d, lo, hi) in enumerate(replan.target))
-            self.recorder.repartitioned(version, stages)
+            self.recorder.repartitioned(version, replan.target)
             if replan.rebalance is not None:
                 self.replanner.moved(version, replan.rebalance)
-            self._deploy([d for d, _, _ in replan.target], version, replan.target)
+            self._deploy([d for s in replan.target for d in s.devices], version, replan.target)
         else:
-            current = [s.device for s in self.plan.stages] if self.plan else []
+            current = list(self.plan.devices) if self.plan else []
             self._deploy(self.roster.for_recovery(current), version)
 
     # -- feeding --------------------------------------------------------------------------------
+    def _retune(self, step: int) -> None:
+        """Cheap rebalancing first: a group's micro-batches follow its members' speeds."""
+        assert self.training is not None and self.model is not None and self.plan is not None
+        change = retuned(self.training.stages, self.training.counts, self.capacity,
+                         self.model.cost_model, self.train.micro_batches,
+                         self.config.retune_threshold)
+        if change is not None:
+            self.training.counts, self.training.stages = change
+            self.recorder.shares_changed(step, self.training.stages)
+
     def _step_completed(self, step: int) -> None:
         self.replanner.step_done(step, self.clock())
         self._publish_state(ControllerStatus.TRAINING)
@@ -463,6 +483,7 @@ class Controller:
             self.replanner.request(ReplanReason.FINAL)
         else:
             assert self.model is not None and self.plan is not None
+            self._retune(step)
             better = self.replanner.consider(step, self.model, self.plan,
                                              sorted(self.roster.alive), self.capacity,
                                              self.roster.capabilities)
@@ -479,7 +500,7 @@ class Controller:
         if self.config.save_weights is not None:
             self.central.save(self.config.save_weights, version)
         if self.config.stop_devices:
-            for device in sorted(self.roster.online | {s.device for s in self.plan.stages}):
+            for device in sorted(self.roster.online | set(self.plan.devices)):
                 self.out.command(device, Command(CommandOp.SHUTDOWN))
         self.recorder.job_done(self.messenger.drops.counts)
         self.phase = Phase.DONE

@@ -39,9 +39,10 @@ class JobOutbox:
     def command(self, device: str, command: Command) -> None:
         self.messenger.send(self.topics.cmd(device), command, self.plan_version)
 
-    def batch(self, batch: Activation, step: int, index: int) -> None:
-        """A micro-batch of data into stage 0."""
-        self.messenger.send(self.topics.stage_act(0), batch, self.plan_version, step, index)
+    def batch(self, batch: Activation, step: int, index: int, device: str) -> None:
+        """A micro-batch of data into stage 0's member ``device``."""
+        self.messenger.send(self.topics.stage_act(0, device), batch, self.plan_version, step,
+                            index)
 
     def replicas(self, replicas: Iterable[LayerReplica]) -> None:
         """The controller's own copies of layers, retained on their weights topics."""

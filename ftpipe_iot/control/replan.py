@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ftpipe_iot.control.job import JobModel
+from ftpipe_iot.core.routing import Counts, apportion
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.partition import RepartitionPolicy
 from ftpipe_iot.planning.rebalance import (
@@ -17,8 +18,9 @@ from ftpipe_iot.planning.rebalance import (
     RebalanceInputs,
     propose_rebalance,
 )
+from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.messages import Capabilities
-from ftpipe_iot.protocol.plan import Plan, StageAssignment
+from ftpipe_iot.protocol.plan import Member, Plan, StageAssignment
 
 
 class ReplanReason(str, Enum):
@@ -35,7 +37,7 @@ class PendingReplan:
     asked to replicate at that boundary (the change follows when the version is complete)."""
 
     reason: ReplanReason
-    target: Assignment | None = None
+    target: tuple[StageAssignment, ...] | None = None
     version: int | None = None
     rebalance: Rebalance | None = None
 
@@ -79,11 +81,11 @@ class Replanner:
         return RepartitionPolicy(min(0.9, self.policy.threshold * scale),
                                  self.policy.cooldown_steps * scale)
 
-    def request(self, reason: ReplanReason, target: Assignment | None = None,
+    def request(self, reason: ReplanReason, target: Sequence[StageAssignment] | None = None,
                 rebalance: Rebalance | None = None) -> None:
         """Ask for a change at the next boundary; the final gathering overrides anything else."""
         if self.pending is None or reason is ReplanReason.FINAL:
-            self.pending = PendingReplan(reason, list(target) if target else None,
+            self.pending = PendingReplan(reason, tuple(target) if target else None,
                                          rebalance=rebalance)
 
     def step_done(self, step: int, now: float) -> None:
@@ -140,9 +142,10 @@ class Replanner:
                  capacity: CapacityEstimator, capabilities: Mapping[str, Capabilities]
                  ) -> Rebalance | None:
         """At a step boundary: a better partition that pays off (and is now pending), or None."""
-        if not self.rebalance or self.pending is not None:
-            return None
-        current = [(s.device, s.start, s.end) for s in plan.stages]
+        if not self.rebalance or self.pending is not None or \
+                any(len(s.members) > 1 for s in plan.stages):
+            return None  # groups are rebalanced by their shares (``Controller._retune``)
+        current = [(s.leader, s.start, s.end) for s in plan.stages]
         better = propose_rebalance(
             model.cost_model, current, candidates, capacity, capabilities,
             self.effective_policy,
@@ -159,21 +162,65 @@ class Replanner:
         if seen < self.confirmations:
             return None
         self._candidate = None
-        self.request(ReplanReason.REBALANCE, better.assignment, better)
+        self.request(ReplanReason.REBALANCE, single_stages(better.assignment), better)
         return better
 
 
-def next_plan(job: str, model: JobModel, assignment: Assignment, previous: Plan | None,
-              resume_step: int, since: int | None, max_message_bytes: int) -> Plan:
-    """The plan that follows ``previous`` with ``assignment``, resuming at ``resume_step``.
+def single_stages(assignment: Assignment) -> tuple[StageAssignment, ...]:
+    """A (device, start, end) per stage assignment as stages of one device each."""
+    return tuple(StageAssignment.single(i, d, lo, hi) for i, (d, lo, hi) in enumerate(assignment))
+
+
+def without(stages: Sequence[StageAssignment], gone: set[str]) -> tuple[StageAssignment, ...]:
+    """The same layout without the ``gone`` devices, their shares spread over their peers; empty
+    when some stage would lose every member."""
+    kept = []
+    for stage in stages:
+        members = [m for m in stage.members if m.device not in gone]
+        if not members:
+            return ()
+        total = sum(m.share for m in members)
+        kept.append(StageAssignment(stage.stage, stage.start, stage.end,
+                                    tuple(Member(m.device, m.share / total) for m in members)))
+    return tuple(kept)
+
+
+def next_plan(job: str, model: JobModel, stages: Sequence[StageAssignment],
+              previous: Plan | None, resume_step: int, since: int | None,
+              max_message_bytes: int) -> Plan:
+    """The plan that follows ``previous`` with ``stages``, resuming at ``resume_step``.
 
     Plan versions are millisecond timestamps: they increase across controller restarts too, so a
     device never mistakes an old job's plan for a newer one. ``since`` (None for the job's first
     plan) is the version of this run's first plan.
     """
     version = max(int(time.time() * 1000), (previous.version + 1) if previous else 0)
-    stages = tuple(StageAssignment(i, d, lo, hi) for i, (d, lo, hi) in enumerate(assignment))
-    return Plan(version=version, job=job, stages=stages, train=model.train,
+    return Plan(version=version, job=job, stages=tuple(stages), train=model.train,
                 num_layers=model.num_layers, input_shape=model.data.input_shape,
                 num_classes=model.data.num_classes, resume_step=resume_step,
                 since=version if since is None else since, max_message_bytes=max_message_bytes)
+
+
+def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: CapacityEstimator,
+            costs: LayerCosts, micro_batches: int, threshold: float
+            ) -> tuple[Counts, tuple[StageAssignment, ...]] | None:
+    """Cheaper shares for the groups (no layer moves): each group's micro-batches apportioned
+    to its members' measured speeds, when that shortens the slowest stage's busy time per step
+    by more than ``threshold``; None otherwise (or while a member is unmeasured)."""
+    members = [m.device for s in stages for m in s.members if len(s.members) > 1]
+    if not members or not capacity.settled(members, 1):
+        return None
+    new_counts, busy_now, busy_new = [], 0.0, 0.0
+    for stage, current in zip(stages, counts):
+        cost = costs.stage_cost_s(stage.start, stage.end)
+        times = [capacity.factor(m.device) * cost for m in stage.members]
+        better = apportion(micro_batches, times) if len(times) > 1 else current
+        busy_now = max(busy_now, max(n * t for n, t in zip(current, times)))
+        busy_new = max(busy_new, max(n * t for n, t in zip(better, times)))
+        new_counts.append(tuple(better))
+    if busy_now <= 0 or (busy_now - busy_new) / busy_now <= threshold:
+        return None
+    shares = tuple(StageAssignment(s.stage, s.start, s.end, tuple(
+        Member(m.device, n / micro_batches) for m, n in zip(s.members, c)))
+        for s, c in zip(stages, new_counts))
+    return tuple(new_counts), shares

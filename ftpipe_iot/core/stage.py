@@ -16,6 +16,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from ftpipe_iot.core.grouping import (
+    BatchNormRecorder,
+    OrderedGradients,
+    apply_gradients,
+    gradient_partial,
+    has_running_statistics,
+    partial_misfit,
+    trainable,
+)
 from ftpipe_iot.core.replicas import export_layer, import_layer
 from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.errors import StageInputError
@@ -38,6 +47,16 @@ class SendGradient:
     step: int
     micro_batch: int
     grad: np.ndarray
+
+
+@dataclass(frozen=True)
+class SendPartial:
+    """A group member's share of the step: its accumulated gradients and the BatchNorm
+    statistics of its micro-batches, for every member of the group (``core.grouping``)."""
+
+    step: int
+    grads: dict[str, np.ndarray]
+    batch_norm: dict[str, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,7 @@ class StepDone:
     layer_forward_s: tuple[float, ...] = ()
     layer_backward_s: tuple[float, ...] = ()
     typical_s: float = 0.0  # M x the median micro-batch's forward+backward: robust to hiccups
+    micro_batches: int = 0  # how many of the step's micro-batches this stage (member) computed
 
     @property
     def layer_times(self) -> tuple[tuple[float, float], ...]:
@@ -78,7 +98,8 @@ class StepDone:
         return tuple(zip(self.layer_forward_s, self.layer_backward_s))
 
 
-StageOutput = SendActivation | SendGradient | MicroBatchResult | MicroBatchDone | StepDone
+StageOutput = SendActivation | SendGradient | SendPartial | MicroBatchResult | MicroBatchDone \
+    | StepDone
 
 
 def _stamp(arrivals: dict[int, float], index: int) -> Callable[[torch.Tensor], None]:
@@ -143,7 +164,12 @@ class StageTimings:
 @dataclass
 class Stage:
     """Compute state of stage ``index`` of ``n_stages`` holding ``layers`` (global ids from
-    ``first_layer``). ``expected_shape`` is the per-sample input shape the stage accepts."""
+    ``first_layer``). ``expected_shape`` is the per-sample input shape the stage accepts.
+
+    A member ``member`` of a group of ``group_size`` computes only its micro-batches of a step
+    (how many: ``expected`` with the step's first forward); when they are done it sends its
+    partial and applies the optimizer once every member's partial is in (``offer_partial``).
+    """
 
     index: int
     n_stages: int
@@ -154,18 +180,31 @@ class Stage:
     num_classes: int
     compute_hook: Callable[[float], None] | None = None
     start_step: int = 0
+    group_size: int = 1
+    member: int = 0
     module: nn.Sequential = field(init=False)
     optimizers: list[torch.optim.Optimizer | None] = field(init=False)
     pending: dict[tuple[int, int], _Pending] = field(init=False, default_factory=dict)
     backward_done: dict[int, set[int]] = field(init=False, default_factory=dict)
     completed_steps: set[int] = field(init=False, default_factory=set)
     timings: StageTimings = field(init=False, default_factory=StageTimings)
+    expected: dict[int, int] = field(init=False, default_factory=dict)
+    partials: dict[int, dict[int, SendPartial]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.module = nn.Sequential(*self.layers)
         self.optimizers = [make_optimizer(layer, self.config) for layer in self.layers]
         if self.start_step > 0:
             self.completed_steps = {self.start_step - 1}
+        self.named = trainable(self.layers, self.first_layer)
+        self.gradients = OrderedGradients([p for _, p in self.named], self.group_size > 1)
+        self.recorder = BatchNormRecorder(self.layers, self.first_layer) \
+            if self.group_size > 1 else None
+        # BatchNorm's running statistics are updated in forward order: a stage alone feeds its
+        # micro-batches to its layers in index order (a group replays them instead).
+        self._in_order = self.group_size == 1 and has_running_statistics(self.layers)
+        self._early: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+        self._next_forward: dict[int, int] = {}
 
     @property
     def is_first(self) -> bool:
@@ -187,7 +226,8 @@ class Stage:
     @property
     def at_step_boundary(self) -> bool:
         """No micro-batch of the current step is half done (weights equal ``version``)."""
-        return not self.pending and not self.backward_done
+        return not self.pending and not self.backward_done and not self.partials \
+            and not any(self._early.values())
 
     def export(self) -> list[LayerReplica]:
         """Replicas of every layer at the current version (call at a step boundary)."""
@@ -227,23 +267,47 @@ class Stage:
             self.compute_hook(time.thread_time() - cpu_start)
         return result, time.perf_counter() - start
 
-    def forward(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray, train: bool
-                ) -> list[StageOutput]:
-        """Forward one micro-batch; the last stage also computes the loss and starts backward."""
+    def forward(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray, train: bool,
+                expected: int | None = None) -> list[StageOutput]:
+        """Forward one micro-batch; the last stage also computes the loss and starts backward.
+        ``expected``: how many of the step's micro-batches this member computes (all of them
+        without a group)."""
         self._check_input(x, y)
         if not train:
             return self._evaluate(step, micro_batch, x, y)
         key = (step, micro_batch)
         if key in self.pending or micro_batch in self.backward_done.get(step, set()) \
-                or step in self.completed_steps:
+                or step in self.completed_steps or micro_batch in self._early.get(step, {}):
             raise StageInputError(DropReason.DUPLICATE, f"micro-batch {key} was already processed")
+        if step not in self.expected:
+            self.expected[step] = expected or self.config.micro_batches
+            if self.recorder is not None:
+                self.recorder.step_started()
+        if not self._in_order:
+            return self._forward_one(step, micro_batch, x, y)
+        early = self._early.setdefault(step, {})
+        early[micro_batch] = (x, y)
+        out: list[StageOutput] = []
+        while self._next_forward.setdefault(step, 0) in early:
+            index = self._next_forward[step]
+            out += self._forward_one(step, index, *early.pop(index))
+            self._next_forward[step] = index + 1
+        return out
+
+    def _forward_one(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray
+                     ) -> list[StageOutput]:
+        key = (step, micro_batch)
         self.module.train()
         inputs = torch.from_numpy(np.array(x, dtype=np.float32, copy=True))
         if not self.is_first:
             inputs.requires_grad_(True)
         arrivals: dict[int, float] = {}
+        if self.recorder is not None:
+            self.recorder.micro_batch = micro_batch
         outputs, elapsed = self._timed(
             lambda: self._forward_layers(inputs, arrivals, step, micro_batch))
+        if self.recorder is not None:
+            self.recorder.micro_batch = -1
         self.timings.forward_s += elapsed
         self.timings.micro_batch_s[micro_batch] = elapsed
         if not self.is_last:
@@ -296,7 +360,9 @@ class Stage:
             np.array(grad, dtype=np.float32, copy=True))
 
         def run() -> torch.Tensor:
+            self.gradients.before(step, micro_batch)
             pending.outputs.backward(grad_tensor)
+            self.gradients.after(step, micro_batch)
             pending.grad_arrivals[-1] = time.perf_counter()  # end of this backward
             return pending.outputs
 
@@ -313,9 +379,43 @@ class Stage:
             out.append(MicroBatchDone(step, micro_batch))
         done = self.backward_done.setdefault(step, set())
         done.add(micro_batch)
-        if len(done) == self.config.micro_batches:
-            out.append(self._optimizer_step(step))
+        if len(done) == self.expected.get(step, self.config.micro_batches):
+            out.extend(self._local_done(step))
         return out
+
+    def _local_done(self, step: int) -> list[StageOutput]:
+        """This member's micro-batches of ``step`` are done."""
+        if self.group_size == 1:
+            self.gradients.finish(step)
+            return [self._optimizer_step(step)]
+        assert self.recorder is not None
+        own = SendPartial(step, gradient_partial(self.named, self.gradients.each(step)),
+                          self.recorder.partial())
+        return [own, *self.offer_partial(step, self.member, own)]
+
+    def offer_partial(self, step: int, member: int, partial: SendPartial) -> list[StageOutput]:
+        """A group member's partial (this member's own included); once all are in, the stage
+        applies the summed gradients and replays the BatchNorm statistics."""
+        if step in self.completed_steps or step < self.last_completed_step:
+            raise StageInputError(DropReason.DUPLICATE, f"partial of finished step {step}")
+        if not 0 <= member < self.group_size:
+            raise StageInputError(DropReason.UNEXPECTED, f"partial of member {member}")
+        misfit = partial_misfit(self.named, partial.grads)
+        if misfit is not None:
+            raise StageInputError(DropReason.BAD_SHAPE, misfit)
+        have = self.partials.setdefault(step, {})
+        if member in have:
+            raise StageInputError(DropReason.DUPLICATE, f"second partial of member {member}")
+        have[member] = partial
+        if len(have) < self.group_size or self.member not in have:
+            return []
+        merged_grads = {k: v for p in have.values() for k, v in p.grads.items()}
+        apply_gradients(self.named, merged_grads, self.config.micro_batches)
+        assert self.recorder is not None
+        self.recorder.replay({k: v for p in have.values() for k, v in p.batch_norm.items()},
+                             self.config.micro_batches)
+        del self.partials[step]
+        return [self._optimizer_step(step)]
 
     def _account_backward(self, arrivals: dict[int, float]) -> None:
         """Layer i's backward runs from the gradient reaching its output until it reaches the
@@ -335,11 +435,14 @@ class Stage:
             if optimizer is not None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        del self.backward_done[step]
+        self.backward_done.pop(step, None)
+        self._early.pop(step, None)
+        self._next_forward.pop(step, None)
         self.completed_steps = {s for s in self.completed_steps if s > step - 16} | {step}
+        count = self.expected.pop(step, self.config.micro_batches)
         done = StepDone(step, self.timings.forward_s, self.timings.backward_s,
                         tuple(self.timings.layer_forward_s),
-                        tuple(self.timings.layer_backward_s), self.timings.typical_s)
+                        tuple(self.timings.layer_backward_s), self.timings.typical_s, count)
         self.timings = StageTimings()
         return done
 

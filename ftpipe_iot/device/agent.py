@@ -25,6 +25,7 @@ from ftpipe_iot.core.stage import (
     MicroBatchResult,
     SendActivation,
     SendGradient,
+    SendPartial,
     Stage,
     StageOutput,
     StepDone,
@@ -42,6 +43,7 @@ from ftpipe_iot.protocol.messages import (
     ControllerState,
     DeviceStatus,
     Gradient,
+    GroupPartial,
     Heartbeat,
     Inbound,
     LayerReplica,
@@ -121,7 +123,9 @@ class DeviceAgent:
         self.loader: StageLoader | None = None
         self.stopped = threading.Event()
         self.copies = LayerCopies(transport, self.topics)
-        self._subscribed_stage: int | None = None
+        self._subscribed: list[str] = []
+        # (step, micro-batch) -> the route and counts it came with, to address its outputs
+        self._routes: dict[tuple[int, int], Activation] = {}
         self._started = clock()
         self._next_heartbeat = 0.0
         self._last_step = -1
@@ -200,7 +204,7 @@ class DeviceAgent:
                     self._take_plan(held)
             elif isinstance(message, Command):
                 self._on_command(inbound, message)
-            elif isinstance(message, (Activation, Gradient)):
+            elif isinstance(message, (Activation, Gradient, GroupPartial)):
                 self._on_data(inbound, message)
             elif isinstance(message, LayerReplica):
                 self._on_weights(inbound, message)
@@ -299,7 +303,9 @@ class DeviceAgent:
                       layers=layers[assignment.start:assignment.end],
                       first_layer=assignment.start, config=plan.train,
                       expected_shape=shapes[assignment.start], num_classes=plan.num_classes,
-                      compute_hook=self._emulate_compute, start_step=plan.resume_step)
+                      compute_hook=self._emulate_compute, start_step=plan.resume_step,
+                      group_size=len(assignment.members),
+                      member=assignment.member_index(self.name) or 0)
         if replicas:
             stage.load(replicas)
         self._set_stage(stage)
@@ -312,17 +318,24 @@ class DeviceAgent:
         self.loader = None
         self._set_stage(None)
 
+    def _stage_topics(self, stage: Stage) -> list[str]:
+        topics = [self.topics.stage_act(stage.index, self.name),
+                  self.topics.stage_grad(stage.index, self.name)]
+        if stage.group_size > 1:
+            topics.append(self.topics.stage_reduce(stage.index))
+        return topics
+
     def _set_stage(self, stage: Stage | None) -> None:
-        if self._subscribed_stage is not None:
-            self.transport.unsubscribe(self.topics.stage_act(self._subscribed_stage))
-            self.transport.unsubscribe(self.topics.stage_grad(self._subscribed_stage))
-            self._subscribed_stage = None
+        for topic in self._subscribed:
+            self.transport.unsubscribe(topic)
+        self._subscribed = []
+        self._routes = {}
         self.stage = stage
         self.metrics.stage.set(-1 if stage is None else stage.index)
         if stage is not None:
-            self.transport.subscribe(self.topics.stage_act(stage.index))
-            self.transport.subscribe(self.topics.stage_grad(stage.index))
-            self._subscribed_stage = stage.index
+            self._subscribed = self._stage_topics(stage)
+            for topic in self._subscribed:
+                self.transport.subscribe(topic)
 
     def _on_command(self, inbound: Inbound, command: Command) -> None:
         if command.op is CommandOp.SHUTDOWN:
@@ -365,7 +378,7 @@ class DeviceAgent:
             if replica is not None and replica.version == version:
                 self._publish_replica(replica)
 
-    def _on_data(self, inbound: Inbound, message: Activation | Gradient) -> None:
+    def _on_data(self, inbound: Inbound, message: Activation | Gradient | GroupPartial) -> None:
         if self.plan is None or (self.stage is None and self.loader is None):
             self.messenger.drops.drop(DropReason.NO_STAGE,
                                       f"{inbound.kind.value} before a plan")
@@ -382,15 +395,25 @@ class DeviceAgent:
             self.messenger.drops.drop(DropReason.NOT_READY,
                                       "data before the stage finished loading")
             return
-        self.link.observe(inbound.timestamp, message.nbytes, time.time())
-        self._current_step = inbound.step
-        if isinstance(message, Activation):
-            outputs = self.stage.forward(inbound.step, inbound.micro_batch, message.x, message.y,
-                                         message.train)
+        key = (inbound.step, inbound.micro_batch)
+        stage = self.stage
+        if isinstance(message, GroupPartial):
+            if message.stage != stage.index or message.member == stage.member:
+                return  # our own partial, echoed back: already counted
+            outputs = stage.offer_partial(inbound.step, message.member, SendPartial(
+                inbound.step, message.grads, message.batch_norm))
+        elif isinstance(message, Activation):
+            self.link.observe(inbound.timestamp, message.nbytes, time.time())
+            self._current_step = inbound.step
+            outputs = stage.forward(inbound.step, inbound.micro_batch, message.x, message.y,
+                                    message.train, message.count(stage.index, stage.member))
+            self._routes[key] = message
             if message.train:
                 self.metrics.samples.inc(len(message.y))
         else:
-            outputs = self.stage.backward(inbound.step, inbound.micro_batch, message.g)
+            self.link.observe(inbound.timestamp, message.nbytes, time.time())
+            self._current_step = inbound.step
+            outputs = stage.backward(inbound.step, inbound.micro_batch, message.g)
         for output in outputs:
             self._emit(output)
 
@@ -411,21 +434,39 @@ class DeviceAgent:
     # -- outputs --------------------------------------------------------------------------------
     def _emit(self, output: StageOutput) -> None:
         assert self.stage is not None and self.plan is not None
-        version = self.plan.version
+        version, index = self.plan.version, self.stage.index
         if isinstance(output, SendActivation):
-            sent = self.messenger.send(self.topics.stage_act(self.stage.index + 1),
-                                       Activation(output.x, output.y, output.train), version,
-                                       output.step, output.micro_batch)
+            came = self._routes.get((output.step, output.micro_batch))
+            route = came.route if came else ()
+            counts = came.counts if came else ()
+            if not output.train:
+                self._routes.pop((output.step, output.micro_batch), None)
+            member = route[index + 1] if index + 1 < len(route) else 0
+            device = self.plan.stages[index + 1].members[member].device
+            sent = self.messenger.send(self.topics.stage_act(index + 1, device),
+                                       Activation(output.x, output.y, output.train, route,
+                                                  counts), version, output.step,
+                                       output.micro_batch)
             self._emulate_link(sent)
         elif isinstance(output, SendGradient):
-            sent = self.messenger.send(self.topics.stage_grad(self.stage.index - 1),
+            came = self._routes.pop((output.step, output.micro_batch), None)
+            member = came.member(index - 1) if came else 0
+            device = self.plan.stages[index - 1].members[member].device
+            sent = self.messenger.send(self.topics.stage_grad(index - 1, device),
                                        Gradient(output.grad), version, output.step,
                                        output.micro_batch)
             self._emulate_link(sent)
+        elif isinstance(output, SendPartial):
+            self.messenger.send(self.topics.stage_reduce(index),
+                                GroupPartial(index, self.stage.member, output.grads,
+                                             output.batch_norm), version, output.step)
         elif isinstance(output, MicroBatchResult):
+            if not output.train:
+                self._routes.pop((output.step, output.micro_batch), None)
             self._report(MicroBatchLoss(output.loss, output.correct, output.count, output.train),
                          output.step, output.micro_batch)
         elif isinstance(output, MicroBatchDone):
+            self._routes.pop((output.step, output.micro_batch), None)
             self._report(MicroBatchFinished(), output.step, output.micro_batch)
         elif isinstance(output, StepDone):
             self._on_step_done(output)
@@ -438,9 +479,11 @@ class DeviceAgent:
         self._last_step = output.step
         self._last_step_done = output
         self._report(StageStepDone(self.stage.index, output.forward_s, output.backward_s,
-                                   output.layer_times, output.typical_s), output.step)
+                                   output.layer_times, output.typical_s, output.micro_batches),
+                     output.step)
         every = self.plan.train.replicate_every
-        if every and (output.step + 1) % every == 0:
+        # After the reduction every member holds the same state: the leader replicates it.
+        if every and (output.step + 1) % every == 0 and self.stage.member == 0:
             self._replicate()
 
     def _report(self, body: ResultBody, step: int = -1, micro_batch: int = -1,

@@ -104,30 +104,75 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class StageAssignment:
-    """One stage: which device runs layers [start, end)."""
+class Member:
+    """One device of a stage's group and its share of the step's micro-batches."""
 
-    stage: int
     device: str
-    start: int
-    end: int
+    share: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stage": self.stage, "device": self.device, "start": self.start, "end": self.end}
+        return {"device": self.device, "share": self.share}
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """One stage: the group of devices (one or more, each holding all of layers [start, end))
+    and each member's share of a step's micro-batches. The first member is the group's leader:
+    it replicates the group's layers."""
+
+    stage: int
+    start: int
+    end: int
+    members: tuple[Member, ...]
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            raise PlanError(f"stage {self.stage} has no device")
+        if any(not m.share > 0 for m in self.members):
+            raise PlanError(f"stage {self.stage}: every member needs a share > 0")
+        if abs(sum(m.share for m in self.members) - 1.0) > 1e-6:
+            raise PlanError(f"stage {self.stage}: shares sum to "
+                            f"{sum(m.share for m in self.members)}, not 1")
+
+    @classmethod
+    def single(cls, stage: int, device: str, start: int, end: int) -> StageAssignment:
+        """A stage held by one device."""
+        return cls(stage, start, end, (Member(device),))
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(m.device for m in self.members)
+
+    @property
+    def leader(self) -> str:
+        return self.members[0].device
+
+    def member_index(self, device: str) -> int | None:
+        return next((i for i, m in enumerate(self.members) if m.device == device), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "start": self.start, "end": self.end,
+                "devices": [m.to_dict() for m in self.members]}
 
     @classmethod
     def from_dict(cls, raw: object) -> StageAssignment:
         if not isinstance(raw, dict):
             raise PlanError(f"a stage must be a map, got {type(raw).__name__}")
         try:
-            values = {key: raw[key] for key in ("stage", "device", "start", "end")}
+            numbers = {key: raw[key] for key in ("stage", "start", "end")}
+            members = raw["devices"]
         except KeyError as exc:
             raise PlanError(f"a stage misses {exc}") from exc
-        if not isinstance(values["device"], str) or not all(
-                isinstance(values[k], int) and not isinstance(values[k], bool)
-                for k in ("stage", "start", "end")):
-            raise PlanError(f"bad stage {raw!r}: device is a name, stage/start/end integers")
-        return cls(**values)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers.values()):
+            raise PlanError(f"bad stage {raw!r}: stage/start/end must be integers")
+        if not isinstance(members, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("device"), str)
+                and isinstance(m.get("share", 1.0), (int, float))
+                and not isinstance(m.get("share", 1.0), bool) for m in members):
+            raise PlanError(f"bad stage {raw!r}: devices must be a list of "
+                            "{device, share} maps")
+        return cls(numbers["stage"], numbers["start"], numbers["end"],
+                   tuple(Member(m["device"], float(m.get("share", 1.0))) for m in members))
 
 
 @dataclass(frozen=True)
@@ -168,17 +213,22 @@ class Plan:
             expected = stage.end
         if expected != self.num_layers:
             raise PlanError(f"stages cover {expected} layers, the model has {self.num_layers}")
-        devices = [s.device for s in self.stages]
+        devices = self.devices
         if len(set(devices)) != len(devices):
-            raise PlanError(f"a device may hold only one stage: {devices}")
+            raise PlanError(f"a device may hold only one place in a plan: {list(devices)}")
 
     @property
     def n_stages(self) -> int:
         return len(self.stages)
 
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Every device of the plan, stage by stage, members in order."""
+        return tuple(d for stage in self.stages for d in stage.devices)
+
     def stage_of(self, device: str) -> StageAssignment | None:
         for stage in self.stages:
-            if stage.device == device:
+            if device in stage.devices:
                 return stage
         return None
 

@@ -72,6 +72,7 @@ class StageStepDone:
     backward_s: float
     layer_times: tuple[tuple[float, float], ...] = ()
     typical_s: float = 0.0
+    micro_batches: int = 0  # how many of the step's micro-batches this member computed
 
     @property
     def compute_s(self) -> float:
@@ -79,13 +80,14 @@ class StageStepDone:
 
     def fields(self) -> dict[str, Any]:
         return {"stage": self.stage, "forward_s": self.forward_s, "backward_s": self.backward_s,
-                "layer_times": [list(t) for t in self.layer_times], "typical_s": self.typical_s}
+                "layer_times": [list(t) for t in self.layer_times], "typical_s": self.typical_s,
+                "micro_batches": self.micro_batches}
 
     @classmethod
     def parse(cls, f: BodyReader) -> StageStepDone:
         return cls(f.int("stage", low=0), f.float("forward_s", low=0),
                    f.float("backward_s", low=0), f.pairs("layer_times"),
-                   f.float("typical_s", 0.0, low=0))
+                   f.float("typical_s", 0.0, low=0), f.int("micro_batches", 0, low=0))
 
 
 @dataclass(frozen=True)
