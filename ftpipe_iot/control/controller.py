@@ -483,12 +483,14 @@ class Controller:
             self.replanner.request(ReplanReason.FINAL)
         else:
             assert self.model is not None and self.plan is not None
+            started = time.perf_counter()
             self._retune(step)
             better = self.replanner.consider(step, self.model, self.plan,
                                              sorted(self.roster.alive), self.capacity,
                                              self.roster.capabilities)
             if better is not None:
                 self.recorder.rebalancing(step, better.current_s, better.proposed_s)
+            self.recorder.decided(time.perf_counter() - started)
         if self.replanner.pending is not None:
             self._begin_replication()
         else:

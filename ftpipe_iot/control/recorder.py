@@ -156,6 +156,14 @@ class Recorder:
         self.summary.repartitions += 1
         self._event(Event(EventType.REPARTITIONED, at_step=at_step, stages=stages))
 
+    def decided(self, seconds: float) -> None:
+        """Time the controller took for its decisions at one step boundary."""
+        stats = self.summary.decision_s
+        count = stats.get("count", 0) + 1
+        stats["mean_s"] = stats.get("mean_s", 0.0) + (seconds - stats.get("mean_s", 0.0)) / count
+        stats["max_s"] = max(stats.get("max_s", 0.0), seconds)
+        stats["count"] = count
+
     # -- devices --------------------------------------------------------------------------------
     def devices_online(self, count: int) -> None:
         self.metrics.devices_online.set(count)

@@ -34,6 +34,8 @@ class RunSummary:
     device_dropped: dict[str, dict[str, int]] = field(default_factory=dict)
     device_layer_seconds: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     device_links: dict[str, dict[str, float]] = field(default_factory=dict)
+    # seconds the controller spent deciding at step boundaries (retune, rebalance)
+    decision_s: dict[str, float] = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
