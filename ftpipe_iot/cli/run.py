@@ -99,7 +99,8 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 @click.option("--heartbeat-timeout", type=click.FloatRange(min=0.1), default=5.0,
               show_default=True, help="a device silent this long is declared failed")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
-              help="also write every complete checkpoint version here (.npz)")
+              help="also write every complete checkpoint version here (step-N.pt, the "
+                   "--save-model format)")
 @click.option("--resume", is_flag=True,
               help="continue the job from the retained plan, state and weights on the broker")
 @click.option("--repartition/--no-repartition", default=True, show_default=True,
@@ -110,8 +111,11 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
               show_default=True, help="steps between repartitions")
 @click.option("--assignment", default=None, metavar="DEV:START-END,...",
               help="pin the first plan, e.g. dev3:0-10,dev0:10-22 (stages in order)")
+@click.option("--save-model", type=click.Path(dir_okay=False), default=None,
+              help="write the trained model here: a PyTorch checkpoint (.pt) that "
+                   "`ftpipe-iot export` and `evaluate` read")
 @click.option("--save-weights", type=click.Path(dir_okay=False), default=None,
-              help="write the trained weights (.npz) here")
+              help="also write the trained layers as the project's .npz")
 @click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
               help="write the run summary here")
 @click.option("--stop-devices", is_flag=True, help="shut the devices down at the end")
@@ -126,7 +130,8 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                wait_devices: float, stall_timeout: float, heartbeat_timeout: float,
                checkpoint_dir: str | None, resume: bool, repartition: bool,
                repartition_threshold: float, repartition_cooldown: int, assignment: str | None,
-               save_weights: str | None, summary_json: str | None, stop_devices: bool,
+               save_model: str | None, save_weights: str | None, summary_json: str | None,
+               stop_devices: bool,
                as_json: bool, train_file: str | None, broker_url: str, config_file: str | None,
                mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
                threads: int, log_level: str, **training: Any) -> None:
@@ -154,7 +159,8 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
         repartition=repartition, repartition_threshold=repartition_threshold,
         repartition_cooldown_steps=repartition_cooldown,
         assignment=parse_assignment(assignment) if assignment else (),
-        save_weights=Path(save_weights) if save_weights else None, stop_devices=stop_devices)
+        save_weights=Path(save_weights) if save_weights else None,
+        save_model=Path(save_model) if save_model else None, stop_devices=stop_devices)
     summary = run_controller(job, config, ctrl_config,
                              ProcessOptions(metrics_port, threads, log_level),
                              default_progress(), client_id=bundle_name,
@@ -222,13 +228,16 @@ def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
         click.echo(f"report: {summary['report_png']} and {summary['report_json']}", err=True)
     elif "report_error" in summary:
         click.echo(f"no report: {summary['report_error']}", err=True)
+    if "model" in summary:
+        click.echo(f"model: {summary['model']} (ftpipe-iot evaluate / export read it)", err=True)
     if as_json:
         summary.pop("history", None)
         click.echo(json.dumps(summary))
 
 
 def _summary_text(summary: dict) -> str:
-    stages = ", ".join(f"{s['device']}=[{s['start']},{s['end']})" for s in summary["stages"])
+    stages = ", ".join("+".join(d["device"] for d in s["devices"]) + f"=[{s['start']},{s['end']})"
+                       for s in summary["stages"])
     text = (f"done: test accuracy {summary['test_accuracy']:.4f} after {summary['steps']} steps "
             f"({summary['epochs']} epochs), {summary['samples_per_s']:.0f} samples/s, "
             f"{summary['devices']} devices [{stages}], broker {summary['broker']}, "

@@ -26,6 +26,7 @@ class ControllerConfig:
     stall_timeout_s: float = 30.0
     heartbeat_timeout_s: float = 5.0
     save_weights: Path | None = None
+    save_model: Path | None = None  # a standard checkpoint of the trained model (.pt)
     checkpoint_dir: Path | None = None
     stop_devices: bool = False
     resume: bool = False

@@ -125,7 +125,7 @@ class Controller:
         self.train = train
         self.messenger.options = WireOptions(compress=train.compress, wire_dtype=train.wire_dtype)
         self.model = prepare_job(train, self._given_data)
-        self.central = CentralReplicas(self.model.num_layers, self.config.checkpoint_dir)
+        self.central = CentralReplicas(self.model, self.config.checkpoint_dir)
         self.capacity = CapacityEstimator.for_costs(self.model.cost_model)
 
     @property
@@ -501,6 +501,8 @@ class Controller:
         assert self.plan is not None
         if self.config.save_weights is not None:
             self.central.save(self.config.save_weights, version)
+        if self.config.save_model is not None:
+            self.central.save_model(self.config.save_model, version)
         if self.config.stop_devices:
             for device in sorted(self.roster.online | set(self.plan.devices)):
                 self.out.command(device, Command(CommandOp.SHUTDOWN))

@@ -98,6 +98,7 @@ class Demo:
         self.children = ProcessGroup(self.work_dir)
         self.common: list[str] = []
         self.summary_path = self.work_dir / "summary.json"
+        self.model_path = self.work_dir / "model.pt"
         self.train_path = options.train.save(self.work_dir / "train.json")
         self.watcher: JobWatcher | None = None
         self.pending_faults = list(options.faults)
@@ -124,6 +125,7 @@ class Demo:
         self.children.start("controller", "controller", *self.common, "--devices",
                             str(self.options.devices), "--stop-devices",
                             "--summary-json", str(self.summary_path),
+                            "--save-model", str(self.model_path),
                             *(["--resume"] if resume else ["--train-config", str(self.train_path)]),
                             *self._metrics_args(0), *self.options.controller_args, log=False)
 
@@ -157,6 +159,8 @@ class Demo:
             summary["broker"] = kind.value
             summary["wall_s"] = round(time.monotonic() - started, 3)
             summary["work_dir"] = str(self.work_dir)
+            if self.model_path.exists():
+                summary["model"] = str(self.model_path)
             try:
                 paths = write_report(summary, self.work_dir)
             except (ReportError, OSError) as exc:
