@@ -55,9 +55,11 @@ def export_model(checkpoint: str | Path, fmt: ExportFormat, out: Path,
         expected = module(x).numpy()
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt is ExportFormat.TORCHSCRIPT:
-        with torch.no_grad():
+        # TorchScript is deprecated upstream in favour of torch.export, but it is what most
+        # edge runtimes (libtorch, PyTorch Mobile) still load; say nothing about it per call.
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
             torch.jit.save(torch.jit.trace(module, x[:2]), str(out))
-        with torch.no_grad():
             got = torch.jit.load(str(out))(x).numpy()
     else:
         got = _onnx(module, x, out)

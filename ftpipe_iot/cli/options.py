@@ -75,11 +75,14 @@ _TRAINING: list[Decorator] = [
     click.option("--no-compress", is_flag=True, help="never lz4-compress message bodies"),
     click.option("--replicate-every", type=click.IntRange(min=0), default=10, show_default=True,
                  help="replicate weights every R steps (0 = only at plan changes)"),
+    click.option("--freeze-layers", default=None, metavar="0-K",
+                 help="keep layers [0, K) fixed: no gradients, no optimizer state, and "
+                      "gradients stop at the first trainable stage"),
 ]
 TRAINING_NAMES = ("model", "data", "data_shape", "data_classes", "data_samples", "epochs",
                   "max_steps", "micro_batches", "micro_batch_size", "optimizer", "lr",
                   "momentum", "seed", "max_in_flight", "wire_dtype", "no_compress",
-                  "replicate_every")
+                  "replicate_every", "freeze_layers")
 
 _CONNECTION: list[Decorator] = [
     click.option("--broker", "broker_url", default="mqtt://127.0.0.1:1883", show_default=True,
@@ -143,7 +146,23 @@ def train_config(kw: dict[str, Any]) -> TrainConfig:
         optimizer=OptimizerName(kw["optimizer"]), lr=kw["lr"], momentum=kw["momentum"],
         seed=kw["seed"], epochs=kw["epochs"], max_steps=kw["max_steps"],
         max_in_flight=kw["max_in_flight"], wire_dtype=WireDtype(kw["wire_dtype"]),
-        compress=not kw["no_compress"], replicate_every=kw["replicate_every"])
+        compress=not kw["no_compress"], replicate_every=kw["replicate_every"],
+        frozen_layers=parse_frozen(kw["freeze_layers"]))
+
+
+def parse_frozen(text: str | None) -> int:
+    """``0-K`` -> K (layers [0, K) are fixed); only a prefix of the model can be frozen."""
+    if not text:
+        return 0
+    start, _, end = text.partition("-")
+    try:
+        first, last = int(start), int(end)
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r} is not 0-K", param_hint="--freeze-layers") from exc
+    if first != 0 or last < 1:
+        raise click.BadParameter("only the first layers can be frozen: 0-K with K >= 1",
+                                 param_hint="--freeze-layers")
+    return last
 
 
 def explicit(ctx: click.Context, names: tuple[str, ...]) -> list[str]:

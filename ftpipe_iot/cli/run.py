@@ -111,6 +111,9 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
               show_default=True, help="steps between repartitions")
 @click.option("--assignment", default=None, metavar="DEV:START-END,...",
               help="pin the first plan, e.g. dev3:0-10,dev0:10-22 (stages in order)")
+@click.option("--init-from", type=click.Path(dir_okay=False), default=None,
+              help="start from these weights: a --save-model checkpoint or a state dict of the "
+                   "whole nn.Sequential (fine-tuning)")
 @click.option("--save-model", type=click.Path(dir_okay=False), default=None,
               help="write the trained model here: a PyTorch checkpoint (.pt) that "
                    "`ftpipe-iot export` and `evaluate` read")
@@ -130,7 +133,8 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                wait_devices: float, stall_timeout: float, heartbeat_timeout: float,
                checkpoint_dir: str | None, resume: bool, repartition: bool,
                repartition_threshold: float, repartition_cooldown: int, assignment: str | None,
-               save_model: str | None, save_weights: str | None, summary_json: str | None,
+               init_from: str | None, save_model: str | None, save_weights: str | None,
+               summary_json: str | None,
                stop_devices: bool,
                as_json: bool, train_file: str | None, broker_url: str, config_file: str | None,
                mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
@@ -160,7 +164,8 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
         repartition_cooldown_steps=repartition_cooldown,
         assignment=parse_assignment(assignment) if assignment else (),
         save_weights=Path(save_weights) if save_weights else None,
-        save_model=Path(save_model) if save_model else None, stop_devices=stop_devices)
+        save_model=Path(save_model) if save_model else None,
+        init_from=Path(init_from) if init_from else None, stop_devices=stop_devices)
     summary = run_controller(job, config, ctrl_config,
                              ProcessOptions(metrics_port, threads, log_level),
                              default_progress(), client_id=bundle_name,
@@ -194,13 +199,15 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
 @click.option("--max-message-bytes", type=click.IntRange(min=1024), default=None,
               help="largest MQTT message (larger payloads are chunked); at most the broker's "
                    "limit")
+@click.option("--init-from", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="start from these weights (a model.pt of an earlier run, or a state dict)")
 @click.option("--json", "as_json", is_flag=True,
               help="print the summary as one JSON object on the last line of stdout")
 @training_options
 def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
          work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...],
-         restart_devices: bool, max_message_bytes: int | None, as_json: bool,
-         **training: Any) -> None:
+         restart_devices: bool, max_message_bytes: int | None, init_from: str | None,
+         as_json: bool, **training: Any) -> None:
     """Train the CNN on digits with a broker, a controller and N device processes."""
     from ftpipe_iot.runtime.demo import Demo, DemoOptions
     from ftpipe_iot.runtime.faults import FaultAction, fault_schedule
@@ -217,7 +224,9 @@ def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
                           embedded=embedded_broker, train=train_config(training),
                           work_dir=Path(work_dir) if work_dir else None,
                           metrics_port_base=metrics_port_base, faults=schedule,
-                          restart_devices=restart_devices, max_message_bytes=max_message_bytes)
+                          restart_devices=restart_devices, max_message_bytes=max_message_bytes,
+                          controller_args=["--init-from", str(Path(init_from).resolve())]
+                          if init_from else [])
     try:
         summary = Demo(options).run()
     except KeyboardInterrupt:

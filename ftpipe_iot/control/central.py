@@ -8,10 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ftpipe_iot.artifacts.checkpoint import save_checkpoint
+from ftpipe_iot.artifacts.checkpoint import initial_layers, save_checkpoint
 from ftpipe_iot.control.checkpoint import save_weights
 from ftpipe_iot.control.job import JobModel
 from ftpipe_iot.control.recovery import RecoveryPlan, recovery_plan
+from ftpipe_iot.core.models import build_layers
 from ftpipe_iot.core.replicas import ReplicaStore
 from ftpipe_iot.protocol.messages import LayerReplica
 
@@ -26,6 +27,16 @@ class CentralReplicas:
         self.store = ReplicaStore(self.num_layers)
         self.last_published: dict[int, int] = {}
         self.checkpoint_dir = checkpoint_dir
+        self.started_from_file = False
+
+    def start_from(self, path: Path) -> None:
+        """Version 0 from a checkpoint or a plain state dict (refused with the first mismatch)
+        instead of the seed's initial weights."""
+        layers = build_layers(self.model.train.model, self.model.data.input_shape,
+                              self.model.data.num_classes, self.model.train.seed)
+        for layer, state in initial_layers(path, layers).items():
+            self.store.add(LayerReplica(layer, 0, state, None))
+        self.started_from_file = True
 
     def offer(self, replica: LayerReplica) -> bool:
         """A replica seen on the weights topics; True when it was new to the store. Writes the

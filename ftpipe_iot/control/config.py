@@ -27,6 +27,7 @@ class ControllerConfig:
     heartbeat_timeout_s: float = 5.0
     save_weights: Path | None = None
     save_model: Path | None = None  # a standard checkpoint of the trained model (.pt)
+    init_from: Path | None = None  # start from these weights (a checkpoint or a state dict)
     checkpoint_dir: Path | None = None
     stop_devices: bool = False
     resume: bool = False

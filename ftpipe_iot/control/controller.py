@@ -126,6 +126,9 @@ class Controller:
         self.messenger.options = WireOptions(compress=train.compress, wire_dtype=train.wire_dtype)
         self.model = prepare_job(train, self._given_data)
         self.central = CentralReplicas(self.model, self.config.checkpoint_dir)
+        if self.config.init_from is not None and not self.config.resume:
+            # Version 0 is the given weights (fresh optimizer state), not the seed's.
+            self.central.start_from(self.config.init_from)
         self.capacity = CapacityEstimator.for_costs(self.model.cost_model)
 
     @property
@@ -360,8 +363,12 @@ class Controller:
             if warning:
                 log.warning("%s", warning)
             stages = single_stages(assignment)
+        init_weights = self.central.started_from_file or bool(self.plan and self.plan.init_weights)
         self.plan = next_plan(self.job, self.model, stages, self.plan, resume_step,
-                              self._since, self.messenger.max_message_bytes)
+                              self._since, self.messenger.max_message_bytes, init_weights)
+        self.out.plan_version = self.plan.version
+        if resume_step == 0 and init_weights:
+            self._republish(0, tuple(range(self.num_layers)))
         self._since = self.plan.since
         stages = self.plan.stages
         self.ready = set()
@@ -370,7 +377,6 @@ class Controller:
         self.phase = Phase.DEPLOYING
         self.liveness.reset(set(self.plan.devices), self.clock())
         # Devices take a plan only once the retained state announced its version.
-        self.out.plan_version = self.plan.version
         self._publish_state(ControllerStatus.ONLINE)
         self.out.plan(self.plan)
         self.recorder.plan_changed(self.plan, self.roster.online)

@@ -187,7 +187,7 @@ def without(stages: Sequence[StageAssignment], gone: set[str]) -> tuple[StageAss
 
 def next_plan(job: str, model: JobModel, stages: Sequence[StageAssignment],
               previous: Plan | None, resume_step: int, since: int | None,
-              max_message_bytes: int) -> Plan:
+              max_message_bytes: int, init_weights: bool = False) -> Plan:
     """The plan that follows ``previous`` with ``stages``, resuming at ``resume_step``.
 
     Plan versions are millisecond timestamps: they increase across controller restarts too, so a
@@ -198,7 +198,8 @@ def next_plan(job: str, model: JobModel, stages: Sequence[StageAssignment],
     return Plan(version=version, job=job, stages=tuple(stages), train=model.train,
                 num_layers=model.num_layers, input_shape=model.data.input_shape,
                 num_classes=model.data.num_classes, resume_step=resume_step,
-                since=version if since is None else since, max_message_bytes=max_message_bytes)
+                since=version if since is None else since, max_message_bytes=max_message_bytes,
+                init_weights=init_weights)
 
 
 def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: CapacityEstimator,

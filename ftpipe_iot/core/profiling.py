@@ -75,7 +75,8 @@ def profile_stages(build: Callable[[], list[nn.Module]], shapes: Sequence[tuple]
     """Measure the stage cost model of the model ``build`` makes (fresh layers, so measuring
     never touches weights a job trains). ``shapes`` are the cut shapes (``models.cut_shapes``);
     the micro-batch size is the job's."""
-    config = replace(config, micro_batches=min(config.micro_batches, _MICRO_BATCHES))
+    config = replace(config, micro_batches=min(config.micro_batches, _MICRO_BATCHES),
+                     frozen_layers=0)
     layers = build()
     n = len(layers)
     last = _time_stage(layers, n - 1, n, shapes, num_classes, config, last=True)

@@ -120,6 +120,21 @@ def make_optimizer(layer: nn.Module, config: TrainConfig) -> torch.optim.Optimiz
     return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
 
 
+def freeze(layers: Sequence[nn.Module], frozen: int, first_layer: int = 0) -> None:
+    """Layers with a global index below ``frozen`` get no gradients (so no optimizer state)."""
+    for offset, layer in enumerate(layers):
+        if first_layer + offset < frozen:
+            for param in layer.parameters():
+                param.requires_grad_(False)
+
+
+def train_mode(layers: Sequence[nn.Module], frozen: int, first_layer: int = 0) -> None:
+    """Training mode, but frozen layers in evaluation mode: a fixed layer's BatchNorm keeps its
+    running statistics and its Dropout is off, as fine-tuning expects."""
+    for offset, layer in enumerate(layers):
+        layer.train(first_layer + offset >= frozen)
+
+
 def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, micro_batches: int
                      ) -> torch.Tensor:
     """Loss whose gradients, summed over M micro-batches, equal the mini-batch mean loss's."""
@@ -193,6 +208,12 @@ class Stage:
 
     def __post_init__(self) -> None:
         self.module = nn.Sequential(*self.layers)
+        frozen = self.config.frozen_layers
+        freeze(self.layers, frozen, self.first_layer)
+        # Gradients stop at the first trainable stage: a stage after only fixed layers sends
+        # none back, and a stage of only fixed layers does no backward at all.
+        self.sends_gradients = not self.is_first and self.first_layer > frozen
+        self.all_frozen = self.first_layer + len(self.layers) <= frozen
         self.optimizers = [make_optimizer(layer, self.config) for layer in self.layers]
         if self.start_step > 0:
             self.completed_steps = {self.start_step - 1}
@@ -297,10 +318,12 @@ class Stage:
     def _forward_one(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray
                      ) -> list[StageOutput]:
         key = (step, micro_batch)
-        self.module.train()
+        train_mode(self.layers, self.config.frozen_layers, self.first_layer)
         inputs = torch.from_numpy(np.array(x, dtype=np.float32, copy=True))
-        if not self.is_first:
+        if self.sends_gradients:
             inputs.requires_grad_(True)
+        if self.all_frozen:
+            return self._forward_frozen(step, micro_batch, inputs, y)
         arrivals: dict[int, float] = {}
         if self.recorder is not None:
             self.recorder.micro_batch = micro_batch
@@ -321,6 +344,21 @@ class Stage:
                                   int(len(y)))
         self.pending[key] = _Pending(inputs, loss, arrivals)
         return [result, *self._backward(step, micro_batch, None)]
+
+    def _forward_frozen(self, step: int, micro_batch: int, inputs: torch.Tensor, y: np.ndarray
+                        ) -> list[StageOutput]:
+        """A stage of fixed layers: forward only; the micro-batch is done once it is sent on."""
+        with torch.no_grad():
+            outputs, elapsed = self._timed(
+                lambda: self._forward_layers(inputs, {}, step, micro_batch))
+        self.timings.forward_s += elapsed
+        self.timings.micro_batch_s[micro_batch] = elapsed
+        out: list[StageOutput] = [SendActivation(step, micro_batch, outputs.numpy(), y, True)]
+        done = self.backward_done.setdefault(step, set())
+        done.add(micro_batch)
+        if len(done) == self.expected.get(step, self.config.micro_batches):
+            out.append(self._optimizer_step(step))
+        return out
 
     def _forward_layers(self, inputs: torch.Tensor, arrivals: dict[int, float], step: int,
                         micro_batch: int) -> torch.Tensor:
@@ -372,10 +410,10 @@ class Stage:
             self.timings.micro_batch_s.get(micro_batch, 0.0) + elapsed
         self._account_backward(pending.grad_arrivals)
         out: list[StageOutput] = []
-        if not self.is_first:
+        if self.sends_gradients:
             assert pending.inputs.grad is not None
             out.append(SendGradient(step, micro_batch, pending.inputs.grad.numpy()))
-        else:
+        else:  # the first stage, or the first trainable one: this micro-batch is done
             out.append(MicroBatchDone(step, micro_batch))
         done = self.backward_done.setdefault(step, set())
         done.add(micro_batch)

@@ -251,8 +251,8 @@ class DeviceAgent:
             log.info("plan %d: no stage for %s (standing by)", plan.version, self.name)
             return
         layers = range(assignment.start, assignment.end)
-        if plan.resume_step == 0:
-            self._build_stage({})
+        if plan.resume_step == 0 and not plan.init_weights:
+            self._build_stage({})  # the seed's initial weights: every device builds the same
             return
         self.loader = StageLoader(layers, plan.resume_step, local)
         self._loader_since = self.clock()

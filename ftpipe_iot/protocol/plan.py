@@ -36,6 +36,7 @@ class TrainConfig:
     wire_dtype: WireDtype = WireDtype.NATIVE
     compress: bool = True
     replicate_every: int = 10
+    frozen_layers: int = 0  # layers [0, frozen_layers) stay fixed (eval mode, no gradients)
 
     def __post_init__(self) -> None:
         checks = [
@@ -51,6 +52,7 @@ class TrainConfig:
             (self.max_in_flight >= 1, f"max_in_flight must be >= 1, got {self.max_in_flight}"),
             (self.eval_batch_size >= 1,
              f"eval_batch_size must be >= 1, got {self.eval_batch_size}"),
+            (self.frozen_layers >= 0, f"frozen_layers must be >= 0, got {self.frozen_layers}"),
             (self.replicate_every >= 0,
              f"replicate_every must be >= 0 (0 = only at plan changes), got "
              f"{self.replicate_every}"),
@@ -197,8 +199,12 @@ class Plan:
     resume_step: int = 0
     since: int = 0
     max_message_bytes: int = 256 * 1024
+    init_weights: bool = False  # version 0 is the controller's --init-from, not the seed
 
     def __post_init__(self) -> None:
+        if self.train.frozen_layers >= self.num_layers:
+            raise PlanError(f"frozen_layers {self.train.frozen_layers} leaves nothing of the "
+                            f"{self.num_layers} layers to train")
         if self.max_message_bytes < 1024:
             raise PlanError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if not self.stages:
@@ -236,7 +242,8 @@ class Plan:
         return {"version": self.version, "job": self.job, "num_layers": self.num_layers,
                 "input_shape": list(self.input_shape), "num_classes": self.num_classes,
                 "resume_step": self.resume_step, "since": self.since,
-                "max_message_bytes": self.max_message_bytes, "train": self.train.to_dict(),
+                "max_message_bytes": self.max_message_bytes, "init_weights": self.init_weights,
+                "train": self.train.to_dict(),
                 "stages": [s.to_dict() for s in self.stages]}
 
     @classmethod
@@ -249,7 +256,8 @@ class Plan:
                        input_shape=tuple(int(d) for d in raw["input_shape"]),
                        num_classes=int(raw["num_classes"]), resume_step=int(raw["resume_step"]),
                        since=int(raw.get("since", 0)),
-                       max_message_bytes=int(raw.get("max_message_bytes", 256 * 1024)))
+                       max_message_bytes=int(raw.get("max_message_bytes", 256 * 1024)),
+                       init_weights=bool(raw.get("init_weights", False)))
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
