@@ -43,9 +43,7 @@ class PlanTraining:
         self._capacity = capacity
         self._clock = clock
         self._step_done = step_done
-        # Every member of every stage reports each step done: the feed counts reporters.
-        self._reporter = {device: i for i, device in enumerate(plan.devices)}
-        self.feed = TrainFeed(model.schedule, len(self._reporter), plan.resume_step,
+        self.feed = TrainFeed(model.schedule, plan.n_stages, plan.resume_step,
                               model.total_steps, self.train.max_in_flight)
         self.eval_round: EvalRound | None = None
         self.counts: Counts = plan_counts(plan.stages, self.train.micro_batches)
@@ -109,20 +107,18 @@ class PlanTraining:
         return False, None
 
     def _on_stage_step_done(self, sender: str, step: int, done: StageStepDone) -> int | None:
-        reporter = self._reporter.get(sender)
-        if reporter is None:
-            return None
         stage = self.plan.stage_of(sender)
-        assert stage is not None
-        if step == self.feed.step:
+        if stage is None or stage.stage != done.stage:
+            return None
+        if step == self.feed.step and done.micro_batches > 0:  # a standby computed nothing
             if len(done.layer_times) == stage.end - stage.start:
                 self._recorder.layer_seconds(sender, stage.start, done.layer_times)
             factor = self._capacity.observe(sender, stage.start, stage.end,
                                             done.typical_s or done.compute_s,
-                                            done.micro_batches or self.train.micro_batches)
+                                            done.micro_batches)
             if factor is not None:
                 self._recorder.capacity(sender, factor)
-        summary = self.feed.on_stage_step_done(step, reporter, done.compute_s)
+        summary = self.feed.on_stage_step_done(step, stage.stage, done.compute_s)
         return None if summary is None else self._on_step_complete(summary)
 
     def _on_step_complete(self, step: StepSummary) -> int | None:

@@ -26,9 +26,10 @@ class StepSummary:
 class TrainFeed:
     """Feeds steps ``start_step .. end_step-1`` with at most ``max_in_flight`` micro-batches
     between the controller and the end of their backward pass. Step ``s+1`` starts only when
-    every stage has applied its optimizer for step ``s`` (the synchronous contract).
-    ``n_stages`` counts the reporters of a step: every member of every stage group, each
-    reporting under its own index."""
+    every stage has applied its optimizer for step ``s`` (the synchronous contract): one holder
+    of each stage reporting it is enough, since the holders of a stage apply the same update
+    from the same contributions and a holder that is behind holds the next step's inputs until
+    it gets there (a hung or dead holder does not stop the job)."""
 
     schedule: SyncSchedule
     n_stages: int
@@ -81,10 +82,11 @@ class TrainFeed:
         return True
 
     def on_stage_step_done(self, step: int, stage: int, compute_s: float) -> StepSummary | None:
-        """A stage applied its optimizer; returns the summary when the whole step is complete."""
+        """A holder of ``stage`` applied its optimizer; returns the summary when the whole step
+        is complete."""
         if step != self.step or not 0 <= stage < self.n_stages:
             return None
-        self._stages_done[stage] = compute_s
+        self._stages_done.setdefault(stage, compute_s)
         if len(self._stages_done) < self.n_stages or \
                 len(self._losses) < self.schedule.micro_batches:
             return None

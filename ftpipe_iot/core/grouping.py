@@ -91,13 +91,12 @@ class BatchNormRecorder:
         self.start = {key: (m.running_mean.clone(), m.running_var.clone(),
                             m.num_batches_tracked.clone()) for key, m in self.modules}
 
-    def partial(self) -> dict[str, np.ndarray]:
-        """This member's records as flat arrays: ``<micro-batch>:<module>:mean|var``."""
+    def partial(self, micro_batch: int) -> dict[str, np.ndarray]:
+        """One micro-batch's records as flat arrays: ``<micro-batch>:<module>:mean|var``."""
         out = {}
-        for micro_batch, per_module in self.stats.items():
-            for key, (mean, var) in per_module.items():
-                out[f"{micro_batch}:{key}:mean"] = mean
-                out[f"{micro_batch}:{key}:var"] = var
+        for key, (mean, var) in self.stats.get(micro_batch, {}).items():
+            out[f"{micro_batch}:{key}:mean"] = mean
+            out[f"{micro_batch}:{key}:var"] = var
         return out
 
     def replay(self, records: Mapping[str, np.ndarray], micro_batches: int) -> None:
@@ -209,10 +208,9 @@ class OrderedGradients:
             if grad is not None:
                 p.grad = grad if p.grad is None else p.grad + grad
 
-    def each(self, step: int) -> dict[int, list[torch.Tensor | None]]:
-        """Every kept micro-batch gradient of ``step`` (``keep_each``), forgotten here."""
-        self.next.pop(step, None)
-        return self.early.pop(step, {})
+    def take(self, step: int, micro_batch: int) -> list[torch.Tensor | None]:
+        """A kept micro-batch gradient (``keep_each``), forgotten here."""
+        return self.early.get(step, {}).pop(micro_batch)
 
     def finish(self, step: int) -> None:
         """The step's gradients are all in ``.grad``."""

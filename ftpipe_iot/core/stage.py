@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ftpipe_iot.core.exchange import StepContributions
 from ftpipe_iot.core.grouping import (
     BatchNormRecorder,
     OrderedGradients,
@@ -25,81 +26,21 @@ from ftpipe_iot.core.grouping import (
     partial_misfit,
     trainable,
 )
+from ftpipe_iot.core.outputs import (
+    MicroBatchDone,
+    MicroBatchResult,
+    SendActivation,
+    SendGradient,
+    SendPartial,
+    StageOutput,
+    StepDone,
+)
 from ftpipe_iot.core.replicas import export_layer, import_layer
 from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.errors import StageInputError
 from ftpipe_iot.protocol.messages import LayerReplica
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.vocab import DropReason, OptimizerName
-
-
-@dataclass(frozen=True)
-class SendActivation:
-    step: int
-    micro_batch: int
-    x: np.ndarray
-    y: np.ndarray
-    train: bool
-
-
-@dataclass(frozen=True)
-class SendGradient:
-    step: int
-    micro_batch: int
-    grad: np.ndarray
-
-
-@dataclass(frozen=True)
-class SendPartial:
-    """A group member's share of the step: its accumulated gradients and the BatchNorm
-    statistics of its micro-batches, for every member of the group (``core.grouping``)."""
-
-    step: int
-    grads: dict[str, np.ndarray]
-    batch_norm: dict[str, np.ndarray]
-
-
-@dataclass(frozen=True)
-class MicroBatchResult:
-    """From the last stage: loss (training) or correct count (evaluation) of one micro-batch."""
-
-    step: int
-    micro_batch: int
-    train: bool
-    loss: float
-    correct: int
-    count: int
-
-
-@dataclass(frozen=True)
-class MicroBatchDone:
-    """From the first stage: a training micro-batch finished its backward pass (frees a slot)."""
-
-    step: int
-    micro_batch: int
-
-
-@dataclass(frozen=True)
-class StepDone:
-    """This stage applied its optimizer for ``step``; with its measured compute times: stage
-    totals in wall seconds (emulated slow-downs included), and per layer the real compute."""
-
-    step: int
-    forward_s: float
-    backward_s: float
-    layer_forward_s: tuple[float, ...] = ()
-    layer_backward_s: tuple[float, ...] = ()
-    typical_s: float = 0.0  # M x the median micro-batch's forward+backward: robust to hiccups
-    micro_batches: int = 0  # how many of the step's micro-batches this stage (member) computed
-
-    @property
-    def layer_times(self) -> tuple[tuple[float, float], ...]:
-        """Per layer (forward, backward) seconds."""
-        return tuple(zip(self.layer_forward_s, self.layer_backward_s))
-
-
-StageOutput = SendActivation | SendGradient | SendPartial | MicroBatchResult | MicroBatchDone \
-    | StepDone
 
 
 def _stamp(arrivals: dict[int, float], index: int) -> Callable[[torch.Tensor], None]:
@@ -181,9 +122,12 @@ class Stage:
     """Compute state of stage ``index`` of ``n_stages`` holding ``layers`` (global ids from
     ``first_layer``). ``expected_shape`` is the per-sample input shape the stage accepts.
 
-    A member ``member`` of a group of ``group_size`` computes only its micro-batches of a step
-    (how many: ``expected`` with the step's first forward); when they are done it sends its
-    partial and applies the optimizer once every member's partial is in (``offer_partial``).
+    A stage held by more than one device (``group_size`` holders: group members and warm
+    standbys) exchanges: it publishes each micro-batch's gradient as soon as its backward is
+    done and applies the optimizer once all M micro-batches of the step have a contribution,
+    its own or another holder's (``offer_partial``, ``core.exchange``), in step order. A stage
+    alone applies the optimizer after its ``expected`` micro-batches (given with the step's
+    first forward).
     """
 
     index: int
@@ -204,7 +148,7 @@ class Stage:
     completed_steps: set[int] = field(init=False, default_factory=set)
     timings: StageTimings = field(init=False, default_factory=StageTimings)
     expected: dict[int, int] = field(init=False, default_factory=dict)
-    partials: dict[int, dict[int, SendPartial]] = field(init=False, default_factory=dict)
+    partials: dict[int, StepContributions] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.module = nn.Sequential(*self.layers)
@@ -218,14 +162,20 @@ class Stage:
         if self.start_step > 0:
             self.completed_steps = {self.start_step - 1}
         self.named = trainable(self.layers, self.first_layer)
-        self.gradients = OrderedGradients([p for _, p in self.named], self.group_size > 1)
+        self.exchanges = self.group_size > 1
+        self.gradients = OrderedGradients([p for _, p in self.named], self.exchanges)
         self.recorder = BatchNormRecorder(self.layers, self.first_layer) \
-            if self.group_size > 1 else None
+            if self.exchanges else None
+        if self.recorder is not None:
+            self.recorder.step_started()
         # BatchNorm's running statistics are updated in forward order: a stage alone feeds its
-        # micro-batches to its layers in index order (a group replays them instead).
-        self._in_order = self.group_size == 1 and has_running_statistics(self.layers)
+        # micro-batches to its layers in index order (holders that exchange replay them).
+        self._in_order = not self.exchanges and has_running_statistics(self.layers)
         self._early: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
         self._next_forward: dict[int, int] = {}
+        # training inputs of a later step than the weights: held until the stage gets there
+        self._future: dict[int, dict[int, tuple[np.ndarray, np.ndarray, int | None]]] = {}
+        self.computed: dict[int, int] = {}  # step -> micro-batches this holder computed
 
     @property
     def is_first(self) -> bool:
@@ -248,7 +198,7 @@ class Stage:
     def at_step_boundary(self) -> bool:
         """No micro-batch of the current step is half done (weights equal ``version``)."""
         return not self.pending and not self.backward_done and not self.partials \
-            and not any(self._early.values())
+            and not any(self._early.values()) and not self._future
 
     def export(self) -> list[LayerReplica]:
         """Replicas of every layer at the current version (call at a step boundary)."""
@@ -300,10 +250,14 @@ class Stage:
         if key in self.pending or micro_batch in self.backward_done.get(step, set()) \
                 or step in self.completed_steps or micro_batch in self._early.get(step, {}):
             raise StageInputError(DropReason.DUPLICATE, f"micro-batch {key} was already processed")
+        if self.contributed(step, micro_batch):
+            raise StageInputError(DropReason.LATE, f"micro-batch {key} was already computed by "
+                                  "another holder")
+        if step > self.version:  # a holder behind its peers: catch up first
+            self._future.setdefault(step, {})[micro_batch] = (x, y, expected)
+            return []
         if step not in self.expected:
             self.expected[step] = expected or self.config.micro_batches
-            if self.recorder is not None:
-                self.recorder.step_started()
         if not self._in_order:
             return self._forward_one(step, micro_batch, x, y)
         early = self._early.setdefault(step, {})
@@ -354,10 +308,14 @@ class Stage:
         self.timings.forward_s += elapsed
         self.timings.micro_batch_s[micro_batch] = elapsed
         out: list[StageOutput] = [SendActivation(step, micro_batch, outputs.numpy(), y, True)]
+        self.computed[step] = self.computed.get(step, 0) + 1
+        if self.exchanges:  # nothing to sum, but the holders count the micro-batch done
+            own = SendPartial(step, micro_batch, {}, {})
+            return [*out, own, *self.offer_partial(step, own)]
         done = self.backward_done.setdefault(step, set())
         done.add(micro_batch)
         if len(done) == self.expected.get(step, self.config.micro_batches):
-            out.append(self._optimizer_step(step))
+            out.extend(self._optimizer_step(step))
         return out
 
     def _forward_layers(self, inputs: torch.Tensor, arrivals: dict[int, float], step: int,
@@ -377,9 +335,18 @@ class Stage:
                 h.register_hook(_stamp(arrivals, index))
         return h
 
+    def contributed(self, step: int, micro_batch: int) -> bool:
+        """Whether some holder's contribution of this training micro-batch is already in."""
+        contributions = self.partials.get(step)
+        return contributions is not None and micro_batch in contributions.grads
+
     def backward(self, step: int, micro_batch: int, grad: np.ndarray) -> list[StageOutput]:
         """Backward one micro-batch with the gradient of this stage's output."""
         key = (step, micro_batch)
+        if self.contributed(step, micro_batch):
+            self.pending.pop(key, None)
+            raise StageInputError(DropReason.LATE, f"micro-batch {key} was already computed by "
+                                  "another holder")
         pending = self.pending.get(key)
         if pending is None:
             reason = DropReason.DUPLICATE if micro_batch in self.backward_done.get(step, set()) or \
@@ -399,7 +366,8 @@ class Stage:
 
         def run() -> torch.Tensor:
             self.gradients.before(step, micro_batch)
-            pending.outputs.backward(grad_tensor)
+            if pending.outputs.requires_grad:  # else only parameter-free layers, nothing to do
+                pending.outputs.backward(grad_tensor)
             self.gradients.after(step, micro_batch)
             pending.grad_arrivals[-1] = time.perf_counter()  # end of this backward
             return pending.outputs
@@ -415,45 +383,55 @@ class Stage:
             out.append(SendGradient(step, micro_batch, pending.inputs.grad.numpy()))
         else:  # the first stage, or the first trainable one: this micro-batch is done
             out.append(MicroBatchDone(step, micro_batch))
+        self.computed[step] = self.computed.get(step, 0) + 1
+        if self.exchanges:
+            assert self.recorder is not None
+            own = SendPartial(step, micro_batch, gradient_partial(
+                self.named, {micro_batch: self.gradients.take(step, micro_batch)}),
+                self.recorder.partial(micro_batch))
+            return [*out, own, *self.offer_partial(step, own)]
         done = self.backward_done.setdefault(step, set())
         done.add(micro_batch)
         if len(done) == self.expected.get(step, self.config.micro_batches):
-            out.extend(self._local_done(step))
+            self.gradients.finish(step)
+            out.extend(self._optimizer_step(step))
         return out
 
-    def _local_done(self, step: int) -> list[StageOutput]:
-        """This member's micro-batches of ``step`` are done."""
-        if self.group_size == 1:
-            self.gradients.finish(step)
-            return [self._optimizer_step(step)]
-        assert self.recorder is not None
-        own = SendPartial(step, gradient_partial(self.named, self.gradients.each(step)),
-                          self.recorder.partial())
-        return [own, *self.offer_partial(step, self.member, own)]
-
-    def offer_partial(self, step: int, member: int, partial: SendPartial) -> list[StageOutput]:
-        """A group member's partial (this member's own included); once all are in, the stage
-        applies the summed gradients and replays the BatchNorm statistics."""
-        if step in self.completed_steps or step < self.last_completed_step:
-            raise StageInputError(DropReason.DUPLICATE, f"partial of finished step {step}")
-        if not 0 <= member < self.group_size:
-            raise StageInputError(DropReason.UNEXPECTED, f"partial of member {member}")
+    def offer_partial(self, step: int, partial: SendPartial) -> list[StageOutput]:
+        """A holder's contribution (this one's own included). Steps are applied in order, each
+        once all its M micro-batches are in; every holder applies the same update."""
+        if step < self.version:
+            raise StageInputError(DropReason.LATE, f"contribution to finished step {step}")
         misfit = partial_misfit(self.named, partial.grads)
         if misfit is not None:
             raise StageInputError(DropReason.BAD_SHAPE, misfit)
-        have = self.partials.setdefault(step, {})
-        if member in have:
-            raise StageInputError(DropReason.DUPLICATE, f"second partial of member {member}")
-        have[member] = partial
-        if len(have) < self.group_size or self.member not in have:
-            return []
-        merged_grads = {k: v for p in have.values() for k, v in p.grads.items()}
-        apply_gradients(self.named, merged_grads, self.config.micro_batches)
-        assert self.recorder is not None
-        self.recorder.replay({k: v for p in have.values() for k, v in p.batch_norm.items()},
-                             self.config.micro_batches)
-        del self.partials[step]
-        return [self._optimizer_step(step)]
+        contributions = self.partials.setdefault(
+            step, StepContributions(self.config.micro_batches))
+        try:
+            taken = contributions.offer(partial.micro_batch, partial.grads, partial.batch_norm)
+        except ValueError as exc:
+            raise StageInputError(DropReason.UNEXPECTED, str(exc)) from exc
+        if not taken:
+            raise StageInputError(DropReason.LATE, f"micro-batch {(step, partial.micro_batch)} "
+                                  "was already contributed by another holder")
+        return self._apply_complete()
+
+    def _apply_complete(self) -> list[StageOutput]:
+        out: list[StageOutput] = []
+        while (contributions := self.partials.get(self.version)) is not None \
+                and contributions.complete:
+            step = self.version
+            grads, stats = contributions.merged()
+            apply_gradients(self.named, grads, self.config.micro_batches)
+            assert self.recorder is not None
+            self.recorder.replay(stats, self.config.micro_batches)
+            del self.partials[step]
+            # forwards of this step that others finished first get no backward: forget them
+            for key in [k for k in self.pending if k[0] == step]:
+                del self.pending[key]
+            self.gradients.finish(step)
+            out += self._optimizer_step(step)
+        return out
 
     def _account_backward(self, arrivals: dict[int, float]) -> None:
         """Layer i's backward runs from the gradient reaching its output until it reaches the
@@ -468,7 +446,8 @@ class Stage:
             until = arrivals[stamped[position - 1]] if position > 0 else end
             self.timings.layer_backward_s[index] += max(0.0, until - arrivals[index])
 
-    def _optimizer_step(self, step: int) -> StepDone:
+    def _optimizer_step(self, step: int) -> list[StageOutput]:
+        """Apply the step; then the inputs of the next step that came early."""
         for optimizer in self.optimizers:
             if optimizer is not None:
                 optimizer.step()
@@ -477,12 +456,17 @@ class Stage:
         self._early.pop(step, None)
         self._next_forward.pop(step, None)
         self.completed_steps = {s for s in self.completed_steps if s > step - 16} | {step}
-        count = self.expected.pop(step, self.config.micro_batches)
-        done = StepDone(step, self.timings.forward_s, self.timings.backward_s,
-                        tuple(self.timings.layer_forward_s),
-                        tuple(self.timings.layer_backward_s), self.timings.typical_s, count)
+        self.expected.pop(step, None)
+        if self.recorder is not None:
+            self.recorder.step_started()
+        out: list[StageOutput] = [StepDone(
+            step, self.timings.forward_s, self.timings.backward_s,
+            tuple(self.timings.layer_forward_s), tuple(self.timings.layer_backward_s),
+            self.timings.typical_s, self.computed.pop(step, 0))]
         self.timings = StageTimings()
-        return done
+        for micro_batch, (x, y, expected) in sorted(self._future.pop(step + 1, {}).items()):
+            out += self.forward(step + 1, micro_batch, x, y, True, expected)
+        return out
 
     def _evaluate(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray
                   ) -> list[StageOutput]:

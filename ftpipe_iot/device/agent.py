@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,17 +20,18 @@ from prometheus_client import CollectorRegistry
 from ftpipe_iot import __version__
 from ftpipe_iot.core.loader import StageLoader
 from ftpipe_iot.core.models import build_layers, cut_shapes
-from ftpipe_iot.core.replicas import replica_misfit
-from ftpipe_iot.core.stage import (
+from ftpipe_iot.core.outputs import (
     MicroBatchDone,
     MicroBatchResult,
     SendActivation,
     SendGradient,
     SendPartial,
-    Stage,
     StageOutput,
     StepDone,
 )
+from ftpipe_iot.core.replicas import replica_misfit
+from ftpipe_iot.core.stage import Stage
+from ftpipe_iot.core.takeover import TakeoverPhase, Watch, Watched
 from ftpipe_iot.device.copies import LayerCopies
 from ftpipe_iot.device.link import LinkMeter
 from ftpipe_iot.device.trust import PlanGate, Verdict
@@ -48,6 +50,7 @@ from ftpipe_iot.protocol.messages import (
     Inbound,
     LayerReplica,
     PlanMessage,
+    Progress,
     envelope,
 )
 from ftpipe_iot.protocol.plan import Plan
@@ -124,8 +127,12 @@ class DeviceAgent:
         self.stopped = threading.Event()
         self.copies = LayerCopies(transport, self.topics)
         self._subscribed: list[str] = []
-        # (step, micro-batch) -> the route and counts it came with, to address its outputs
-        self._routes: dict[tuple[int, int], Activation] = {}
+        # (step, micro-batch) -> the input as it came (route, counts) and its sender, to address
+        # the outputs: activations by the route, the gradient back to the sender
+        self._routes: dict[tuple[int, int], tuple[Activation, str]] = {}
+        self.watch: Watch | None = None  # the stage's other holders, with resiliency >= 1
+        self.takeovers = 0  # micro-batches computed for another holder, since the start
+        self._deferred: deque[Incoming] = deque()
         self._started = clock()
         self._next_heartbeat = 0.0
         self._last_step = -1
@@ -163,8 +170,8 @@ class DeviceAgent:
         """Worker loop until a shutdown command or ``stopped`` is set; heartbeats in a thread."""
         beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         beat.start()
-        serve(self.transport.inbox, self.handle, lambda: self.tick(heartbeat=False),
-              self.stopped.is_set, poll_s)
+        serve(_DeferredInbox(self.transport.inbox, self._deferred), self.handle,
+              lambda: self.tick(heartbeat=False), self.stopped.is_set, poll_s)
 
     def _heartbeat_loop(self) -> None:
         while not self.stopped.wait(self.options.heartbeat_interval_s):
@@ -176,9 +183,10 @@ class DeviceAgent:
     def pump(self) -> int:
         """Handle everything already in the inbox (for single-threaded tests); returns count."""
         handled = 0
+        inbox = _DeferredInbox(self.transport.inbox, self._deferred)
         while True:
             try:
-                incoming = self.transport.inbox.get_nowait()
+                incoming = inbox.get_nowait()
             except queue.Empty:
                 return handled
             self.handle(incoming)
@@ -204,7 +212,7 @@ class DeviceAgent:
                     self._take_plan(held)
             elif isinstance(message, Command):
                 self._on_command(inbound, message)
-            elif isinstance(message, (Activation, Gradient, GroupPartial)):
+            elif isinstance(message, (Activation, Gradient, GroupPartial, Progress)):
                 self._on_data(inbound, message)
             elif isinstance(message, LayerReplica):
                 self._on_weights(inbound, message)
@@ -213,6 +221,7 @@ class DeviceAgent:
                                           f"{inbound.kind.value} on {incoming.topic}")
         except StageInputError as exc:
             self.messenger.drops.drop(exc.reason, str(exc))
+        self._take_over_due()
 
     def _on_plan(self, sender: str, plan: Plan) -> None:
         decision = self.gate.offer(sender, plan)
@@ -318,7 +327,13 @@ class DeviceAgent:
         self.loader = None
         self._set_stage(None)
 
+    def _watching(self, stage: Stage) -> bool:
+        return self.plan is not None and self.plan.train.resiliency >= 1 and stage.group_size > 1
+
     def _stage_topics(self, stage: Stage) -> list[str]:
+        if self._watching(stage):  # every input and gradient of the stage: to take over
+            return [self.topics.stage_act_all(stage.index),
+                    self.topics.stage_grad_all(stage.index), self.topics.stage_reduce(stage.index)]
         topics = [self.topics.stage_act(stage.index, self.name),
                   self.topics.stage_grad(stage.index, self.name)]
         if stage.group_size > 1:
@@ -331,6 +346,8 @@ class DeviceAgent:
         self._subscribed = []
         self._routes = {}
         self.stage = stage
+        self.watch = Watch(self.name, stage.is_last) \
+            if stage is not None and self._watching(stage) else None
         self.metrics.stage.set(-1 if stage is None else stage.index)
         if stage is not None:
             self._subscribed = self._stage_topics(stage)
@@ -395,25 +412,115 @@ class DeviceAgent:
             self.messenger.drops.drop(DropReason.NOT_READY,
                                       "data before the stage finished loading")
             return
-        key = (inbound.step, inbound.micro_batch)
-        stage = self.stage
+        stage, now = self.stage, self.clock()
         if isinstance(message, GroupPartial):
-            if message.stage != stage.index or message.member == stage.member:
-                return  # our own partial, echoed back: already counted
-            outputs = stage.offer_partial(inbound.step, message.member, SendPartial(
-                inbound.step, message.grads, message.batch_norm))
+            self._on_contribution(inbound, message)
+        elif isinstance(message, Progress):
+            if self.watch is not None and inbound.sender != self.name:
+                self.watch.progress(inbound.step, inbound.micro_batch, now)
         elif isinstance(message, Activation):
-            self.link.observe(inbound.timestamp, message.nbytes, time.time())
-            self._current_step = inbound.step
-            outputs = stage.forward(inbound.step, inbound.micro_batch, message.x, message.y,
-                                    message.train, message.count(stage.index, stage.member))
-            self._routes[key] = message
-            if message.train:
-                self.metrics.samples.inc(len(message.y))
+            addressee = Topics.addressee(inbound.topic)
+            if self.watch is not None and message.train:
+                self.watch.input(inbound.step, inbound.micro_batch, addressee, inbound.sender,
+                                 message, now)
+            if addressee != self.name:
+                return  # another holder's: watched only
+            self._forward(inbound.step, inbound.micro_batch, message, inbound.sender,
+                          inbound.timestamp)
         else:
+            key = (inbound.step, inbound.micro_batch)
+            if self.watch is not None and key not in stage.pending:
+                item = self.watch.gradient(inbound.step, inbound.micro_batch, message.g, now)
+                if Topics.addressee(inbound.topic) != self.name or item is not None:
+                    return  # kept in case its holder needs replacing
             self.link.observe(inbound.timestamp, message.nbytes, time.time())
             self._current_step = inbound.step
-            outputs = stage.backward(inbound.step, inbound.micro_batch, message.g)
+            self._absorb_contributions()
+            self._emit_all(stage.backward(inbound.step, inbound.micro_batch, message.g))
+
+    def _forward(self, step: int, micro_batch: int, message: Activation, sender: str,
+                 sent_at: float, quiet: bool = False) -> None:
+        """Forward one input; ``quiet`` keeps the activation (the next stage has it already)."""
+        assert self.stage is not None
+        stage = self.stage
+        if sent_at:
+            self.link.observe(sent_at, message.nbytes, time.time())
+        self._current_step = step
+        self._absorb_contributions()
+        self._routes[(step, micro_batch)] = (message, sender)
+        outputs = stage.forward(step, micro_batch, message.x, message.y, message.train,
+                                message.count(stage.index, stage.member))
+        if message.train:
+            self.metrics.samples.inc(len(message.y))
+        if quiet:
+            outputs = [o for o in outputs if not isinstance(o, SendActivation)]
+        self._emit_all(outputs)
+
+    def _on_contribution(self, inbound: Inbound, message: GroupPartial) -> None:
+        assert self.stage is not None
+        if message.stage != self.stage.index or inbound.sender == self.name:
+            return  # our own contribution, echoed back: already counted
+        if self.watch is not None:
+            self.watch.contributed(inbound.step, inbound.micro_batch, self.clock())
+        self._emit_all(self.stage.offer_partial(inbound.step, SendPartial(
+            inbound.step, inbound.micro_batch, message.grads, message.batch_norm)))
+
+    def _absorb_contributions(self) -> None:
+        """Before computing, take the contributions already queued: a holder coming back from a
+        stall finds its backlog done by others and drops it instead of computing it late."""
+        if self.watch is None or self.stage is None:
+            return
+        reduce_topic = self.topics.stage_reduce(self.stage.index)
+        queued: list[Incoming] = []
+        while True:
+            try:
+                queued.append(self.transport.inbox.get_nowait())
+            except queue.Empty:
+                break
+        for incoming in queued:
+            if incoming.topic != reduce_topic:
+                self._deferred.append(incoming)
+                continue
+            inbound = self.messenger.receive(incoming)
+            if inbound is None or inbound.plan_version != self.plan_version:
+                continue
+            try:
+                if isinstance(inbound.message, GroupPartial):
+                    self._on_contribution(inbound, inbound.message)
+                elif isinstance(inbound.message, Progress) and inbound.sender != self.name:
+                    self.watch.progress(inbound.step, inbound.micro_batch, self.clock())
+            except StageInputError as exc:
+                self.messenger.drops.drop(exc.reason, str(exc))
+
+    @property
+    def plan_version(self) -> int:
+        return self.plan.version if self.plan is not None else 0
+
+    def _take_over_due(self) -> None:
+        """Compute the other holders' late micro-batches (``core.takeover``)."""
+        if self.watch is None or self.stage is None:
+            return
+        for item in self.watch.due(self.clock()):
+            try:
+                self._take_over(item)
+            except StageInputError as exc:
+                self.messenger.drops.drop(exc.reason, str(exc))
+
+    def _take_over(self, item: Watched) -> None:
+        assert self.stage is not None
+        log.info("%s takes over micro-batch (%d, %d) from %s (%s)", self.name, item.step,
+                 item.micro_batch, item.owner, item.taken.value if item.taken else "")
+        self.takeovers += 1
+        self.metrics.takeovers.inc()
+        late_backward = item.taken is TakeoverPhase.BACKWARD and item.gradient is not None
+        self._forward(item.step, item.micro_batch, item.payload, item.sender, 0.0,
+                      quiet=late_backward)
+        key = (item.step, item.micro_batch)
+        if late_backward and key in self.stage.pending:
+            assert item.gradient is not None
+            self._emit_all(self.stage.backward(item.step, item.micro_batch, item.gradient))
+
+    def _emit_all(self, outputs: list[StageOutput]) -> None:
         for output in outputs:
             self._emit(output)
 
@@ -437,8 +544,8 @@ class DeviceAgent:
         version, index = self.plan.version, self.stage.index
         if isinstance(output, SendActivation):
             came = self._routes.get((output.step, output.micro_batch))
-            route = came.route if came else ()
-            counts = came.counts if came else ()
+            route = came[0].route if came else ()
+            counts = came[0].counts if came else ()
             if not output.train:
                 self._routes.pop((output.step, output.micro_batch), None)
             member = route[index + 1] if index + 1 < len(route) else 0
@@ -448,18 +555,24 @@ class DeviceAgent:
                                                   counts), version, output.step,
                                        output.micro_batch)
             self._emulate_link(sent)
+            if self.watch is not None and output.train:  # our watchers learn we are alive
+                self.watch.progress(output.step, output.micro_batch, self.clock())
+                self.messenger.send(self.topics.stage_reduce(index), Progress(index), version,
+                                    output.step, output.micro_batch, qos=0)
         elif isinstance(output, SendGradient):
             came = self._routes.pop((output.step, output.micro_batch), None)
-            member = came.member(index - 1) if came else 0
-            device = self.plan.stages[index - 1].members[member].device
+            device = came[1] if came else self.plan.stages[index - 1].leader
             sent = self.messenger.send(self.topics.stage_grad(index - 1, device),
                                        Gradient(output.grad), version, output.step,
                                        output.micro_batch)
             self._emulate_link(sent)
         elif isinstance(output, SendPartial):
+            if self.watch is not None:
+                self.watch.contributed(output.step, output.micro_batch, self.clock())
             self.messenger.send(self.topics.stage_reduce(index),
                                 GroupPartial(index, self.stage.member, output.grads,
-                                             output.batch_norm), version, output.step)
+                                             output.batch_norm), version, output.step,
+                                output.micro_batch)
         elif isinstance(output, MicroBatchResult):
             if not output.train:
                 self._routes.pop((output.step, output.micro_batch), None)
@@ -478,6 +591,8 @@ class DeviceAgent:
         self.metrics.steps.inc()
         self._last_step = output.step
         self._last_step_done = output
+        if self.watch is not None:
+            self.watch.step_done(output.step)
         self._report(StageStepDone(self.stage.index, output.forward_s, output.backward_s,
                                    output.layer_times, output.typical_s, output.micro_batches),
                      output.step)
@@ -514,6 +629,27 @@ class DeviceAgent:
             backward_s=done.backward_s if done else 0.0,
             layer_times=done.layer_times if done else (),
             queue_depth=self.transport.inbox.qsize(), drops=self.messenger.drops.counts,
-            link_bytes_per_s=self.link.bytes_per_s, link_latency_s=self.link.latency_s)
+            link_bytes_per_s=self.link.bytes_per_s, link_latency_s=self.link.latency_s,
+            sent_bytes=self.messenger.sent_bytes, received_bytes=self.messenger.received_bytes,
+            takeovers=self.takeovers)
         self.messenger.send(Topics.dev_heartbeat(self.name), beat,
                             self.plan.version if self.plan else 0, self._last_step, qos=0)
+
+
+class _DeferredInbox:
+    """The transport's inbox with the messages a watching holder set aside first (so the worker
+    loop keeps their order): ``get``/``get_nowait`` as a queue has them."""
+
+    def __init__(self, inbox: queue.Queue[Incoming], deferred: deque[Incoming]) -> None:
+        self.inbox = inbox
+        self.deferred = deferred
+
+    def get(self, timeout: float | None = None) -> Incoming:
+        if self.deferred:
+            return self.deferred.popleft()
+        return self.inbox.get(timeout=timeout)
+
+    def get_nowait(self) -> Incoming:
+        if self.deferred:
+            return self.deferred.popleft()
+        return self.inbox.get_nowait()

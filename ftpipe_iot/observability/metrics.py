@@ -66,6 +66,9 @@ class DeviceMetrics(MessagingMetrics):
         self.replication_bytes = Counter("ftpipe_replication_sent_bytes_total",
                                          "Bytes of weights and optimizer state replicated",
                                          registry=registry)
+        self.takeovers = Counter("ftpipe_device_takeovers_total",
+                                 "Micro-batches computed for a late or dead holder of the stage",
+                                 registry=registry)
 
 
 class ControllerMetrics(MessagingMetrics):

@@ -199,8 +199,10 @@ class Activation:
         counts = f.raw.get("counts") or []
         if not isinstance(counts, list) or not all(
                 isinstance(c, list) and c and all(isinstance(n, int) and not isinstance(n, bool)
-                                                  and n >= 1 for n in c) for c in counts):
-            raise f.fail("counts", "a list of positive micro-batch counts per stage", counts)
+                                                  and n >= 0 for n in c) and sum(c) >= 1
+                for c in counts):
+            raise f.fail("counts", "a list of micro-batch counts per stage (>= 0, some > 0)",
+                         counts)
         route = f.int_list("route", [])
         if any(m < 0 for m in route):
             raise f.fail("route", "member indices >= 0", route)
@@ -296,6 +298,22 @@ class GroupPartial:
                    arrays["batch_norm"])
 
 
+@dataclass(frozen=True)
+class Progress:
+    """A holder of a watched stage finished the forward of the micro-batch in the envelope: its
+    peers and standbys learn it is alive and how long forwards take (``core.takeover``)."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.PROGRESS
+    stage: int
+
+    def to_body(self) -> dict[str, Any]:
+        return {"stage": self.stage}
+
+    @classmethod
+    def from_body(cls, raw: object) -> Progress:
+        return cls(BodyReader(raw, "progress").int("stage", low=0))
+
+
 # -- devices -> controller ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Capabilities:
@@ -352,6 +370,10 @@ class Heartbeat:
     drops: dict[str, int] = field(default_factory=dict)
     link_bytes_per_s: float = 0.0
     link_latency_s: float = 0.0
+    # totals since the device started: what resiliency costs and buys (``plan --resiliency``)
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    takeovers: int = 0
 
     @property
     def compute_s(self) -> float:
@@ -362,7 +384,9 @@ class Heartbeat:
                 "forward_s": self.forward_s, "backward_s": self.backward_s,
                 "layer_times": [list(t) for t in self.layer_times],
                 "queue_depth": self.queue_depth, "drops": dict(self.drops),
-                "link_bytes_per_s": self.link_bytes_per_s, "link_latency_s": self.link_latency_s}
+                "link_bytes_per_s": self.link_bytes_per_s, "link_latency_s": self.link_latency_s,
+                "sent_bytes": self.sent_bytes, "received_bytes": self.received_bytes,
+                "takeovers": self.takeovers}
 
     @classmethod
     def from_body(cls, raw: object) -> Heartbeat:
@@ -370,14 +394,17 @@ class Heartbeat:
         return cls(f.int("stage", -1, low=-1), f.int("first_layer", -1, low=-1),
                    f.float("forward_s", 0.0, low=0), f.float("backward_s", 0.0, low=0),
                    f.pairs("layer_times"), f.int("queue_depth", 0, low=0), f.counts("drops"),
-                   f.float("link_bytes_per_s", 0.0, low=0), f.float("link_latency_s", 0.0, low=0))
+                   f.float("link_bytes_per_s", 0.0, low=0), f.float("link_latency_s", 0.0, low=0),
+                   f.int("sent_bytes", 0, low=0), f.int("received_bytes", 0, low=0),
+                   f.int("takeovers", 0, low=0))
 
 
 Message = PlanMessage | Command | ControllerState | Event | Activation | Gradient | LayerReplica \
-    | GroupPartial | DeviceStatus | Heartbeat | Result
+    | GroupPartial | Progress | DeviceStatus | Heartbeat | Result
 _BY_KIND: dict[MessageKind, Any] = {
     cls.KIND: cls for cls in (PlanMessage, Command, ControllerState, Event, Activation, Gradient,
-                              LayerReplica, GroupPartial, DeviceStatus, Heartbeat, Result)
+                              LayerReplica, GroupPartial, Progress, DeviceStatus, Heartbeat,
+                              Result)
 }
 
 

@@ -37,6 +37,9 @@ class TrainConfig:
     compress: bool = True
     replicate_every: int = 10
     frozen_layers: int = 0  # layers [0, frozen_layers) stay fixed (eval mode, no gradients)
+    # failures a stage survives without rollback: each stage gets r holders beyond the first
+    # (group peers or warm standbys) that watch each other and take over late micro-batches
+    resiliency: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -53,6 +56,7 @@ class TrainConfig:
             (self.eval_batch_size >= 1,
              f"eval_batch_size must be >= 1, got {self.eval_batch_size}"),
             (self.frozen_layers >= 0, f"frozen_layers must be >= 0, got {self.frozen_layers}"),
+            (self.resiliency >= 0, f"resiliency must be >= 0, got {self.resiliency}"),
             (self.replicate_every >= 0,
              f"replicate_every must be >= 0 (0 = only at plan changes), got "
              f"{self.replicate_every}"),
@@ -107,7 +111,9 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class Member:
-    """One device of a stage's group and its share of the step's micro-batches."""
+    """One device of a stage's group and its share of the step's micro-batches; share 0 is a
+    warm standby: it holds the layers and applies every update, and computes only what it
+    takes over from a late or dead holder."""
 
     device: str
     share: float = 1.0
@@ -119,8 +125,8 @@ class Member:
 @dataclass(frozen=True)
 class StageAssignment:
     """One stage: the group of devices (one or more, each holding all of layers [start, end))
-    and each member's share of a step's micro-batches. The first member is the group's leader:
-    it replicates the group's layers."""
+    and each member's share of a step's micro-batches (0 for a standby). The first member is
+    the group's leader: it replicates the group's layers."""
 
     stage: int
     start: int
@@ -130,8 +136,10 @@ class StageAssignment:
     def __post_init__(self) -> None:
         if not self.members:
             raise PlanError(f"stage {self.stage} has no device")
-        if any(not m.share > 0 for m in self.members):
-            raise PlanError(f"stage {self.stage}: every member needs a share > 0")
+        if any(not m.share >= 0 for m in self.members) or \
+                not any(m.share > 0 for m in self.members):
+            raise PlanError(f"stage {self.stage}: shares must be >= 0 (0 for a standby) and "
+                            "some member needs a share > 0")
         if abs(sum(m.share for m in self.members) - 1.0) > 1e-6:
             raise PlanError(f"stage {self.stage}: shares sum to "
                             f"{sum(m.share for m in self.members)}, not 1")
@@ -148,6 +156,11 @@ class StageAssignment:
     @property
     def leader(self) -> str:
         return self.members[0].device
+
+    @property
+    def standbys(self) -> tuple[str, ...]:
+        """Members of share 0: they compute only what they take over."""
+        return tuple(m.device for m in self.members if m.share == 0)
 
     def member_index(self, device: str) -> int | None:
         return next((i for i, m in enumerate(self.members) if m.device == device), None)

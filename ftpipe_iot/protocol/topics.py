@@ -65,8 +65,21 @@ class Topics:
     def stage_grad(self, stage: int, device: str) -> str:
         return f"{self.base}/stage/{stage}/grad/{device}"
 
+    def stage_act_all(self, stage: int) -> str:
+        """Every member's activations of a stage: what a watching holder subscribes to."""
+        return f"{self.base}/stage/{stage}/act/+"
+
+    def stage_grad_all(self, stage: int) -> str:
+        return f"{self.base}/stage/{stage}/grad/+"
+
+    @staticmethod
+    def addressee(topic: str) -> str:
+        """The device a per-member stage topic is addressed to (its last level)."""
+        return topic.rsplit("/", 1)[-1]
+
     def stage_reduce(self, stage: int) -> str:
-        """A stage group's gradient partials (every member publishes, every member listens)."""
+        """A stage's micro-batch contributions and forward progress (every holder publishes,
+        every holder listens)."""
         return f"{self.base}/stage/{stage}/reduce"
 
     @property

@@ -20,6 +20,7 @@ class MessageKind(str, Enum):
     RESULT = "result"
     WEIGHTS = "weights"
     REDUCE = "reduce"
+    PROGRESS = "progress"
     STATUS = "status"
     HEARTBEAT = "hb"
     EVENT = "event"
@@ -140,4 +141,5 @@ class DropReason(str, Enum):
     BAD_SHAPE = "bad_shape"
     BAD_LABEL = "bad_label"
     DUPLICATE = "duplicate"
+    LATE = "late"  # a result another holder of the stage delivered first
     UNEXPECTED = "unexpected"

@@ -72,7 +72,15 @@ def topic_matches(pattern: str, topic: str) -> bool:
     return len(pat) == len(top)
 
 
-def serve(inbox: queue.Queue[Incoming], handle: Callable[[Incoming], None],
+class Inbox(Protocol):
+    """What a worker loop takes messages from (a ``queue.Queue`` of ``Incoming`` is one)."""
+
+    def get(self, timeout: float | None = None) -> Incoming: ...
+
+    def get_nowait(self) -> Incoming: ...
+
+
+def serve(inbox: Inbox, handle: Callable[[Incoming], None],
           tick: Callable[[], None], done: Callable[[], bool], poll_s: float) -> None:
     """A process's worker loop: wait up to ``poll_s`` for a message, handle it and everything
     already queued behind it, then do the periodic work; until ``done()``."""

@@ -35,6 +35,8 @@ class Messenger:
         # Max body: generous but bounded (a crafted chunk header cannot ask for unbounded memory).
         self.reassembler = Reassembler(max_body_bytes=1024 * 1024 * 1024)
         self._seq = itertools.count(1)
+        self.sent_bytes = 0  # totals, reported in heartbeats (what resiliency costs on the wire)
+        self.received_bytes = 0
 
     @property
     def max_message_bytes(self) -> int:
@@ -71,6 +73,7 @@ class Messenger:
             sent += len(frame)
         self.metrics.messages_sent.labels(kind=kind.value).inc()
         self.metrics.bytes_sent.inc(sent)
+        self.sent_bytes += sent
         return sent
 
     def send_replica(self, topics: Topics, plan_version: int, replica: LayerReplica) -> int:
@@ -91,6 +94,7 @@ class Messenger:
     def receive(self, incoming: Incoming) -> Inbound | None:
         """Decode one MQTT message; None when it is a partial chunk or was dropped (counted)."""
         self.metrics.bytes_received.inc(len(incoming.payload))
+        self.received_bytes += len(incoming.payload)
         if not incoming.payload:
             return None  # a cleared retained topic
         try:
