@@ -233,7 +233,9 @@ def _stage_tables(costs: LayerCosts, devices: Sequence[DeviceSpec]) -> np.ndarra
     return tables
 
 
-def _infeasible(costs: LayerCosts, devices: Sequence[DeviceSpec]) -> InfeasiblePartitionError:
+def infeasible_error(costs: LayerCosts,
+                     devices: Sequence[DeviceSpec]) -> InfeasiblePartitionError:
+    """The error for a model that no assignment fits into the devices' memory budgets."""
     biggest_layer = max(costs.layer_memory_bytes)
     budgets = ", ".join(f"{d.name}={d.memory_bytes:.0f}" for d in devices)
     return InfeasiblePartitionError(
@@ -359,7 +361,7 @@ def solve_partition(
     else:
         value, stages = _heuristic(tables, devices)
     if not math.isfinite(value):
-        raise _infeasible(costs, devices)
+        raise infeasible_error(costs, devices)
     return evaluate_partition(
         [(devices[d].name, s, e) for d, s, e in stages], costs, devices)
 
@@ -383,5 +385,5 @@ def exhaustive_partition(costs: LayerCosts, devices: Sequence[DeviceSpec]) -> Pa
                 if best is None or candidate.bottleneck_s < best.bottleneck_s * (1 - _REL_TOL):
                     best = candidate
     if best is None:
-        raise _infeasible(costs, devices)
+        raise infeasible_error(costs, devices)
     return best
