@@ -94,11 +94,12 @@ def min_max_work(times: np.ndarray, micro_batches: int) -> np.ndarray:
     at most one micro-batch per member to place; place those greedily.
     """
     top = times.max(axis=0)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         rate = np.where(times > 0, 1.0 / times, np.inf).sum(axis=0)
         low = np.maximum(top, np.where(np.isinf(rate), 0.0, micro_batches / rate) * (1 - 1e-12))
         counts = np.where(times > 0, np.floor(low[None, :] / times), micro_batches)
-    counts = np.maximum(counts, 1.0)
+    # No member ever needs more than M (a count of M alone already holds every micro-batch).
+    counts = np.clip(counts, 1.0, micro_batches)
     # More than M counts only when W = max t holds them all; fewer leaves at most g to place.
     deficit = micro_batches - counts.sum(axis=0)
     while (deficit > 0).any():
