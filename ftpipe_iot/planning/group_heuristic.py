@@ -104,6 +104,8 @@ class _Search:
         if found is None:
             self.budget -= 1
             found = self._memo[key] = ranges_for(self.tables, groups, SEARCH_SLACKS)
+            # Ranges busier than the best plan so far can be skipped from now on.
+            self.tables.limit = min(self.tables.limit, found[0])
         return found
 
     def neighbours(self, groups: Groups, unused: tuple[int, ...]) -> Iterator[Groups]:

@@ -59,8 +59,9 @@ def _exact(tables: GroupTables, cap: int, bound: float) -> tuple[float, list[tup
     n_dev, n = len(tables.devices), tables.n_layers
     full = (1 << n_dev) - 1
     members = {mask: tuple(i for i in range(n_dev) if mask >> i & 1) for mask in range(1, full + 1)}
-    group_tables = {mask: tables.get(m) for mask, m in members.items() if len(m) <= cap}
     limit = bound * (1 + _REL_TOL)
+    tables.limit = min(tables.limit, limit)
+    group_tables = {mask: tables.get(m) for mask, m in members.items() if len(m) <= cap}
     layers: list[dict[int, list[_Label]]] = [{} for _ in range(n + 1)]
     layers[0][0] = [(0.0, 0.0, 0.0, 0.0, 0, None, 0, 0, 0)]
     for start in range(n):

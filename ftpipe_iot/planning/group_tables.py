@@ -24,7 +24,13 @@ SpecKey = tuple[float, float, float]
 class GroupTables:
     """``busy[s, e]`` (``T``, seconds per step) and ``latency[s, e]`` (``b``, seconds per
     micro-batch) of layers ``[s, e)`` on a group, inf where the range is empty, does not fit a
-    member's memory or the group has more members than micro-batches."""
+    member's memory or the group has more members than micro-batches.
+
+    ``limit`` (seconds per step) lets a search skip work: a range whose busy time provably
+    exceeds it (by the bound ``max(max t, M / sum(1 / t_i))``) may be reported as inf, as no
+    plan with a step time within the limit can use it. A search may only lower the limit
+    (tables computed earlier under a higher one stay valid).
+    """
 
     def __init__(self, costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int):
         n = costs.n_layers
@@ -47,8 +53,12 @@ class GroupTables:
         #: Reference compute of the whole model and the mean bytes at a cut (for rough orders).
         self.model_cost_s = float(self._span[0, n])
         self.mean_cut_bytes = float(act[:-1].mean()) if n > 1 else 0.0
-        rows, cols = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
-        self._empty = rows >= cols
+        self._rows, self._cols = np.triu_indices(n + 1, k=1)  # every non-empty range
+        self._span_r = self._span[self._rows, self._cols]
+        self._moved_r = self._moved[self._rows, self._cols]
+        self._params_r = self._params[self._rows, self._cols]
+        self._memory_r = self._memory[self._rows, self._cols]
+        self.limit = np.inf
         self.keys: list[SpecKey] = [(d.factor, d.bandwidth_bytes_per_s, d.memory_bytes)
                                     for d in self.devices]
         self._cache: dict[tuple[SpecKey, ...], tuple[np.ndarray, np.ndarray]] = {}
@@ -72,15 +82,22 @@ class GroupTables:
         if g > self.micro_batches:
             return busy, latency
         budget = min(k[2] for k in key)
-        fits = ~self._empty & (self._memory <= budget * (1 + _MEM_TOL))
+        fits = np.flatnonzero(self._memory_r <= budget * (1 + _MEM_TOL))
         factor = np.array([k[0] for k in key])[:, None]
         bandwidth = np.array([k[1] for k in key])[:, None]
-        times = factor * self._span[fits][None, :] + self._moved[fits][None, :] / bandwidth
-        work = min_max_work(times, self.micro_batches)
-        if g > 1:
-            work = work + g * self._params[fits] / float(bandwidth.min())
-        busy[fits] = work
-        latency[fits] = times.max(axis=0)
+        times = factor * self._span_r[fits] + self._moved_r[fits] / bandwidth
+        reduce = g * self._params_r[fits] / float(bandwidth.min()) if g > 1 else 0.0
+        if np.isfinite(self.limit):
+            with np.errstate(divide="ignore"):
+                rate = (1.0 / times).sum(axis=0)
+            bound = np.maximum(times.max(axis=0), self.micro_batches / rate) + reduce
+            useful = np.flatnonzero(bound <= self.limit * (1 + 1e-9))
+            fits, times = fits[useful], times[:, useful]
+            if g > 1:
+                reduce = reduce[useful]
+        where = self._rows[fits], self._cols[fits]
+        busy[where] = min_max_work(times, self.micro_batches) + reduce
+        latency[where] = times.max(axis=0)
         return busy, latency
 
 
@@ -102,10 +119,16 @@ def min_max_work(times: np.ndarray, micro_batches: int) -> np.ndarray:
     counts = np.clip(counts, 1.0, micro_batches)
     # More than M counts only when W = max t holds them all; fewer leaves at most g to place.
     deficit = micro_batches - counts.sum(axis=0)
-    while (deficit > 0).any():
-        grow = np.flatnonzero(deficit > 0)
-        pick = np.argmin((counts[:, grow] + 1) * times[:, grow], axis=0)
-        counts[pick, grow] += 1
-        deficit[grow] -= 1
+    columns = np.flatnonzero(deficit > 0)
+    if columns.size:
+        part_counts, part_times = counts[:, columns], times[:, columns]
+        left = deficit[columns]
+        following = (part_counts + 1) * part_times
+        for step in range(int(left.max())):
+            active = np.flatnonzero(left > step)
+            pick = following[:, active].argmin(axis=0)
+            part_counts[pick, active] += 1
+            following[pick, active] = (part_counts[pick, active] + 1) * part_times[pick, active]
+        counts[:, columns] = part_counts
     with np.errstate(invalid="ignore"):
         return np.where(times > 0, counts * times, 0.0).max(axis=0)
