@@ -1,8 +1,10 @@
 """Group planner benchmark (prints JSON, writes it and a PNG; no devices run, predictions only).
 
 1. Fleet F16 = 8x rpi-zero, 6x rpi4, 2x jetson-nano (devices/profiles/*.json: factors, link caps,
-   memory budgets), CIFAR-style MobileNetV2 width 0.25 at micro-batch 32, measured on this
-   machine by ``profile_layer_costs`` (or ``--costs FILE``), parameter bytes from the model:
+   memory budgets), CIFAR-style MobileNetV2 width 0.25 at micro-batch 32: the fixed cost file
+   benchmarks/data/mobilenetv2-w0.25-b32.json (per-layer median of 3 ``profile_layer_costs``
+   runs on this machine; ``--profile`` measures afresh, ``--costs FILE`` reads another), with
+   parameter bytes from the model:
    predicted samples/s of the best single pipeline (one device per stage; also the pre-group
    planner's minimum-bottleneck pipeline), pure data parallelism (all 16 devices as replicas when
    M >= 16; and the best replica group) and the hybrid plan, for several micro-batch counts M.
@@ -10,7 +12,7 @@
    exact search stops at 6 devices), and the heuristic's gap to a 10x longer search there.
 3. Exact vs heuristic on small random instances (3-6 devices): gap distribution, exact time.
 
-    python benchmarks/planner.py [--out benchmarks/results/planner.json] [--costs FILE]
+    python benchmarks/planner.py [--out benchmarks/results/planner.json] [--costs FILE | --profile]
 """
 
 from __future__ import annotations
@@ -53,8 +55,11 @@ def fleet(classes: list[tuple[str, int]]) -> list[DeviceSpec]:
     return fleet_device_specs(profiles)
 
 
+FIXED_COSTS = Path(__file__).resolve().parent / "data" / "mobilenetv2-w0.25-b32.json"
+
+
 def model_costs() -> dict:
-    """MobileNetV2 costs measured here, plus fp32 parameter bytes per layer."""
+    """MobileNetV2 costs measured here once, plus fp32 parameter bytes per layer."""
     from ftpipe_iot.core.models import build_layers, profile_layer_costs
     from ftpipe_iot.protocol.specs import ModelSpec
 
@@ -63,6 +68,17 @@ def model_costs() -> dict:
     data["param_bytes"] = [4 * sum(p.numel() for p in layer.parameters()) for layer in layers]
     data["micro_batch_size"] = MICRO_BATCH
     return data
+
+
+def median_costs(runs: int) -> dict:
+    """Per-layer median of several profiles: one profile on a shared machine can be far off."""
+    profiles = [model_costs() for _ in range(runs)]
+    merged = dict(profiles[0])
+    for key in ("layer_cost_s", "stage_overhead_s", "head_overhead_s"):
+        values = [p[key] for p in profiles]
+        merged[key] = ([statistics.median(column) for column in zip(*values, strict=True)]
+                       if isinstance(values[0], list) else statistics.median(values))
+    return merged
 
 
 def summary(plan: GroupPlan) -> dict:
@@ -204,18 +220,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).resolve().parent / "results" / "planner.json")
-    parser.add_argument("--costs", type=Path, help="cost file instead of profiling here")
+    parser.add_argument("--costs", type=Path, default=FIXED_COSTS,
+                        help="cost file (LayerCosts JSON) [default: the fixed MobileNetV2 one]")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile MobileNetV2 here instead (median of 3 runs; needs torch)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--small", type=int, default=60, help="small instances for the gaps")
     args = parser.parse_args()
     load_before = os.getloadavg()
-    if args.costs:
-        cost_data = json.loads(args.costs.read_text())
+    if args.profile:
+        say("profiling MobileNetV2 (width 0.25, micro-batch 32) on this machine, 3 runs")
+        cost_data, source = median_costs(3), "profiled (median of 3)"
     else:
-        say("profiling MobileNetV2 (width 0.25, micro-batch 32) on this machine")
-        cost_data = model_costs()
+        cost_data, source = json.loads(args.costs.read_text()), str(args.costs)
     costs = LayerCosts.from_dict(cost_data)
-    results = {"loadavg_before": load_before, "costs": cost_data,
+    results = {"loadavg_before": load_before, "costs_source": source, "costs": cost_data,
                "f16": f16_predictions(costs, [4, 8, 16, 32]),
                "decision_time": decision_times(args.repeats),
                "exact_vs_heuristic": exact_gaps(args.small)}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
@@ -62,6 +62,20 @@ def instances(draw, max_devices: int = 4, max_layers: int = 5):
     return costs, devices, draw(st.integers(1, 4))
 
 
+def unless_infeasible(planner, *args) -> GroupPlan | None:
+    try:
+        return planner(*args)
+    except InfeasiblePartitionError:
+        return None
+
+
+def feasible(planner, instance) -> tuple[LayerCosts, list[DeviceSpec], int, GroupPlan]:
+    """The instance and ``planner``'s plan for it; instances nothing fits are skipped."""
+    plan = unless_infeasible(planner, *instance)
+    assume(plan is not None)
+    return (*instance, plan)
+
+
 PROPERTY = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
@@ -85,11 +99,7 @@ def test_exact_equals_exhaustive(instance):
 @PROPERTY
 @given(instances(max_devices=5, max_layers=6))
 def test_heuristic_is_never_better_than_exact_and_within_the_factor(instance):
-    costs, devices, micro_batches = instance
-    try:
-        optimum = exact_groups(costs, devices, micro_batches)
-    except InfeasiblePartitionError:
-        return
+    costs, devices, micro_batches, optimum = feasible(exact_groups, instance)
     plan = heuristic_groups(costs, devices, micro_batches)
     assert_valid(plan, costs, devices)
     assert plan.step_s >= optimum.step_s * (1 - 1e-9) - 1e-12
@@ -99,18 +109,13 @@ def test_heuristic_is_never_better_than_exact_and_within_the_factor(instance):
 @PROPERTY
 @given(instances(max_devices=5, max_layers=6))
 def test_single_pipeline_and_data_parallelism_are_inside_the_search_space(instance):
-    costs, devices, micro_batches = instance
-    try:
-        plan = solve_groups(costs, devices, micro_batches)
-    except InfeasiblePartitionError:
-        return
+    costs, devices, micro_batches, plan = feasible(solve_groups, instance)
     pipeline = best_single_pipeline(costs, devices, micro_batches)
     assert pipeline.largest_group == 1
     assert_valid(pipeline, costs, devices)
     assert plan.step_s <= pipeline.step_s * (1 + 1e-9) + 1e-12
-    try:
-        replicas = data_parallel_plan(costs, devices, micro_batches)
-    except InfeasiblePartitionError:
+    replicas = unless_infeasible(data_parallel_plan, costs, devices, micro_batches)
+    if replicas is None:
         return
     assert len(replicas.stages) == 1
     assert plan.step_s <= replicas.step_s * (1 + 1e-9) + 1e-12
