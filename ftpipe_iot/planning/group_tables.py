@@ -88,7 +88,7 @@ class GroupTables:
         times = factor * self._span_r[fits] + self._moved_r[fits] / bandwidth
         reduce = g * self._params_r[fits] / float(bandwidth.min()) if g > 1 else 0.0
         if np.isfinite(self.limit):
-            with np.errstate(divide="ignore"):
+            with np.errstate(divide="ignore", over="ignore"):
                 rate = (1.0 / times).sum(axis=0)
             bound = np.maximum(times.max(axis=0), self.micro_batches / rate) + reduce
             useful = np.flatnonzero(bound <= self.limit * (1 + 1e-9))
