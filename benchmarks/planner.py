@@ -39,7 +39,7 @@ from ftpipe_iot.planning.group_search import (  # noqa: E402
     heuristic_groups,
     solve_groups,
 )
-from ftpipe_iot.planning.groups import GroupPlan, evaluate_groups  # noqa: E402
+from ftpipe_iot.planning.groups import GradientExchange, GroupPlan, evaluate_groups  # noqa: E402
 from ftpipe_iot.planning.profiles import fleet_device_specs, load_profile  # noqa: E402
 from ftpipe_iot.planning.solver import solve_partition  # noqa: E402
 
@@ -88,25 +88,27 @@ def summary(plan: GroupPlan) -> dict:
                                     for m in s.members]} for s in plan.stages]}
 
 
-def f16_predictions(costs: LayerCosts, micro_batches: list[int]) -> dict:
+def f16_predictions(costs: LayerCosts, micro_batches: list[int],
+                    exchange: GradientExchange) -> dict:
     devices = fleet(F16)
     partition = solve_partition(costs, devices)
-    results = {"fleet": {name: count for name, count in F16}}
+    results: dict = {"fleet": {name: count for name, count in F16},
+                     "gradient_exchange": exchange.value}
     for m in micro_batches:
-        say(f"F16 predictions at M={m}")
+        say(f"F16 predictions at M={m}, exchanging {exchange.value}")
         start = time.perf_counter()
-        hybrid = solve_groups(costs, devices, m, MICRO_BATCH)
+        hybrid = solve_groups(costs, devices, m, MICRO_BATCH, exchange=exchange)
         decision_s = time.perf_counter() - start
         single = best_single_pipeline(costs, devices, m, MICRO_BATCH)
         old = evaluate_groups([(s.start, s.end, [s.device]) for s in partition.stages], costs,
                               devices, m, MICRO_BATCH)
-        replicas = data_parallel_plan(costs, devices, m, MICRO_BATCH)
+        replicas = data_parallel_plan(costs, devices, m, MICRO_BATCH, exchange=exchange)
         row = {"hybrid": summary(hybrid), "decision_s": decision_s,
                "single_pipeline": summary(single),
                "min_bottleneck_pipeline": summary(old),
                "data_parallel_best_group": summary(replicas)}
         if m >= len(devices):
-            every = data_parallel_plan(costs, devices, m, MICRO_BATCH,
+            every = data_parallel_plan(costs, devices, m, MICRO_BATCH, exchange=exchange,
                                        members=[d.name for d in devices])
             row["data_parallel_all"] = summary(every)
         else:
@@ -198,20 +200,26 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k in results["f16"] if k.startswith("M=")]
     labels = [("single_pipeline", "best single pipeline"),
               ("data_parallel_best_group", "data parallel (best group)"),
               ("data_parallel_all", "data parallel (all 16)"), ("hybrid", "hybrid (groups)")]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    panels = [("f16", "groups exchange gradient sums (g copies)"),
+              ("f16_micro_batch_exchange", "every micro-batch gradient (M copies)")]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
     width = 0.2
-    for j, (key, label) in enumerate(labels):
-        values = [results["f16"][k][key]["samples_per_s"]
-                  if isinstance(results["f16"][k][key], dict) else 0.0 for k in keys]
-        ax.bar([i + (j - 1.5) * width for i in range(len(keys))], values, width, label=label)
-    ax.set_xticks(range(len(keys)), keys)
-    ax.set_ylabel("predicted samples/s")
-    ax.set_title("F16 (8x rpi-zero, 6x rpi4, 2x jetson-nano), MobileNetV2 w0.25, B=32")
-    ax.legend()
+    for ax, (panel, title) in zip(axes, panels, strict=True):
+        rows = results[panel]
+        keys = [k for k in rows if k.startswith("M=")]
+        for j, (key, label) in enumerate(labels):
+            values = [rows[k][key]["samples_per_s"] if isinstance(rows[k][key], dict) else 0.0
+                      for k in keys]
+            ax.bar([i + (j - 1.5) * width for i in range(len(keys))], values, width,
+                   label=label)
+        ax.set_xticks(range(len(keys)), keys)
+        ax.set_title(title)
+    axes[0].set_ylabel("predicted samples/s")
+    axes[0].legend()
+    fig.suptitle("F16 (8x rpi-zero, 6x rpi4, 2x jetson-nano), MobileNetV2 w0.25, B=32")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -235,7 +243,9 @@ def main() -> None:
         cost_data, source = json.loads(args.costs.read_text()), str(args.costs)
     costs = LayerCosts.from_dict(cost_data)
     results = {"loadavg_before": load_before, "costs_source": source, "costs": cost_data,
-               "f16": f16_predictions(costs, [4, 8, 16, 32]),
+               "f16": f16_predictions(costs, [4, 8, 16, 32], GradientExchange.SUMS),
+               "f16_micro_batch_exchange": f16_predictions(costs, [4, 8, 16, 32],
+                                                           GradientExchange.MICRO_BATCHES),
                "decision_time": decision_times(args.repeats),
                "exact_vs_heuristic": exact_gaps(args.small)}
     results["loadavg_after"] = os.getloadavg()

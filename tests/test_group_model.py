@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
 from ftpipe_iot.planning.group_tables import GroupTables, min_max_work
-from ftpipe_iot.planning.groups import apportion, evaluate_groups, group_stage, step_time_s
+from ftpipe_iot.planning.groups import (
+    GradientExchange,
+    apportion,
+    evaluate_groups,
+    group_stage,
+    step_time_s,
+)
 from ftpipe_iot.planning.solver import PartitionError, stage_for
 
 INF = math.inf
@@ -103,6 +109,22 @@ def test_one_group_is_data_parallelism_with_gradient_exchange():
     assert plan.shares == pytest.approx({"a": 4 / 6, "b": 2 / 6})
 
 
+def test_exchanging_every_micro_batch_gradient_costs_m_copies():
+    costs = flat(4, params=100.0)
+    devices = [DeviceSpec("a", 1.0, 200.0), DeviceSpec("b", 2.0, 400.0)]
+    plan = evaluate_groups([(0, 4, ["a", "b"])], costs, devices, 6,
+                           exchange=GradientExchange.MICRO_BATCHES)
+    # a sends its 4 micro-batch gradients and receives b's 2: M = 6 copies of 400 bytes
+    assert [m.reduce_s for m in plan.stages[0].members] == pytest.approx([12.0, 6.0])
+    assert plan.step_s == pytest.approx(16.0 + 12.0)
+    assert plan.to_dict()["gradient_exchange"] == "micro-batches"
+    again = evaluate_groups(plan, costs, devices, 6)  # a plan keeps its exchange
+    assert again.exchange is GradientExchange.MICRO_BATCHES and again.step_s == plan.step_s
+    lone = evaluate_groups([(0, 4, ["a"])], costs, devices, 6,
+                           exchange=GradientExchange.MICRO_BATCHES)
+    assert lone.stages[0].reduce_s == 0.0
+
+
 def test_member_times_match_the_single_device_model():
     costs = LayerCosts((1.0, 2.0, 3.0), (10.0, 20.0, 30.0), (1.0, 1.0, 1.0),
                        stage_overhead_s=0.5, head_overhead_s=0.25)
@@ -188,13 +210,14 @@ def test_tables_equal_the_scalar_model(data):
                           data.draw(st.sampled_from([INF, 1.0, 7.5])),
                           data.draw(st.sampled_from([INF, 20.0]))) for i in range(g)]
     micro_batches = data.draw(st.integers(1, 6))
-    busy, latency = GroupTables(costs, devices, micro_batches).get(range(g))
+    exchange = data.draw(st.sampled_from(GradientExchange))
+    busy, latency = GroupTables(costs, devices, micro_batches, exchange).get(range(g))
     for start in range(n):
         for end in range(start + 1, n + 1):
             if g > micro_batches:
                 assert busy[start, end] == INF
                 continue
-            stage = group_stage(costs, devices, start, end, micro_batches)
+            stage = group_stage(costs, devices, start, end, micro_batches, exchange=exchange)
             if stage.fits_memory:
                 assert busy[start, end] == pytest.approx(stage.busy_s, rel=1e-9, abs=1e-12)
                 assert latency[start, end] == pytest.approx(stage.latency_s, rel=1e-9,

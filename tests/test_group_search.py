@@ -18,7 +18,7 @@ from ftpipe_iot.planning.group_search import (
     heuristic_groups,
     solve_groups,
 )
-from ftpipe_iot.planning.groups import GroupPlan, evaluate_groups
+from ftpipe_iot.planning.groups import GradientExchange, GroupPlan, evaluate_groups
 from ftpipe_iot.planning.retune import retune_shares
 from ftpipe_iot.planning.solver import InfeasiblePartitionError, PartitionError
 
@@ -40,7 +40,7 @@ def assert_valid(plan: GroupPlan, costs: LayerCosts, devices: list[DeviceSpec]) 
         assert 1 <= len(stage.members) <= plan.micro_batches
         assert sum(stage.micro_batch_counts) == plan.micro_batches
     again = evaluate_groups(plan.assignment, costs, devices, plan.micro_batches,
-                            plan.micro_batch_size)
+                            plan.micro_batch_size, exchange=plan.exchange)
     assert close(again.step_s, plan.step_s)
 
 
@@ -80,20 +80,22 @@ PROPERTY = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.parametrize("exchange", list(GradientExchange))
 @PROPERTY
-@given(instances())
-def test_exact_equals_exhaustive(instance):
+@given(instance=instances())
+def test_exact_equals_exhaustive(instance, exchange):
     costs, devices, micro_batches = instance
     try:
-        truth = exhaustive_groups(costs, devices, micro_batches, 2)
+        truth = exhaustive_groups(costs, devices, micro_batches, 2, exchange=exchange)
     except InfeasiblePartitionError:
         with pytest.raises(InfeasiblePartitionError):
-            exact_groups(costs, devices, micro_batches, 2)
+            exact_groups(costs, devices, micro_batches, 2, exchange=exchange)
         return
-    plan = exact_groups(costs, devices, micro_batches, 2)
+    plan = exact_groups(costs, devices, micro_batches, 2, exchange=exchange)
     assert_valid(plan, costs, devices)
     assert close(plan.step_s, truth.step_s)
-    assert close(solve_groups(costs, devices, micro_batches, 2).step_s, truth.step_s)
+    solved = solve_groups(costs, devices, micro_batches, 2, exchange=exchange)
+    assert close(solved.step_s, truth.step_s)
 
 
 @PROPERTY
@@ -142,6 +144,19 @@ def test_costly_gradient_exchange_favours_a_pipeline():
     assert plan.largest_group == 1 and len(plan.stages) == 2
     # two stages of 2 layers: T = 4 * 2 = 8 per stage, bubble 2 -> 10 (one group: 8 + 80)
     assert plan.step_s == pytest.approx(10.0)
+
+
+def test_the_exchange_decides_between_replicas_and_a_pipeline():
+    costs = flat(4, params=10.0)  # 40 bytes of parameters in all
+    devices = [DeviceSpec(f"d{i}", bandwidth_bytes_per_s=80.0) for i in range(2)]
+    # two stages of one device: 8 * 2 + 2 = 18; one group of two: 4 * 4 + exchange
+    sums = solve_groups(costs, devices, 8)  # exchange 2 * 40 / 80 = 1 -> 17
+    assert sums.assignment == ((0, 4, ("d0", "d1")),) and sums.step_s == pytest.approx(17.0)
+    # every micro-batch's gradient: 8 * 40 / 80 = 4 -> 20, so the pipeline wins
+    each = solve_groups(costs, devices, 8, exchange=GradientExchange.MICRO_BATCHES)
+    assert each.largest_group == 1 and each.step_s == pytest.approx(18.0)
+    assert each.exchange is GradientExchange.MICRO_BATCHES
+    assert retune_shares(each, costs, devices).replanned.exchange is GradientExchange.MICRO_BATCHES
 
 
 def test_groups_never_exceed_the_micro_batches():

@@ -16,7 +16,7 @@ from ftpipe_iot.planning.group_search import (
     data_parallel_plan,
     solve_groups,
 )
-from ftpipe_iot.planning.groups import GroupPlan
+from ftpipe_iot.planning.groups import GradientExchange, GroupPlan
 from ftpipe_iot.planning.profiles import fleet_device_specs, load_profile
 from ftpipe_iot.planning.solver import DeviceSpec, LayerCosts, Partition, solve_partition
 
@@ -100,13 +100,13 @@ def _table(plan: GroupPlan, source: str, unused: list[str], costs: LayerCosts,
 
 
 def _baselines(costs: LayerCosts, devices: list[DeviceSpec], micro_batches: int,
-               micro_batch_size: int) -> dict[str, GroupPlan | str]:
+               micro_batch_size: int, exchange: GradientExchange) -> dict[str, GroupPlan | str]:
     found: dict[str, GroupPlan | str] = {
         "best single pipeline": best_single_pipeline(costs, devices, micro_batches,
                                                      micro_batch_size)}
     try:
         found["pure data parallelism"] = data_parallel_plan(costs, devices, micro_batches,
-                                                            micro_batch_size)
+                                                            micro_batch_size, exchange=exchange)
     except PartitionError as exc:
         found["pure data parallelism"] = f"not possible ({exc})"
     return found
@@ -138,12 +138,17 @@ def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, objec
               help="Evaluate the profiles' time schedules at this many seconds.")
 @click.option("--micro-batches", type=click.IntRange(min=1), default=4, show_default=True,
               help="Micro-batches per step; a group has at most this many members.")
+@click.option("--exchange", type=click.Choice([e.value for e in GradientExchange]),
+              default=GradientExchange.SUMS.value, show_default=True,
+              help="What group members exchange at the step end: their gradient sums (g copies "
+                   "of a stage's parameters per member) or every micro-batch's gradient (M).")
 @click.option("--compare", is_flag=True,
               help="Also show the best single pipeline and pure data parallelism.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, ...],
          more_profiles: tuple[Path, ...], micro_batch_size: int | None, at_step: int,
-         at_time: float, micro_batches: int, compare: bool, as_json: bool) -> None:
+         at_time: float, micro_batches: int, exchange: str, compare: bool,
+         as_json: bool) -> None:
     """Plan stages for a model over devices given by profiles (ftpipe-iot plan --costs c.json
     --profiles a.json b.json): the number of stages, their layers, the group of devices of each
     stage and every member's share of the micro-batches, minimising the time per sample.
@@ -176,9 +181,11 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
     devices = fleet_device_specs(profiles, step=at_step, elapsed_s=at_time)
     partition = solve_partition(costs, devices)
     unused = [d.name for d in devices if d.name not in partition.devices]
-    chosen = solve_groups(costs, devices, micro_batches, micro_batch_size)
+    how = GradientExchange(exchange)
+    chosen = solve_groups(costs, devices, micro_batches, micro_batch_size, exchange=how)
     chosen_unused = [d.name for d in devices if d.name not in chosen.devices]
-    baselines = _baselines(costs, devices, micro_batches, micro_batch_size) if compare else {}
+    baselines = (_baselines(costs, devices, micro_batches, micro_batch_size, how) if compare
+                 else {})
     if as_json:
         report = {
             "source": source,

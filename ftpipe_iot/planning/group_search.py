@@ -32,7 +32,12 @@ from ftpipe_iot.planning.group_heuristic import (
     heuristic_search,
 )
 from ftpipe_iot.planning.group_tables import GroupTables
-from ftpipe_iot.planning.groups import GroupPlan, check_devices, evaluate_groups
+from ftpipe_iot.planning.groups import (
+    GradientExchange,
+    GroupPlan,
+    check_devices,
+    evaluate_groups,
+)
 from ftpipe_iot.planning.solver import infeasible_error, solve_partition
 
 #: Above this many devices the exact search (O(3^D * L^2) transitions) gives way to the heuristic.
@@ -117,21 +122,24 @@ def _check_inputs(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batche
     return min(micro_batches, max_group_size or micro_batches)
 
 
-def _plan(stages: Sequence[tuple[Sequence[int], int, int]], costs: LayerCosts,
-          devices: Sequence[DeviceSpec], micro_batches: int, micro_batch_size: int) -> GroupPlan:
+def _plan(stages: Sequence[tuple[Sequence[int], int, int]], tables: GroupTables,
+          costs: LayerCosts, micro_batch_size: int) -> GroupPlan:
+    devices = tables.devices
     assignment = [(s, e, [devices[i].name for i in group]) for group, s, e in stages]
-    return evaluate_groups(assignment, costs, devices, micro_batches, micro_batch_size)
+    return evaluate_groups(assignment, costs, devices, tables.micro_batches, micro_batch_size,
+                           exchange=tables.exchange)
 
 
 def _search(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int,
             micro_batch_size: int, *, cap: int, exact: bool,
-            extra_seeds: Sequence[Groups] = (),
+            exchange: GradientExchange, extra_seeds: Sequence[Groups] = (),
             max_evaluations: int = DEFAULT_MAX_EVALUATIONS) -> GroupPlan:
-    tables = GroupTables(costs, devices, micro_batches)
+    tables = GroupTables(costs, devices, micro_batches, exchange)
     seeds = list(extra_seeds)
     try:
         seeds.append(_seed_groups(data_parallel_plan(
-            costs, devices, micro_batches, micro_batch_size, max_group_size=cap), devices))
+            costs, devices, micro_batches, micro_batch_size, max_group_size=cap,
+            exchange=exchange), devices))
     except PartitionError:
         pass  # no device holds the whole model: pipelines only
     value, groups, ranges = heuristic_search(tables, cap, extra_seeds=seeds,
@@ -143,7 +151,7 @@ def _search(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int
             stages = exact_stages
     if not stages:
         raise infeasible_error(costs, devices)
-    return _plan(stages, costs, devices, micro_batches, micro_batch_size)
+    return _plan(stages, tables, costs, micro_batch_size)
 
 
 def _seed_groups(plan: GroupPlan, devices: Sequence[DeviceSpec]) -> Groups:
@@ -162,6 +170,7 @@ def solve_groups(
     max_exact_devices: int = DEFAULT_MAX_EXACT_GROUP_DEVICES,
     max_evaluations: int = DEFAULT_MAX_EVALUATIONS,
     start_from: GroupPlan | None = None,
+    exchange: GradientExchange = GradientExchange.SUMS,
 ) -> GroupPlan:
     """The plan with the smallest predicted time per sample: stage count, layer ranges, the
     group of each stage (at most ``min(micro_batches, max_group_size)`` members, each holding
@@ -170,7 +179,8 @@ def solve_groups(
     Exact (:func:`exact_groups`) for up to ``max_exact_devices`` devices, the heuristic above
     (:func:`heuristic_groups`; ``max_evaluations`` bounds it, in range-DP evaluations), which
     also starts from ``start_from``'s groups when given (members missing from ``devices`` are
-    dropped). Raises :class:`InfeasiblePartitionError` when nothing fits.
+    dropped). ``exchange``: what group members send each other at the step end (the
+    runtime's choice). Raises :class:`InfeasiblePartitionError` when nothing fits.
     """
     cap = _check_inputs(costs, devices, micro_batches, max_group_size)
     seeds = []
@@ -180,28 +190,30 @@ def solve_groups(
             seeds.append(seed)
     return _search(costs, devices, micro_batches, micro_batch_size, cap=cap,
                    exact=len(devices) <= max_exact_devices, extra_seeds=seeds,
-                   max_evaluations=max_evaluations)
+                   max_evaluations=max_evaluations, exchange=exchange)
 
 
 def exact_groups(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int,
-                 micro_batch_size: int = 1, *, max_group_size: int | None = None) -> GroupPlan:
+                 micro_batch_size: int = 1, *, max_group_size: int | None = None,
+                 exchange: GradientExchange = GradientExchange.SUMS) -> GroupPlan:
     """The optimal plan by the Pareto DP whatever the fleet size (exponential in devices)."""
     cap = _check_inputs(costs, devices, micro_batches, max_group_size)
-    tables = GroupTables(costs, devices, micro_batches)
+    tables = GroupTables(costs, devices, micro_batches, exchange)
     value, stages = _exact(tables, cap, math.inf)
     if not stages:
         raise infeasible_error(costs, devices)
-    return _plan(stages, costs, devices, micro_batches, micro_batch_size)
+    return _plan(stages, tables, costs, micro_batch_size)
 
 
 def heuristic_groups(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int,
                      micro_batch_size: int = 1, *, max_group_size: int | None = None,
-                     max_evaluations: int = DEFAULT_MAX_EVALUATIONS) -> GroupPlan:
+                     max_evaluations: int = DEFAULT_MAX_EVALUATIONS,
+                     exchange: GradientExchange = GradientExchange.SUMS) -> GroupPlan:
     """The heuristic's plan alone (what :func:`solve_groups` uses above the exact limit),
     seeded also with :func:`data_parallel_plan`'s group."""
     cap = _check_inputs(costs, devices, micro_batches, max_group_size)
     return _search(costs, devices, micro_batches, micro_batch_size, cap=cap, exact=False,
-                   max_evaluations=max_evaluations)
+                   max_evaluations=max_evaluations, exchange=exchange)
 
 
 def best_single_pipeline(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int,
@@ -215,12 +227,14 @@ def best_single_pipeline(costs: LayerCosts, devices: Sequence[DeviceSpec], micro
     index = {d.name: i for i, d in enumerate(devices)}
     seed = tuple((index[name],) for name in partition.devices)
     return _search(costs, devices, micro_batches, micro_batch_size, cap=1,
-                   exact=len(devices) <= max_exact_devices, extra_seeds=[seed])
+                   exact=len(devices) <= max_exact_devices, extra_seeds=[seed],
+                   exchange=GradientExchange.SUMS)  # groups of one exchange nothing
 
 
 def data_parallel_plan(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int,
                        micro_batch_size: int = 1, *, members: Sequence[str] | None = None,
-                       max_group_size: int | None = None) -> GroupPlan:
+                       max_group_size: int | None = None,
+                       exchange: GradientExchange = GradientExchange.SUMS) -> GroupPlan:
     """Pure data parallelism: one stage with every layer, held by ``members`` or, by default,
     the best group among, for each link speed, the fastest ``k`` devices with at least that
     link that hold the whole model (at most ``micro_batches`` of them). Raises
@@ -229,7 +243,7 @@ def data_parallel_plan(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_b
     n = costs.n_layers
     if members is not None:
         return evaluate_groups([(0, n, list(members))], costs, devices, micro_batches,
-                               micro_batch_size)
+                               micro_batch_size, exchange=exchange)
     whole = math.fsum(costs.layer_memory_bytes)
     holders = sorted((d for d in devices if whole <= d.memory_bytes * (1 + 1e-12)),
                      key=lambda d: (d.factor, -d.bandwidth_bytes_per_s))
@@ -242,7 +256,7 @@ def data_parallel_plan(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_b
                 continue
             tried.add(tuple(eligible[:k]))
             plan = evaluate_groups([(0, n, eligible[:k])], costs, devices, micro_batches,
-                                   micro_batch_size)
+                                   micro_batch_size, exchange=exchange)
             if best is None or plan.step_s < best.step_s * (1 - _REL_TOL):
                 best = plan
     if best is None:
@@ -252,7 +266,8 @@ def data_parallel_plan(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_b
 
 def exhaustive_groups(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int,
                       micro_batch_size: int = 1, *,
-                      max_group_size: int | None = None) -> GroupPlan:
+                      max_group_size: int | None = None,
+                      exchange: GradientExchange = GradientExchange.SUMS) -> GroupPlan:
     """Brute-force oracle: every stage count, every split, every assignment of each device to a
     stage or to none. ``O(L^S * (S + 1)^D)``; tests on tiny instances only."""
     cap = _check_inputs(costs, devices, micro_batches, max_group_size)
@@ -267,7 +282,7 @@ def exhaustive_groups(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_ba
                     continue
                 plan = evaluate_groups(
                     [(bounds[k], bounds[k + 1], g) for k, g in enumerate(groups)],
-                    costs, devices, micro_batches, micro_batch_size)
+                    costs, devices, micro_batches, micro_batch_size, exchange=exchange)
                 if plan.fits_memory and (best is None or plan.step_s < best.step_s):
                     best = plan
     if best is None:

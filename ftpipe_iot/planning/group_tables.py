@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
+from ftpipe_iot.planning.groups import GradientExchange
 
 # A budget equal to the summed memory must fit despite prefix-sum rounding (as in solver.py).
 _MEM_TOL = 1e-12
@@ -32,8 +33,10 @@ class GroupTables:
     (tables computed earlier under a higher one stay valid).
     """
 
-    def __init__(self, costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int):
+    def __init__(self, costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int,
+                 exchange: GradientExchange = GradientExchange.SUMS):
         n = costs.n_layers
+        self.exchange = exchange
         self.n_layers = n
         self.micro_batches = micro_batches
         self.devices = list(devices)
@@ -86,7 +89,8 @@ class GroupTables:
         factor = np.array([k[0] for k in key])[:, None]
         bandwidth = np.array([k[1] for k in key])[:, None]
         times = factor * self._span_r[fits] + self._moved_r[fits] / bandwidth
-        reduce = g * self._params_r[fits] / float(bandwidth.min()) if g > 1 else 0.0
+        copies = self.exchange.copies(g, self.micro_batches)
+        reduce = copies * self._params_r[fits] / float(bandwidth.min()) if g > 1 else 0.0
         if np.isfinite(self.limit):
             with np.errstate(divide="ignore", over="ignore"):
                 rate = (1.0 / times).sum(axis=0)

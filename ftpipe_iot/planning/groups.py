@@ -7,18 +7,22 @@ micro-batch is processed whole by exactly one member of each stage, so a faster 
 
     t_i      = f_i * stage_cost_s(start, end) + 2 * (a_in + a_out) / bandwidth_i
     n_i      = apportion(M, [t_i ...])            # n_i >= 1, sum n_i = M, min max n_i * t_i
-    reduce_i = g * P / bandwidth_i  if g >= 2 else 0   # P = parameter bytes of the stage
+    reduce_i = X * P / bandwidth_i  if g >= 2 else 0   # P = parameter bytes of the stage
     T_k      = max_i n_i * t_i + max_i reduce_i        # busy time of the stage per step
     b_k      = max_i t_i                               # latency of one micro-batch
     step_s   = max_k T_k + sum_k b_k - max_k b_k       # the pipeline drains every step
 
 ``t_i`` is :func:`ftpipe_iot.planning.solver.stage_for`'s time of the stage on that member.
+``X`` depends on what members exchange (:class:`GradientExchange`): ``g`` when each sends its
+accumulated sum, ``M`` when each sends every micro-batch's gradient (its ``n_i`` out, the other
+``M - n_i`` in: exact in micro-batch order, ``M / g`` times the traffic).
 With one single-device stage per device and uniform times ``t`` this is GPipe's
 ``(M + S - 1) * t``; with ``S = 1`` it is pure data parallelism.
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
 import math
 from collections.abc import Sequence
@@ -30,6 +34,17 @@ from ftpipe_iot.planning.solver import stage_for
 
 #: ``(start, end, member device names)`` per stage, in pipeline order.
 GroupAssignment = Sequence[tuple[int, int, Sequence[str]]]
+
+
+class GradientExchange(enum.Enum):
+    """What the members of a group exchange through the broker at the step end."""
+
+    SUMS = "sums"  # each member's accumulated gradient: g * P bytes per member
+    MICRO_BATCHES = "micro-batches"  # every micro-batch's gradient: M * P bytes per member
+
+    def copies(self, members: int, micro_batches: int) -> int:
+        """Stage-sized gradient payloads each member sends or receives per step."""
+        return members if self is GradientExchange.SUMS else micro_batches
 
 
 def _check_micro_batches(micro_batches: object) -> int:
@@ -148,6 +163,7 @@ class GroupPlan:
     stages: tuple[GroupStage, ...]
     micro_batches: int
     micro_batch_size: int = 1
+    exchange: GradientExchange = GradientExchange.SUMS
 
     @property
     def step_s(self) -> float:
@@ -215,6 +231,7 @@ class GroupPlan:
         return {
             "micro_batches": self.micro_batches,
             "micro_batch_size": self.micro_batch_size,
+            "gradient_exchange": self.exchange.value,
             "stages": [
                 {"stage": k, "start": s.start, "end": s.end,
                  "devices": [{"device": m.device, "share": m.share,
@@ -246,7 +263,8 @@ def check_devices(devices: Sequence[DeviceSpec]) -> dict[str, DeviceSpec]:
 
 
 def group_stage(costs: LayerCosts, members: Sequence[DeviceSpec], start: int, end: int,
-                micro_batches: int, counts: Sequence[int] | None = None) -> GroupStage:
+                micro_batches: int, counts: Sequence[int] | None = None,
+                exchange: GradientExchange = GradientExchange.SUMS) -> GroupStage:
     """Evaluate layers ``[start, end)`` on a group; ``counts`` (micro-batches per member)
     default to the optimal :func:`apportion`."""
     singles = [stage_for(costs, device, start, end) for device in members]
@@ -260,10 +278,11 @@ def group_stage(costs: LayerCosts, members: Sequence[DeviceSpec], start: int, en
             f"stage [{start}, {end}) at least one micro-batch and sum to {micro_batches}")
     params = costs.stage_param_bytes(start, end)
     g = len(members)
+    copies = exchange.copies(g, micro_batches)
     stage_members = tuple(
         Member(device=d.name, micro_batches=n, share=n / micro_batches,
                compute_s=s.compute_s, comm_s=s.comm_s,
-               reduce_s=g * params / d.bandwidth_bytes_per_s if g > 1 else 0.0)
+               reduce_s=copies * params / d.bandwidth_bytes_per_s if g > 1 else 0.0)
         for d, s, n in zip(members, singles, counts, strict=True))
     return GroupStage(start=start, end=end, members=stage_members,
                       memory_bytes=singles[0].memory_bytes, param_bytes=params,
@@ -278,9 +297,11 @@ def evaluate_groups(
     micro_batch_size: int = 1,
     *,
     counts: Sequence[Sequence[int]] | None = None,
+    exchange: GradientExchange | None = None,
 ) -> GroupPlan:
     """Evaluate ``(start, end, members)`` stages (or a :class:`GroupPlan`'s) under ``devices``:
     with the optimal shares, or with the given micro-batch ``counts`` per stage and member.
+    ``exchange`` defaults to the given plan's, else :attr:`GradientExchange.SUMS`.
 
     Stages over a member's memory budget are kept and flagged ``fits_memory=False``; malformed
     assignments raise :class:`PartitionError`.
@@ -291,7 +312,9 @@ def evaluate_groups(
         raise PartitionError(f"micro_batch_size must be an integer >= 1, got {micro_batch_size}")
     by_name = check_devices(devices)
     if isinstance(assignment, GroupPlan):
+        exchange = exchange or assignment.exchange
         assignment = assignment.assignment
+    exchange = exchange or GradientExchange.SUMS
     if not assignment:
         raise PartitionError("an assignment needs at least one stage")
     if counts is not None and len(counts) != len(assignment):
@@ -313,9 +336,10 @@ def evaluate_groups(
                 raise PartitionError(f"device {name!r} holds more than one stage")
             used.add(name)
         stages.append(group_stage(costs, [by_name[n] for n in names], start, end,
-                                  micro_batches, None if counts is None else counts[k]))
+                                  micro_batches, None if counts is None else counts[k],
+                                  exchange))
         expected_start = end
     if expected_start != costs.n_layers:
         raise PartitionError(f"assignment covers {expected_start} of {costs.n_layers} layers")
-    return GroupPlan(tuple(stages), micro_batches, micro_batch_size)
+    return GroupPlan(tuple(stages), micro_batches, micro_batch_size, exchange)
 

@@ -90,14 +90,15 @@ def retune_shares(
     share cannot be retuned away, only a new plan without it helps.
     """
     micro_batches, size = plan.micro_batches, plan.micro_batch_size
-    current = evaluate_groups(plan.assignment, costs, devices, micro_batches, size,
+    current = evaluate_groups(plan, costs, devices, micro_batches, size,
                               counts=plan.micro_batch_counts)
-    retuned = evaluate_groups(plan.assignment, costs, devices, micro_batches, size)
+    retuned = evaluate_groups(plan, costs, devices, micro_batches, size)
     replanned = None
     if replan:
         replanned = solve_groups(costs, devices, micro_batches, size,
                                  max_exact_devices=max_exact_devices,
-                                 max_evaluations=max_evaluations, start_from=plan)
+                                 max_evaluations=max_evaluations, start_from=plan,
+                                 exchange=plan.exchange)
         if replanned.step_s >= retuned.step_s:
             replanned = retuned
     return ShareRetune(current=current, retuned=retuned, replanned=replanned)
