@@ -1,4 +1,5 @@
-"""``ftpipe-iot plan``: offline heterogeneity-aware partition of a model over a profiled fleet."""
+"""``ftpipe-iot plan``: offline heterogeneity-aware plan of a model over a profiled fleet: stages,
+the group of devices holding each stage and their shares (docs/design.md §7)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,15 @@ from pathlib import Path
 import click
 
 from ftpipe_iot.cli.options import command
+from ftpipe_iot.errors import PartitionError
+from ftpipe_iot.planning.group_search import (
+    best_single_pipeline,
+    data_parallel_plan,
+    solve_groups,
+)
+from ftpipe_iot.planning.groups import GradientExchange, GroupPlan
 from ftpipe_iot.planning.profiles import fleet_device_specs, load_profile
-from ftpipe_iot.planning.solver import LayerCosts, Partition, solve_partition
+from ftpipe_iot.planning.solver import DeviceSpec, LayerCosts, Partition, solve_partition
 
 _DEFAULT_MODEL_MICRO_BATCH = 32
 
@@ -39,27 +47,76 @@ def _throughput(partition: Partition, micro_batch_size: int) -> float | None:
     return None if math.isinf(value) else value
 
 
-def _table(partition: Partition, source: str, micro_batch_size: int, unused: list[str]) -> str:
-    rows = [("stage", "device", "layers", "n", "compute_s", "comm_s", "time_s", "memory_MiB")]
-    for k, s in enumerate(partition.stages):
-        rows.append((str(k), s.device, f"[{s.start}, {s.end})", str(s.end - s.start),
-                     _seconds(s.compute_s), _seconds(s.comm_s), _seconds(s.time_s),
-                     f"{s.memory_bytes / 2**20:.1f}"))
+def _rows(plan: GroupPlan) -> list[tuple[str, ...]]:
+    rows = [("stage", "layers", "device", "share", "micro-batches", "compute_s", "comm_s",
+             "time_s", "reduce_s", "memory_MiB")]
+    for k, stage in enumerate(plan.stages):
+        for i, m in enumerate(stage.members):
+            first = i == 0
+            rows.append((str(k) if first else "", f"[{stage.start}, {stage.end})" if first else "",
+                         m.device, f"{m.share:.3f}", str(m.micro_batches), _seconds(m.compute_s),
+                         _seconds(m.comm_s), _seconds(m.time_s), _seconds(m.reduce_s),
+                         f"{stage.memory_bytes / 2**20:.1f}" if first else ""))
+    return rows
+
+
+def _rate(plan: GroupPlan) -> str:
+    value = plan.throughput_samples_per_s
+    return "unbounded (all costs are zero)" if math.isinf(value) else f"{value:.2f} samples/s"
+
+
+def _table(plan: GroupPlan, source: str, unused: list[str], costs: LayerCosts,
+           baselines: dict[str, GroupPlan | str]) -> str:
+    rows = _rows(plan)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [f"plan for {source}, micro-batch size {micro_batch_size}, "
-             f"{partition.stages[-1].end} layers, {len(partition.stages)} stage(s)"]
+    lines = [f"plan for {source}, micro-batch size {plan.micro_batch_size}, "
+             f"{plan.micro_batches} micro-batches per step, {costs.n_layers} layers, "
+             f"{len(plan.stages)} stage(s), {len(plan.devices)} device(s)"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
               for row in rows]
-    k = partition.bottleneck_stage
-    throughput = _throughput(partition, micro_batch_size)
-    lines.append(f"bottleneck: stage {k} ({partition.stages[k].device}), "
-                 f"{_seconds(partition.bottleneck_s)} s per micro-batch")
-    lines.append("predicted throughput: "
-                 + ("unbounded (all costs are zero)" if throughput is None
-                    else f"{throughput:.2f} samples/s"))
+    k = plan.bottleneck_stage
+    stage = plan.stages[k]
+    lines.append(f"bottleneck: stage {k} ({', '.join(stage.devices)}), busy "
+                 f"{_seconds(stage.busy_s)} s per step")
+    lines.append(f"step: {_seconds(plan.step_s)} s for {plan.micro_batches} x "
+                 f"{plan.micro_batch_size} samples (pipeline fill and drain, gradient exchange "
+                 f"in groups)")
+    lines.append(f"predicted throughput: {_rate(plan)}")
+    if not costs.param_bytes:
+        lines.append("note: the costs carry no param_bytes, so the gradient exchange inside "
+                     "groups is counted as free")
     if unused:
         lines.append(f"unused devices (no gain from them): {', '.join(unused)}")
+    if baselines:
+        lines.append("same cost model, other plans:")
+        for name, other in baselines.items():
+            if isinstance(other, str):
+                lines.append(f"  {name}: {other}")
+                continue
+            ratio = other.step_s / plan.step_s if plan.step_s else 1.0
+            lines.append(f"  {name}: {_rate(other)}, {len(other.stages)} stage(s), "
+                         f"{len(other.devices)} device(s); the chosen plan is {ratio:.2f}x as fast")
     return "\n".join(lines)
+
+
+def _baselines(costs: LayerCosts, devices: list[DeviceSpec], micro_batches: int,
+               micro_batch_size: int, exchange: GradientExchange) -> dict[str, GroupPlan | str]:
+    found: dict[str, GroupPlan | str] = {
+        "best single pipeline": best_single_pipeline(costs, devices, micro_batches,
+                                                     micro_batch_size)}
+    try:
+        found["pure data parallelism"] = data_parallel_plan(costs, devices, micro_batches,
+                                                            micro_batch_size, exchange=exchange)
+    except PartitionError as exc:
+        found["pure data parallelism"] = f"not possible ({exc})"
+    return found
+
+
+def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, object]:
+    if isinstance(other, str):
+        return {"error": other}
+    return {**other.to_dict(), "chosen_speedup": other.step_s / chosen.step_s
+            if chosen.step_s else None}
 
 
 @command("plan")
@@ -79,15 +136,27 @@ def _table(partition: Partition, source: str, micro_batch_size: int, unused: lis
               help="Evaluate the profiles' step schedules at this training step.")
 @click.option("--at-time", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Evaluate the profiles' time schedules at this many seconds.")
+@click.option("--micro-batches", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Micro-batches per step; a group has at most this many members.")
+@click.option("--exchange", type=click.Choice([e.value for e in GradientExchange]),
+              default=GradientExchange.SUMS.value, show_default=True,
+              help="What group members exchange at the step end: their gradient sums (g copies "
+                   "of a stage's parameters per member) or every micro-batch's gradient (M).")
+@click.option("--compare", is_flag=True,
+              help="Also show the best single pipeline and pure data parallelism.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, ...],
          more_profiles: tuple[Path, ...], micro_batch_size: int | None, at_step: int,
-         at_time: float, as_json: bool) -> None:
+         at_time: float, micro_batches: int, exchange: str, compare: bool,
+         as_json: bool) -> None:
     """Plan stages for a model over devices given by profiles (ftpipe-iot plan --costs c.json
-    --profiles a.json b.json): minimum-bottleneck split, device order and device choice.
+    --profiles a.json b.json): the number of stages, their layers, the group of devices of each
+    stage and every member's share of the micro-batches, minimising the time per sample.
 
     Costs are per micro-batch: seconds of forward+backward on the reference device, bytes of each
-    layer's output, bytes to hold each layer.
+    layer's output, bytes to hold each layer, optionally bytes of each layer's parameters
+    (param_bytes, for the gradient exchange inside groups). The JSON keeps the one-device-per-
+    stage minimum-bottleneck pipeline at the top level and puts the chosen plan in group_plan.
     """
     if (model is None) == (costs_file is None):
         raise click.UsageError("give exactly one of --model NAME or --costs FILE")
@@ -112,6 +181,11 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
     devices = fleet_device_specs(profiles, step=at_step, elapsed_s=at_time)
     partition = solve_partition(costs, devices)
     unused = [d.name for d in devices if d.name not in partition.devices]
+    how = GradientExchange(exchange)
+    chosen = solve_groups(costs, devices, micro_batches, micro_batch_size, exchange=how)
+    chosen_unused = [d.name for d in devices if d.name not in chosen.devices]
+    baselines = (_baselines(costs, devices, micro_batches, micro_batch_size, how) if compare
+                 else {})
     if as_json:
         report = {
             "source": source,
@@ -125,10 +199,17 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
             **partition.to_dict(),
             "throughput_samples_per_s": _throughput(partition, micro_batch_size),
             "unused_devices": unused,
+            "micro_batches": micro_batches,
+            "param_bytes_known": bool(costs.param_bytes),
+            "group_plan": {**chosen.to_dict(), "unused_devices": chosen_unused},
         }
+        if compare:
+            report["compare"] = {
+                "single_pipeline": _json_baseline(baselines["best single pipeline"], chosen),
+                "data_parallel": _json_baseline(baselines["pure data parallelism"], chosen)}
         click.echo(json.dumps(report, indent=2))
     else:
-        click.echo(_table(partition, source, micro_batch_size, unused))
+        click.echo(_table(chosen, source, chosen_unused, costs, baselines))
 
 
 COMMANDS: list[click.Command] = [plan]

@@ -42,15 +42,18 @@ Pipeline bottleneck = max stage time (seconds per micro-batch); steady-state thr
 from __future__ import annotations
 
 import itertools
-import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from ftpipe_iot.errors import InfeasiblePartitionError, PartitionError
+from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
+
+__all__ = ["DeviceSpec", "InfeasiblePartitionError", "LayerCosts", "Partition", "PartitionError",
+           "Stage", "evaluate_partition", "exhaustive_partition", "predict_bottleneck",
+           "solve_partition", "stage_for"]
 
 #: Above this many devices the exact O(2^D * D * L^2) DP gets slow; a heuristic takes over.
 DEFAULT_MAX_EXACT_DEVICES = 10
@@ -59,124 +62,6 @@ DEFAULT_MAX_EXACT_DEVICES = 10
 _REL_TOL = 1e-9
 # A budget equal to the summed memory must fit despite prefix-sum rounding.
 _MEM_TOL = 1e-12
-
-
-
-
-def _check_number(value: object, what: str, *, allow_inf: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise PartitionError(f"{what} must be a number, got {value!r}")
-    number = float(value)
-    if math.isnan(number) or (math.isinf(number) and not allow_inf):
-        raise PartitionError(f"{what} must be finite, got {value!r}")
-    return number
-
-
-@dataclass(frozen=True)
-class LayerCosts:
-    """Reference per-layer profile of one model at one micro-batch size (units: module docstring).
-
-    ``micro_batch_size`` records the size the profile was measured at, when known.
-    """
-
-    layer_cost_s: tuple[float, ...]
-    activation_bytes: tuple[float, ...]
-    layer_memory_bytes: tuple[float, ...]
-    micro_batch_size: int | None = None
-    stage_overhead_s: float = 0.0  # every stage, per micro-batch (docs/design.md §7)
-    head_overhead_s: float = 0.0   # the last stage's loss, per micro-batch
-
-    def __post_init__(self) -> None:
-        for name in ("stage_overhead_s", "head_overhead_s"):
-            value = _check_number(getattr(self, name), name)
-            if value < 0:
-                raise PartitionError(f"{name} must be >= 0, got {value}")
-            object.__setattr__(self, name, value)
-        n = len(self.layer_cost_s)
-        if n == 0:
-            raise PartitionError("a model needs at least one layer")
-        for name in ("activation_bytes", "layer_memory_bytes"):
-            if len(getattr(self, name)) != n:
-                raise PartitionError(
-                    f"{name} has {len(getattr(self, name))} entries, layer_cost_s has {n}")
-        for name in ("layer_cost_s", "activation_bytes", "layer_memory_bytes"):
-            values = tuple(
-                _check_number(v, f"{name}[{i}]") for i, v in enumerate(getattr(self, name)))
-            if any(v < 0 for v in values):
-                raise PartitionError(f"{name} must be >= 0, got {list(getattr(self, name))}")
-            object.__setattr__(self, name, values)
-        mbs = self.micro_batch_size
-        if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
-            raise PartitionError(f"micro_batch_size must be an integer >= 1, got {mbs!r}")
-
-    @property
-    def n_layers(self) -> int:
-        """Number of layers."""
-        return len(self.layer_cost_s)
-
-    def stage_cost_s(self, start: int, end: int) -> float:
-        """Reference compute of a stage over layers ``[start, end)``, per micro-batch."""
-        head = self.head_overhead_s if end == self.n_layers else 0.0
-        return math.fsum(self.layer_cost_s[start:end]) + self.stage_overhead_s + head
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, object]) -> LayerCosts:
-        """Build from ``{"layer_cost_s": [...], "activation_bytes": [...],
-        "layer_memory_bytes": [...], "micro_batch_size": N (optional)}``; unknown keys are errors.
-        """
-        if not isinstance(data, Mapping):
-            raise PartitionError(f"layer costs must be a JSON object, got {type(data).__name__}")
-        required = ("layer_cost_s", "activation_bytes", "layer_memory_bytes")
-        optional = {"micro_batch_size", "stage_overhead_s", "head_overhead_s"}
-        unknown = set(data) - set(required) - optional
-        if unknown:
-            raise PartitionError(f"unknown keys in layer costs: {sorted(unknown)}")
-        missing = [k for k in required if k not in data]
-        if missing:
-            raise PartitionError(f"layer costs miss keys: {missing}")
-        lists = {}
-        for key in required:
-            value = data[key]
-            if not isinstance(value, (list, tuple)):
-                raise PartitionError(f"{key} must be a list, got {type(value).__name__}")
-            lists[key] = tuple(value)
-        return cls(**lists, micro_batch_size=data.get("micro_batch_size"),  # type: ignore[arg-type]
-                   stage_overhead_s=data.get("stage_overhead_s", 0.0),  # type: ignore[arg-type]
-                   head_overhead_s=data.get("head_overhead_s", 0.0))  # type: ignore[arg-type]
-
-    @classmethod
-    def from_json_file(cls, path: str | Path) -> LayerCosts:
-        """Load a JSON file in the :meth:`from_dict` shape."""
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise PartitionError(f"cannot read layer costs from {path}: {exc}") from exc
-        return cls.from_dict(data)
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """One device as the solver sees it: capacity factor, link bandwidth (bytes/s, inf when
-    unknown/uncapped) and memory budget (bytes, inf when none)."""
-
-    name: str
-    factor: float = 1.0
-    bandwidth_bytes_per_s: float = math.inf
-    memory_bytes: float = math.inf
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise PartitionError(f"device name must be a non-empty string, got {self.name!r}")
-        factor = _check_number(self.factor, f"factor of {self.name}")
-        if factor <= 0:
-            raise PartitionError(f"factor of {self.name} must be > 0, got {self.factor}")
-        for field_name in ("bandwidth_bytes_per_s", "memory_bytes"):
-            value = _check_number(getattr(self, field_name), f"{field_name} of {self.name}",
-                                  allow_inf=True)
-            if value <= 0:
-                raise PartitionError(f"{field_name} of {self.name} must be > 0, got {value}")
-            object.__setattr__(self, field_name, value)
-        object.__setattr__(self, "factor", factor)
 
 
 @dataclass(frozen=True)
@@ -348,7 +233,9 @@ def _stage_tables(costs: LayerCosts, devices: Sequence[DeviceSpec]) -> np.ndarra
     return tables
 
 
-def _infeasible(costs: LayerCosts, devices: Sequence[DeviceSpec]) -> InfeasiblePartitionError:
+def infeasible_error(costs: LayerCosts,
+                     devices: Sequence[DeviceSpec]) -> InfeasiblePartitionError:
+    """The error for a model that no assignment fits into the devices' memory budgets."""
     biggest_layer = max(costs.layer_memory_bytes)
     budgets = ", ".join(f"{d.name}={d.memory_bytes:.0f}" for d in devices)
     return InfeasiblePartitionError(
@@ -474,7 +361,7 @@ def solve_partition(
     else:
         value, stages = _heuristic(tables, devices)
     if not math.isfinite(value):
-        raise _infeasible(costs, devices)
+        raise infeasible_error(costs, devices)
     return evaluate_partition(
         [(devices[d].name, s, e) for d, s, e in stages], costs, devices)
 
@@ -498,5 +385,5 @@ def exhaustive_partition(costs: LayerCosts, devices: Sequence[DeviceSpec]) -> Pa
                 if best is None or candidate.bottleneck_s < best.bottleneck_s * (1 - _REL_TOL):
                     best = candidate
     if best is None:
-        raise _infeasible(costs, devices)
+        raise infeasible_error(costs, devices)
     return best
