@@ -99,7 +99,8 @@ def test_uniform_single_device_stages_give_the_gpipe_bubble():
 def test_one_group_is_data_parallelism_with_gradient_exchange():
     costs = flat(4, params=100.0)
     devices = [DeviceSpec("a", 1.0, 200.0), DeviceSpec("b", 2.0, 400.0)]
-    plan = evaluate_groups([(0, 4, ["a", "b"])], costs, devices, 6)
+    plan = evaluate_groups([(0, 4, ["a", "b"])], costs, devices, 6,
+                           exchange=GradientExchange.SUMS)
     stage = plan.stages[0]
     assert stage.micro_batch_counts == (4, 2)  # max(4*4, 2*8) = 16
     assert [m.share for m in stage.members] == pytest.approx([4 / 6, 2 / 6])

@@ -10,14 +10,10 @@ from helpers import MemoryJob, max_weight_diff
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.replan import retuned
 from ftpipe_iot.core.reference import train_reference
-from ftpipe_iot.core.routing import (
-    StepRoutes,
-    apportion,
-    counts_from_shares,
-    interleave,
-)
+from ftpipe_iot.core.routing import StepRoutes, counts_from_shares, interleave
 from ftpipe_iot.errors import PlanError
 from ftpipe_iot.planning.capacity import CapacityEstimator
+from ftpipe_iot.planning.groups import apportion
 from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
@@ -36,6 +32,7 @@ def test_counts_follow_shares_and_every_member_gets_one():
     assert sum(counts_from_shares([0.9, 0.05, 0.05], 8)) == 8
     with pytest.raises(PlanError, match="at least 3 micro-batches"):
         counts_from_shares([1, 1, 1], 2)
+    assert counts_from_shares([0.5, 0.0, 0.5], 4) == (2, 0, 2)  # a standby computes none
     assert apportion(6, [1.0, 2.0]) == (4, 2)
     assert apportion(3, [1.0, 100.0]) == (2, 1)  # the slow member still gets one
 

@@ -139,9 +139,10 @@ def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, objec
 @click.option("--micro-batches", type=click.IntRange(min=1), default=4, show_default=True,
               help="Micro-batches per step; a group has at most this many members.")
 @click.option("--exchange", type=click.Choice([e.value for e in GradientExchange]),
-              default=GradientExchange.SUMS.value, show_default=True,
-              help="What group members exchange at the step end: their gradient sums (g copies "
-                   "of a stage's parameters per member) or every micro-batch's gradient (M).")
+              default=GradientExchange.MICRO_BATCHES.value, show_default=True,
+              help="What group members exchange: every micro-batch's gradient (M copies of a "
+                   "stage's parameters per member; what a run does, exact to the bit) or, as a "
+                   "what-if, their gradient sums (g copies).")
 @click.option("--compare", is_flag=True,
               help="Also show the best single pipeline and pure data parallelism.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")

@@ -54,7 +54,8 @@ def prepare_job(train: TrainConfig, data: Dataset | None = None) -> JobModel:
         "layer_memory_bytes": [12 * p + 4 * a for p, a in zip(params, activations)],
         "micro_batch_size": train.micro_batch_size,
         "stage_overhead_s": profile.stage_overhead_s,
-        "head_overhead_s": profile.head_overhead_s})
+        "head_overhead_s": profile.head_overhead_s,
+        "param_bytes": [4 * p for p in params]})
     costs = list(profile.layer_cost_s)
     schedule = SyncSchedule(len(data.x_train), train.micro_batches, train.micro_batch_size,
                             train.seed)

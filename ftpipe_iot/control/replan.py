@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ftpipe_iot.control.job import JobModel
-from ftpipe_iot.core.routing import Counts, apportion
+from ftpipe_iot.core.routing import Counts
 from ftpipe_iot.planning.capacity import CapacityEstimator
+from ftpipe_iot.planning.groups import apportion
 from ftpipe_iot.planning.partition import RepartitionPolicy
 from ftpipe_iot.planning.rebalance import (
     Assignment,
@@ -208,14 +209,19 @@ def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: Capacit
     """Cheaper shares for the groups (no layer moves): each group's micro-batches apportioned
     to its members' measured speeds, when that shortens the slowest stage's busy time per step
     by more than ``threshold``; None otherwise (or while a member is unmeasured)."""
-    members = [m.device for s in stages for m in s.members if len(s.members) > 1]
+    computing = [[i for i, m in enumerate(s.members) if m.share > 0] for s in stages]
+    members = [s.members[i].device for s, active in zip(stages, computing) if len(active) > 1
+               for i in active]
     if not members or not capacity.settled(members, 1):
         return None
     new_counts, busy_now, busy_new = [], 0.0, 0.0
-    for stage, current in zip(stages, counts):
+    for stage, current, active in zip(stages, counts, computing):
         cost = costs.stage_cost_s(stage.start, stage.end)
         times = [capacity.factor(m.device) * cost for m in stage.members]
-        better = apportion(micro_batches, times) if len(times) > 1 else current
+        better = list(current)
+        if len(active) > 1:  # standbys (share 0) stay out: they compute only what they take over
+            for i, n in zip(active, apportion(micro_batches, [times[i] for i in active])):
+                better[i] = n
         busy_now = max(busy_now, max(n * t for n, t in zip(current, times)))
         busy_new = max(busy_new, max(n * t for n, t in zip(better, times)))
         new_counts.append(tuple(better))

@@ -235,4 +235,5 @@ def profile_layer_costs(name: str, micro_batch_size: int, width: float = 1.0) ->
         "head_overhead_s": profile.head_overhead_s,
         "activation_bytes": [4 * numel(s) for s in shapes[1:]],
         "layer_memory_bytes": [4 * 3 * p + 4 * numel(s) for p, s in zip(params, shapes[:-1])],
+        "param_bytes": [4 * p for p in params],  # what a group exchanges per micro-batch
     }

@@ -22,36 +22,23 @@ Counts = tuple[tuple[int, ...], ...]  # per stage, per member: micro-batches in 
 
 
 def counts_from_shares(shares: Sequence[float], micro_batches: int) -> tuple[int, ...]:
-    """Whole micro-batches per member, proportional to ``shares``, each member at least one
-    (largest remainders); raises PlanError when the group has more members than
-    micro-batches."""
-    if len(shares) > micro_batches:
-        raise PlanError(f"a group of {len(shares)} devices needs at least {len(shares)} "
+    """Whole micro-batches per member, proportional to ``shares``, each member of a share > 0
+    at least one and standbys (share 0) none (largest remainders); raises PlanError when the
+    group has more computing members than micro-batches."""
+    active = [i for i, share in enumerate(shares) if share > 0]
+    if len(active) > micro_batches:
+        raise PlanError(f"a group of {len(active)} devices needs at least {len(active)} "
                         f"micro-batches per step, the job has {micro_batches}")
-    total = sum(shares)
-    spare = micro_batches - len(shares)
-    exact = [spare * s / total for s in shares]
-    counts = [1 + math.floor(e) for e in exact]
+    total = sum(shares[i] for i in active)
+    spare = micro_batches - len(active)
+    exact = {i: spare * shares[i] / total for i in active}
+    counts = [0] * len(shares)
+    for i in active:
+        counts[i] = 1 + math.floor(exact[i])
     left = micro_batches - sum(counts)
-    by_remainder = sorted(range(len(shares)), key=lambda i: (-(exact[i] - math.floor(exact[i])),
-                                                             i))
+    by_remainder = sorted(active, key=lambda i: (-(exact[i] - math.floor(exact[i])), i))
     for i in by_remainder[:left]:
         counts[i] += 1
-    return tuple(counts)
-
-
-def apportion(micro_batches: int, member_times: Sequence[float]) -> tuple[int, ...]:
-    """Whole micro-batches per member minimising the slowest member's busy time
-    ``max n_i * t_i`` with every member at least one: each next micro-batch goes to the member
-    that would finish it soonest (optimal for this min-max)."""
-    if len(member_times) > micro_batches:
-        raise PlanError(f"a group of {len(member_times)} devices needs at least "
-                        f"{len(member_times)} micro-batches per step, the job has "
-                        f"{micro_batches}")
-    counts = [1] * len(member_times)
-    for _ in range(micro_batches - len(member_times)):
-        best = min(range(len(counts)), key=lambda i: ((counts[i] + 1) * member_times[i], i))
-        counts[best] += 1
     return tuple(counts)
 
 

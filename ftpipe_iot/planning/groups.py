@@ -163,7 +163,7 @@ class GroupPlan:
     stages: tuple[GroupStage, ...]
     micro_batches: int
     micro_batch_size: int = 1
-    exchange: GradientExchange = GradientExchange.SUMS
+    exchange: GradientExchange = GradientExchange.MICRO_BATCHES
 
     @property
     def step_s(self) -> float:
@@ -264,7 +264,7 @@ def check_devices(devices: Sequence[DeviceSpec]) -> dict[str, DeviceSpec]:
 
 def group_stage(costs: LayerCosts, members: Sequence[DeviceSpec], start: int, end: int,
                 micro_batches: int, counts: Sequence[int] | None = None,
-                exchange: GradientExchange = GradientExchange.SUMS) -> GroupStage:
+                exchange: GradientExchange = GradientExchange.MICRO_BATCHES) -> GroupStage:
     """Evaluate layers ``[start, end)`` on a group; ``counts`` (micro-batches per member)
     default to the optimal :func:`apportion`."""
     singles = [stage_for(costs, device, start, end) for device in members]
@@ -301,7 +301,8 @@ def evaluate_groups(
 ) -> GroupPlan:
     """Evaluate ``(start, end, members)`` stages (or a :class:`GroupPlan`'s) under ``devices``:
     with the optimal shares, or with the given micro-batch ``counts`` per stage and member.
-    ``exchange`` defaults to the given plan's, else :attr:`GradientExchange.SUMS`.
+    ``exchange`` defaults to the given plan's, else :attr:`GradientExchange.MICRO_BATCHES`
+    (what the runtime does).
 
     Stages over a member's memory budget are kept and flagged ``fits_memory=False``; malformed
     assignments raise :class:`PartitionError`.
@@ -314,7 +315,7 @@ def evaluate_groups(
     if isinstance(assignment, GroupPlan):
         exchange = exchange or assignment.exchange
         assignment = assignment.assignment
-    exchange = exchange or GradientExchange.SUMS
+    exchange = exchange or GradientExchange.MICRO_BATCHES
     if not assignment:
         raise PartitionError("an assignment needs at least one stage")
     if counts is not None and len(counts) != len(assignment):
