@@ -78,11 +78,15 @@ _TRAINING: list[Decorator] = [
     click.option("--freeze-layers", default=None, metavar="0-K",
                  help="keep layers [0, K) fixed: no gradients, no optimizer state, and "
                       "gradients stop at the first trainable stage"),
+    click.option("--resiliency", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="failures each stage survives without rollback: r holders beyond the "
+                      "first (group peers or warm standbys) take over late and lost "
+                      "micro-batches; costs traffic (see `ftpipe-iot plan --resiliency`)"),
 ]
 TRAINING_NAMES = ("model", "data", "data_shape", "data_classes", "data_samples", "epochs",
                   "max_steps", "micro_batches", "micro_batch_size", "optimizer", "lr",
                   "momentum", "seed", "max_in_flight", "wire_dtype", "no_compress",
-                  "replicate_every", "freeze_layers")
+                  "replicate_every", "freeze_layers", "resiliency")
 
 _CONNECTION: list[Decorator] = [
     click.option("--broker", "broker_url", default="mqtt://127.0.0.1:1883", show_default=True,
@@ -147,7 +151,7 @@ def train_config(kw: dict[str, Any]) -> TrainConfig:
         seed=kw["seed"], epochs=kw["epochs"], max_steps=kw["max_steps"],
         max_in_flight=kw["max_in_flight"], wire_dtype=WireDtype(kw["wire_dtype"]),
         compress=not kw["no_compress"], replicate_every=kw["replicate_every"],
-        frozen_layers=parse_frozen(kw["freeze_layers"]))
+        frozen_layers=parse_frozen(kw["freeze_layers"]), resiliency=kw["resiliency"])
 
 
 def parse_frozen(text: str | None) -> int:
@@ -172,21 +176,24 @@ def explicit(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
 
 
 def parse_assignment(text: str) -> tuple[StageAssignment, ...]:
-    """``dev3:0-10,dev0+dev1:10-22`` -> stage 0 on dev3, stage 1 on the group dev0 and dev1
-    (equal shares)."""
+    """``dev3/dev4:0-10,dev0+dev1:10-22`` -> stage 0 on dev3 with dev4 as its warm standby,
+    stage 1 on the group dev0 and dev1 (equal shares)."""
     stages = []
     for index, part in enumerate(text.split(",")):
         try:
             devices, _, span = part.partition(":")
             start, _, end = span.partition("-")
-            names = [d.strip() for d in devices.split("+")]
-            if any(not name for name in names):
+            computing, _, spare = devices.partition("/")
+            names = [d.strip() for d in computing.split("+")]
+            standbys = [d.strip() for d in spare.split("+")] if spare else []
+            if any(not name for name in names + standbys):
                 raise click.BadParameter("every stage needs device names",
                                          param_hint="--assignment")
-            members = tuple(Member(name, 1.0 / len(names)) for name in names)
+            members = tuple(Member(name, 1.0 / len(names)) for name in names) + \
+                tuple(Member(name, 0.0) for name in standbys)
             stages.append(StageAssignment(index, int(start), int(end), members))
         except ValueError as exc:
-            raise click.BadParameter(f"{part!r} is not DEVICE[+DEVICE...]:START-END",
+            raise click.BadParameter(f"{part!r} is not DEVICE[+DEVICE...][/STANDBY...]:START-END",
                                      param_hint="--assignment") from exc
     return tuple(stages)
 

@@ -19,17 +19,11 @@ from prometheus_client import CollectorRegistry
 from ftpipe_iot.control.central import CentralReplicas
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.job import JobModel, prepare_job
+from ftpipe_iot.control.layout import LayoutInputs, choose_stages
 from ftpipe_iot.control.liveness import Failure, LivenessTracker
 from ftpipe_iot.control.outbox import JobOutbox
 from ftpipe_iot.control.recorder import Recorder
-from ftpipe_iot.control.replan import (
-    Replanner,
-    ReplanReason,
-    next_plan,
-    retuned,
-    single_stages,
-    without,
-)
+from ftpipe_iot.control.replan import Replanner, ReplanReason, next_plan, retuned
 from ftpipe_iot.control.roster import Roster
 from ftpipe_iot.control.summary import RunSummary
 from ftpipe_iot.control.training import PlanTraining
@@ -39,7 +33,6 @@ from ftpipe_iot.observability.metrics import ControllerMetrics
 from ftpipe_iot.observability.progress import ProgressReporter, SilentProgress
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.partition import RepartitionPolicy
-from ftpipe_iot.planning.rebalance import device_specs, new_assignment
 from ftpipe_iot.protocol.messages import (
     Command,
     ControllerState,
@@ -111,6 +104,8 @@ class Controller:
         self._failures_in_a_row = 0
         self._resume_settle: float | None = None
         self._since: int | None = None
+        # devices of the plan whose failure peers covered: not watched until the next plan
+        self.excluded: set[str] = set()
         self.train: TrainConfig = config.train
         self.model: JobModel | None = None
         if not config.resume:
@@ -327,7 +322,7 @@ class Controller:
 
     def _check_liveness(self, now: float) -> None:
         assert self.plan is not None
-        failure = self.liveness.check_plan(self.plan.devices, now,
+        failure = self.liveness.check_plan(set(self.plan.devices) - self.excluded, now,
                                            ready=self.ready
                                            if self.phase is Phase.DEPLOYING else None)
         if failure is not None:
@@ -351,18 +346,12 @@ class Controller:
     def _deploy(self, devices: list[str], resume_step: int,
                 stages: Sequence[StageAssignment] | None = None) -> None:
         assert self.model is not None
-        if stages is None and self.config.assignment and self.plan is None:
-            stages = self.config.assignment  # pinned by the user for the first plan
-        if stages is None and self.plan is not None and \
-                any(len(s.members) > 1 for s in self.plan.stages):
-            # Groups keep their layout; members that are gone leave their share to their peers.
-            stages = without(self.plan.stages, set(self.plan.devices) - set(devices)) or None
         if stages is None:
-            specs = device_specs(devices, self.capacity, self.roster.capabilities)
-            assignment, warning = new_assignment(self.model.cost_model, specs)
-            if warning:
-                log.warning("%s", warning)
-            stages = single_stages(assignment)
+            stages, warnings = choose_stages(LayoutInputs(
+                devices, self.plan, self.config.assignment, self.model.cost_model,
+                self.capacity, self.roster.capabilities, self.train.resiliency))
+            for warning in warnings:
+                self.recorder.message(warning)
         init_weights = self.central.started_from_file or bool(self.plan and self.plan.init_weights)
         self.plan = next_plan(self.job, self.model, stages, self.plan, resume_step,
                               self._since, self.messenger.max_message_bytes, init_weights)
@@ -370,7 +359,7 @@ class Controller:
         if resume_step == 0 and init_weights:
             self._republish(0, tuple(range(self.num_layers)))
         self._since = self.plan.since
-        stages = self.plan.stages
+        self.excluded = set()
         self.ready = set()
         self.training = None
         self.recorder.throughput.pause(self.clock())
@@ -409,6 +398,8 @@ class Controller:
         self.roster.mark_dead(failure.devices)
         for device in failure.devices:
             self.capacity.forget(device)
+        if self._covered(failure):
+            return
         self._failures_in_a_row += 1
         if self._failures_in_a_row > _MAX_FAILURES_IN_A_ROW:
             named = ", ".join(sorted(failure.devices)) or "no device"
@@ -417,6 +408,7 @@ class Controller:
             return
         if self._recovering_since is None:
             self._recovering_since = self.clock()
+        self.recorder.rolled_back()
         self.replanner.pending = None
         current = list(self.plan.devices) if self.plan else []
         recovery = self.central.recover(current, self.roster.online, self.roster.dead,
@@ -428,6 +420,22 @@ class Controller:
             self.recorder.message("no device left: waiting for one to come online")
             return
         self._deploy(list(recovery.devices), recovery.version)
+
+    def _covered(self, failure: Failure) -> bool:
+        """With resiliency, training goes on when every stage keeps a live holder: the others
+        take over the lost micro-batches (no rollback) and the next step boundary re-plans
+        without the failed devices."""
+        if self.phase is not Phase.TRAINING or self.training is None or self.plan is None \
+                or self.train.resiliency < 1 or not failure.devices:
+            return False
+        gone = self.excluded | failure.devices | self.roster.dead
+        if any(not set(s.devices) - gone for s in self.plan.stages):
+            return False
+        self.excluded |= failure.devices
+        self.training.exclude(self.excluded)
+        self.recorder.failure_covered(failure, self.training.step)
+        self.replanner.request(ReplanReason.REPAIR)
+        return True
 
     def _republish(self, version: int, layers: tuple[int, ...]) -> None:
         """Publish the controller's copies of ``layers`` at ``version`` (retained)."""
@@ -451,8 +459,9 @@ class Controller:
         if self.central.complete(version):
             self._on_replicated(version)
             return
-        for stage in self.plan.stages:  # members are identical after each step: leaders suffice
-            self.out.command(stage.leader, Command(CommandOp.REPLICATE))
+        for stage in self.plan.stages:  # holders are identical after each step: one suffices
+            live = [d for d in stage.devices if d not in self.excluded]
+            self.out.command(live[0] if live else stage.leader, Command(CommandOp.REPLICATE))
 
     def _on_replicated(self, version: int) -> None:
         replan = self.replanner.take()

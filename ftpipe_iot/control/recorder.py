@@ -15,7 +15,7 @@ from ftpipe_iot.observability.metrics import ControllerMetrics
 from ftpipe_iot.observability.progress import ProgressReporter
 from ftpipe_iot.protocol.messages import Event, Heartbeat
 from ftpipe_iot.protocol.plan import Plan, StageAssignment
-from ftpipe_iot.protocol.vocab import EventType
+from ftpipe_iot.protocol.vocab import DropReason, EventType
 
 
 def describe_stages(stages: Iterable[StageAssignment]) -> str:
@@ -110,7 +110,8 @@ class Recorder:
         self.metrics.samples_per_second.set(rate)
         self.summary.history.append({"step": step.step, "t": now - self._started,
                                      "loss": step.loss, "samples_per_s": rate,
-                                     "plan_version": plan_version})
+                                     "plan_version": plan_version,
+                                     "wire_bytes": self.wire_bytes})
         self.progress.step(step.step + 1, step.loss, rate)
         return rate
 
@@ -137,6 +138,18 @@ class Recorder:
         self.progress.message(f"failure: {failure.cause.value} ({named}); recovering")
         self._event(Event(EventType.FAILURE_DETECTED, cause=failure.cause,
                           devices=tuple(sorted(failure.devices)), silent_s=failure.silent_s))
+
+    def failure_covered(self, failure: Failure, step: int) -> None:
+        named = ", ".join(sorted(failure.devices))
+        self.summary.covered_failures += 1
+        self.progress.message(f"{named}: covered by the other holders of its stage at step "
+                              f"{step}, no rollback; re-planning at the next step boundary")
+        self._event(Event(EventType.FAILURE_COVERED, devices=tuple(sorted(failure.devices)),
+                          at_step=step))
+
+    def rolled_back(self) -> None:
+        """A failure restores the last complete checkpoint."""
+        self.summary.rollbacks += 1
 
     def recovered(self, recover_s: float, resume_step: int) -> None:
         self.summary.recoveries += 1
@@ -171,10 +184,19 @@ class Recorder:
     def heartbeat(self, device: str, beat: Heartbeat) -> None:
         self.metrics.fleet.update(device, heartbeat_unix_s=time.time(),
                                   step_compute_s=beat.compute_s)
+        self.summary.device_traffic[device] = {
+            "sent_bytes": beat.sent_bytes, "received_bytes": beat.received_bytes,
+            "takeovers": beat.takeovers, "late": beat.drops.get(DropReason.LATE.value, 0)}
         if beat.link_bytes_per_s > 0:
             self.summary.device_links[device] = {"bytes_per_s": beat.link_bytes_per_s,
                                                  "latency_s": beat.link_latency_s}
             self.metrics.fleet.update(device, link_bytes_per_s=beat.link_bytes_per_s)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes the devices published plus the bytes delivered to them, as last heartbeated."""
+        return sum(t["sent_bytes"] + t["received_bytes"]
+                   for t in self.summary.device_traffic.values())
 
     def capacity(self, device: str, factor: float) -> None:
         self.metrics.fleet.update(device, capacity_factor=factor)
@@ -193,7 +215,17 @@ class Recorder:
         """Final wall time and drop counts; returns the summary."""
         self.summary.wall_s = self.elapsed_s
         self.summary.dropped = dropped
+        self._traffic_totals()
         return self.summary
+
+    def _traffic_totals(self) -> None:
+        traffic = self.summary.device_traffic.values()
+        self.summary.takeovers = sum(t["takeovers"] for t in traffic)
+        self.summary.late_results = sum(t["late"] for t in traffic)
+        steps = [h for h in self.summary.history if h.get("wire_bytes")]
+        if len(steps) >= 2 and steps[-1]["step"] > steps[0]["step"]:
+            self.summary.wire_bytes_per_step = (steps[-1]["wire_bytes"] - steps[0]["wire_bytes"]
+                                                ) / (steps[-1]["step"] - steps[0]["step"])
 
     def job_done(self, dropped: dict[str, int]) -> None:
         # Samples this controller trained (recomputed steps included) over its training time.

@@ -29,6 +29,7 @@ class ReplanReason(str, Enum):
 
     REBALANCE = "rebalance"
     REJOIN = "rejoin"
+    REPAIR = "repair"  # a covered failure: the same layout without the failed devices
     FINAL = "final"
 
 
@@ -85,7 +86,9 @@ class Replanner:
     def request(self, reason: ReplanReason, target: Sequence[StageAssignment] | None = None,
                 rebalance: Rebalance | None = None) -> None:
         """Ask for a change at the next boundary; the final gathering overrides anything else."""
-        if self.pending is None or reason is ReplanReason.FINAL:
+        replaceable = self.pending is not None and self.pending.version is None and \
+            self.pending.reason is ReplanReason.REBALANCE and reason is ReplanReason.REPAIR
+        if self.pending is None or reason is ReplanReason.FINAL or replaceable:
             self.pending = PendingReplan(reason, tuple(target) if target else None,
                                          rebalance=rebalance)
 
@@ -173,14 +176,18 @@ def single_stages(assignment: Assignment) -> tuple[StageAssignment, ...]:
 
 
 def without(stages: Sequence[StageAssignment], gone: set[str]) -> tuple[StageAssignment, ...]:
-    """The same layout without the ``gone`` devices, their shares spread over their peers; empty
-    when some stage would lose every member."""
+    """The same layout without the ``gone`` devices, their shares spread over their computing
+    peers (a standby takes over when none is left); empty when some stage would lose every
+    holder."""
     kept = []
     for stage in stages:
         members = [m for m in stage.members if m.device not in gone]
         if not members:
             return ()
         total = sum(m.share for m in members)
+        if total == 0:  # only standbys left: the first one computes now
+            members[0] = Member(members[0].device, 1.0)
+            total = 1.0
         kept.append(StageAssignment(stage.stage, stage.start, stage.end,
                                     tuple(Member(m.device, m.share / total) for m in members)))
     return tuple(kept)

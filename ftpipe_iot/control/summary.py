@@ -29,6 +29,13 @@ class RunSummary:
     detect_s: list[float] = field(default_factory=list)
     recover_s: list[float] = field(default_factory=list)
     recomputed_steps: int = 0
+    rollbacks: int = 0  # failures that restored a checkpoint (the others were covered)
+    covered_failures: int = 0  # failures the stage's other holders took over, no rollback
+    takeovers: int = 0  # micro-batches computed by another holder than the routed one
+    late_results: int = 0  # results dropped because another holder delivered first
+    # bytes published plus bytes delivered by the broker, per step (devices, from heartbeats)
+    wire_bytes_per_step: float = 0.0
+    device_traffic: dict[str, dict[str, int]] = field(default_factory=dict)
     replicated_bytes: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     device_dropped: dict[str, dict[str, int]] = field(default_factory=dict)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from ftpipe_iot.control.job import JobModel
 from ftpipe_iot.control.recorder import EpochResult, Recorder
 from ftpipe_iot.core.feed import EvalRound, StepSummary, TrainFeed
-from ftpipe_iot.core.routing import Counts, StepRoutes, eval_route, plan_counts
+from ftpipe_iot.core.routing import Counts, StepRoutes, counts_without, eval_route, plan_counts
 from ftpipe_iot.errors import TrainingDiverged
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.protocol.messages import (
@@ -49,6 +49,7 @@ class PlanTraining:
         self.counts: Counts = plan_counts(plan.stages, self.train.micro_batches)
         self.stages = plan.stages  # the plan's stages with the shares in force
         self._routes: dict[int, StepRoutes] = {}
+        self._eval_sent: dict[int, tuple[int, ...]] = {}  # evaluation batch -> its route
 
     def routes(self, step: int) -> StepRoutes:
         """The routes of ``step``, fixed by the counts in force when it is first fed."""
@@ -58,6 +59,28 @@ class PlanTraining:
             for old in [s for s in self._routes if s < step - 2]:
                 del self._routes[old]
         return routes
+
+    def exclude(self, gone: set[str]) -> None:
+        """Devices that failed while their peers cover for them: the step's unsent
+        micro-batches and every evaluation batch go around them; evaluation batches they may
+        have held are sent again (a result is counted once)."""
+        self.counts = counts_without(self.stages, gone, self.train.micro_batches)
+        self._routes[self.feed.step] = StepRoutes.for_counts(self.counts)
+        if self.eval_round is not None:
+            lost = [i for i, route in self._eval_sent.items()
+                    if any(self.plan.stages[k].members[m].device in gone
+                           for k, m in enumerate(route))]
+            for index in lost:
+                if not self.eval_round.answered(index):
+                    self._send_eval(index, self.eval_round.batch(index))
+
+    def _send_eval(self, index: int, indices) -> None:
+        assert self.eval_round is not None
+        data, first = self.model.data, self.plan.stages[0]
+        route = eval_route(self.plan.stages, index, self.counts)
+        self._eval_sent[index] = route
+        self._send(Activation(data.x_test[indices], data.y_test[indices], False, route),
+                   self.eval_round.tag, index, first.members[route[0]].device)
 
     @property
     def evaluating(self) -> bool:
@@ -77,9 +100,7 @@ class PlanTraining:
         data, first = self.model.data, self.plan.stages[0]
         if self.eval_round is not None:
             for index, indices in self.eval_round.next_to_send():
-                route = eval_route(self.plan.stages, index)
-                self._send(Activation(data.x_test[indices], data.y_test[indices], False, route),
-                           self.eval_round.tag, index, first.members[route[0]].device)
+                self._send_eval(index, indices)
             return
         for mb in self.feed.next_to_send():
             routes = self.routes(mb.step)
@@ -142,5 +163,6 @@ class PlanTraining:
                                                    self.eval_round.accuracy,
                                                    self.eval_round.loss))
         self.eval_round = None
+        self._eval_sent = {}
         self._recorder.throughput.resume(self._clock())
         return step

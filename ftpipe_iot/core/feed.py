@@ -131,6 +131,13 @@ class EvalRound:
         self._results[index] = (loss, correct, count)
         return True
 
+    def answered(self, index: int) -> bool:
+        return index in self._results
+
+    def batch(self, index: int) -> np.ndarray:
+        """The sample indices of evaluation batch ``index``."""
+        return self._batches[index]
+
     @property
     def done(self) -> bool:
         return len(self._results) == len(self._batches)

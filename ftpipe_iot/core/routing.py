@@ -12,7 +12,7 @@ other message.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from ftpipe_iot.errors import PlanError
@@ -78,6 +78,28 @@ def plan_counts(stages: Sequence[StageAssignment], micro_batches: int) -> Counts
     return tuple(counts_from_shares([m.share for m in s.members], micro_batches) for s in stages)
 
 
-def eval_route(stages: Sequence[StageAssignment], index: int) -> tuple[int, ...]:
-    """The members that compute evaluation batch ``index``: round robin within each group."""
-    return tuple(index % len(s.members) for s in stages)
+def counts_without(stages: Sequence[StageAssignment], gone: Collection[str],
+                   micro_batches: int) -> Counts:
+    """The plan's counts with the ``gone`` devices' micro-batches moved to the other computing
+    members of their stage (to the first live standby when none is left)."""
+    out = []
+    for stage in stages:
+        shares = [0.0 if m.device in gone else m.share for m in stage.members]
+        if not any(shares):
+            live = [i for i, m in enumerate(stage.members) if m.device not in gone]
+            if not live:
+                raise PlanError(f"stage {stage.stage} has no live holder")
+            shares[live[0]] = 1.0
+        out.append(counts_from_shares(shares, micro_batches))
+    return tuple(out)
+
+
+def eval_route(stages: Sequence[StageAssignment], index: int, counts: Counts | None = None
+               ) -> tuple[int, ...]:
+    """The members that compute evaluation batch ``index``: round robin over the members that
+    compute training micro-batches (by ``counts``, else every member)."""
+    route = []
+    for k, stage in enumerate(stages):
+        active = [i for i in range(len(stage.members)) if counts is None or counts[k][i] > 0]
+        route.append(active[index % len(active)])
+    return tuple(route)

@@ -247,6 +247,9 @@ class Stage:
         if not train:
             return self._evaluate(step, micro_batch, x, y)
         key = (step, micro_batch)
+        if self.exchanges and step < self.version:
+            raise StageInputError(DropReason.LATE, f"micro-batch {key}: the step is complete, "
+                                  "other holders computed it")
         if key in self.pending or micro_batch in self.backward_done.get(step, set()) \
                 or step in self.completed_steps or micro_batch in self._early.get(step, {}):
             raise StageInputError(DropReason.DUPLICATE, f"micro-batch {key} was already processed")
@@ -348,6 +351,9 @@ class Stage:
             raise StageInputError(DropReason.LATE, f"micro-batch {key} was already computed by "
                                   "another holder")
         pending = self.pending.get(key)
+        if pending is None and self.exchanges and step < self.version:
+            raise StageInputError(DropReason.LATE, f"gradient of {key}: the step is complete, "
+                                  "other holders computed it")
         if pending is None:
             reason = DropReason.DUPLICATE if micro_batch in self.backward_done.get(step, set()) or \
                 step in self.completed_steps else DropReason.UNEXPECTED

@@ -608,7 +608,9 @@ class DeviceAgent:
         self.messenger.send(self.topics.results, Result(body), version, step, micro_batch)
 
     def tick(self, heartbeat: bool = True) -> None:
-        """Periodic work: heartbeats (when not sent by the thread), loading retries."""
+        """Periodic work: heartbeats (when not sent by the thread), loading retries, taking
+        over late micro-batches."""
+        self._take_over_due()
         now = self.clock()
         if self.loader is not None and now - self._loader_since > self.options.missing_request_s:
             self._loader_since = now

@@ -98,6 +98,7 @@ class EventType(str, Enum):
     EPOCH_EVALUATED = "epoch_evaluated"
     FAILURE_DETECTED = "failure_detected"
     RECOVERY_DONE = "recovery_done"
+    FAILURE_COVERED = "failure_covered"  # peers took over: no rollback
     REPARTITIONED = "repartitioned"
     SHARES_CHANGED = "shares_changed"
     JOB_DONE = "job_done"
