@@ -12,6 +12,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import deque
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.reasoncodes import ReasonCode
@@ -74,7 +75,9 @@ class MqttTransport:
         self.reconnects = 0
         self._ever_connected = False
         self._closing = False
-        self._unacked: list[mqtt.MQTTMessageInfo] = []
+        # The most recent QoS>0 publishes, so close() can flush them first (older ones are long
+        # settled; a bounded deque keeps publish O(1) at hundreds of chunk frames per second).
+        self._unacked: deque[mqtt.MQTTMessageInfo] = deque(maxlen=256)
 
     # -- connection ---------------------------------------------------------------------------
     def _make_client(self, protocol: MqttProtocol) -> mqtt.Client:
@@ -182,8 +185,6 @@ class MqttTransport:
             raise TransportError("publish before connect")
         info = self._client.publish(topic, payload, qos=qos, retain=retain)
         if qos > 0:
-            # Remember recent QoS>0 publishes so close() can flush them first.
-            self._unacked = [i for i in self._unacked[-256:] if not _settled(i)]
             self._unacked.append(info)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
@@ -206,6 +207,8 @@ class MqttTransport:
             return
         deadline = time.monotonic() + flush_timeout_s
         for info in self._unacked:
+            if _settled(info):
+                continue
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._connected.is_set():
                 break
