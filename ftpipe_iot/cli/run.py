@@ -57,10 +57,13 @@ def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
               show_default=True, help="seconds between heartbeats")
 @click.option("--profile", "profile_file", type=click.Path(dir_okay=False), default=None,
               help="device profile (devices/profiles/*.json) emulating a slower device")
+@click.option("--real-link", is_flag=True,
+              help="the network enforces the profile's link cap (e.g. a tbf-capped namespace): "
+                   "declare it, do not sleep for it")
 @connection_options
 @process_options
 def device(name: str | None, job: str | None, heartbeat_interval: float,
-           profile_file: str | None, broker_url: str, config_file: str | None,
+           profile_file: str | None, real_link: bool, broker_url: str, config_file: str | None,
            mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
            threads: int, log_level: str) -> None:
     """Run a device agent: announce, take a stage from the plan, compute, report."""
@@ -75,7 +78,8 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
         raise click.UsageError("give --name or a --config bundle")
     profile = load_profile(profile_file) if profile_file else None
     sys.exit(run_device(name, job, config, ProcessOptions(metrics_port, threads, log_level),
-                        DeviceOptions(heartbeat_interval_s=heartbeat_interval), profile))
+                        DeviceOptions(heartbeat_interval_s=heartbeat_interval,
+                                      emulate_link=not real_link), profile))
 
 
 @command()

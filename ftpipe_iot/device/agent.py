@@ -89,6 +89,9 @@ class DeviceOptions:
 
     heartbeat_interval_s: float = 1.0
     missing_request_s: float = 3.0
+    # False when the network itself enforces the profile's link cap (a tbf-capped namespace,
+    # docs/design.md §12): the cap is still declared to the controller, but not slept for.
+    emulate_link: bool = True
 
 
 class DeviceAgent:
@@ -408,7 +411,7 @@ class DeviceAgent:
                 self.sleep(delay)
 
     def _emulate_link(self, n_bytes: int) -> None:
-        if self.profile is not None:
+        if self.profile is not None and self.options.emulate_link:
             delay = self.profile.transfer_delay_s(n_bytes)
             if delay > 0:
                 self.sleep(delay)
