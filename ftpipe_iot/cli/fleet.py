@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import click
 
-from ftpipe_iot.cli.options import CliGroup
+from ftpipe_iot.cli.options import CliGroup, broker_settings, connection_options
 from ftpipe_iot.fleet import bundle as bundle_mod
 from ftpipe_iot.fleet import fleet as fleet_ops
 from ftpipe_iot.fleet.check import check_connection
@@ -234,6 +234,29 @@ def check_cmd(config_file: Path, timeout: float) -> None:
     bundle = load_bundle(config_file)
     check_connection(bundle, timeout_s=timeout)
     click.echo(f"ok: {bundle.name} connected to {bundle.broker.url}")
+
+
+@fleet.command("probe")
+@connection_options
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def probe_cmd(broker_url: str, config_file: str | None, mqtt_protocol: str,
+              max_message_bytes: int, keepalive: int, as_json: bool) -> None:
+    """Check what a broker does with ftpipe-iot's traffic: chunked QoS 1 messages, retained
+    messages (exact and wildcard subscriptions), Last Will, shared subscriptions and the largest
+    payload it passes (docs/brokers.md). Uses test topics under ftpipe-probe/ only."""
+    from ftpipe_iot.transport.probe import probe
+
+    config, _, _ = broker_settings(broker_url, config_file, mqtt_protocol, max_message_bytes,
+                                   keepalive, None)
+    report = probe(config).to_dict()
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    for key, value in report.items():
+        if key != "notes":
+            click.echo(f"{key:22} {value}")
+    for note in report["notes"]:
+        click.echo(f"note: {note}")
 
 
 COMMANDS: list[click.Command] = [fleet]

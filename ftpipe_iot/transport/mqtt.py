@@ -24,6 +24,9 @@ from ftpipe_iot.transport.config import BrokerConfig, MqttProtocol
 log = logging.getLogger(__name__)
 
 _UNSUPPORTED_PROTOCOL = (1, 132)  # v3 "unacceptable protocol version", v5 "unsupported protocol"
+_UNSUPPORTED = "unsupported protocol version"
+# Some 3.1.1-only brokers (RabbitMQ before 3.13) hang up on an MQTT 5 CONNECT without any CONNACK.
+_HUNG_UP = "the broker closed the connection before its CONNACK"
 
 
 def _reason_value(code: object) -> int:
@@ -127,7 +130,7 @@ class MqttTransport:
             client.loop_stop()
             client.disconnect()
             last_error = self._refused or f"no CONNACK within {timeout_s}s"
-            if not refused_or_up or self._refused != "unsupported protocol version":
+            if not refused_or_up or self._refused not in (_UNSUPPORTED, _HUNG_UP):
                 break
             log.info("broker does not speak MQTT %s; trying the next version", protocol.value)
         raise TransportError(f"broker at {self.config.url} refused the connection: {last_error}")
@@ -148,7 +151,7 @@ class MqttTransport:
         value = _reason_value(reason_code)
         if value != 0:
             if value in _UNSUPPORTED_PROTOCOL:
-                self._refused = "unsupported protocol version"
+                self._refused = _UNSUPPORTED
             else:
                 self._refused = _REFUSALS.get(value, f"reason code {reason_code}")
             if not self._ever_connected:
@@ -167,6 +170,8 @@ class MqttTransport:
         self._connected.set()
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        if not self._ever_connected and self._refused is None:
+            self._refused = _HUNG_UP
         if self._connected.is_set() and not self._closing:
             log.warning("%s lost its broker connection (%s); reconnecting", self.client_id,
                         reason_code)
