@@ -33,12 +33,16 @@ def _server_binary() -> str | None:
     return shutil.which("rabbitmq-server")
 
 
-def _has_mqtt_plugin() -> bool:
+def mqtt_plugin_version() -> str | None:
+    """Version of the installed ``rabbitmq_mqtt`` plugin (= RabbitMQ's), or None."""
     for base in _PLUGIN_DIRS:
-        root = Path(base)
-        if root.is_dir() and any(root.glob("*/plugins/rabbitmq_mqtt-*")):
-            return True
-    return False
+        for plugin in sorted(Path(base).glob("*/plugins/rabbitmq_mqtt-*")):
+            return plugin.name.split("-", 1)[1].removesuffix(".ez")
+    return None
+
+
+def _has_mqtt_plugin() -> bool:
+    return mqtt_plugin_version() is not None
 
 
 def rabbitmq_unavailable() -> str | None:
