@@ -184,6 +184,10 @@ class DeviceAgent:
         if incoming.topic == RECONNECTED_TOPIC:
             self._announce()  # our Last Will may have fired while we were away
             return
+        if self.loader is not None and incoming.topic.startswith(self.topics.weights("")):
+            # Replicas are still arriving (slowly on a slow link): asking for the missing ones
+            # again now would only queue more copies in front of them (docs/design.md §12).
+            self._loader_since = self.clock()
         inbound = self.messenger.receive(incoming)
         if inbound is None:
             return

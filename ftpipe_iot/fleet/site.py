@@ -51,7 +51,7 @@ class BridgeTopic:
 
 @dataclass(frozen=True)
 class LocalTopic:
-    """A topic that stays on the site broker, and why."""
+    """A topic that does not cross the bridge, and why."""
 
     pattern: str
     why: str
@@ -81,7 +81,7 @@ def bridge_topics(job: str = ANY_JOB) -> tuple[BridgeTopic, ...]:
 
 
 def local_topics(job: str = ANY_JOB) -> tuple[LocalTopic, ...]:
-    """Topics that stay on the site broker."""
+    """Topics that do not cross the bridge."""
     base = f"{ROOT}/{job}"
     return (
         LocalTopic(f"{base}/stage/<k>/act, k > 0",
@@ -179,5 +179,5 @@ def topic_map_markdown(job: str = ANY_JOB) -> str:
               Direction.BOTH: "both ways"}
     rows += [f"| `{t.pattern}` | {arrows[t.direction]} | {t.qos} | {t.why} |"
              for t in bridge_topics(job)]
-    rows += [f"| `{t.pattern}` | stays on the site | - | {t.why} |" for t in local_topics(job)]
+    rows += [f"| `{t.pattern}` | does not cross | - | {t.why} |" for t in local_topics(job)]
     return "\n".join(rows)
