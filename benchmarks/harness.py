@@ -120,3 +120,24 @@ def rate_between(summary: dict, batch: int, lo: int, hi: int) -> float:
     if lo not in times or hi not in times or hi <= lo:
         return 0.0
     return (hi - lo) * batch / (times[hi] - times[lo])
+
+
+def save_figure(fig, path: Path) -> None:
+    """Lay out, write and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(results: dict, out: Path, plot: Callable[[Path], None] | None = None) -> None:
+    """Write a benchmark's JSON to ``out`` (and its PNG next to it, drawn by ``plot``), then
+    print the JSON on stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if plot is not None:
+        png = out.with_suffix(".png")
+        plot(png)
+        results["plot"] = str(png)
+    out.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results))

@@ -27,7 +27,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import JobSpec, Placement, run_job, say, steady_rate  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    JobSpec,
+    Placement,
+    run_job,
+    save_figure,
+    say,
+    steady_rate,
+    write_results,
+)
 from benchmarks.heterogeneity import BATCH, MB, WIDTH, M, _training  # noqa: E402
 from ftpipe_iot.core.models import profile_layer_costs  # noqa: E402
 from ftpipe_iot.planning.profiles import load_profile  # noqa: E402
@@ -191,9 +199,7 @@ def plot(results: dict, path: Path) -> None:
     right.set_ylabel("seconds per micro-batch")
     right.set_title("dynamic plan on tbf links: predicted vs measured per stage")
     right.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -220,12 +226,7 @@ def main() -> None:
                    "sleep": run_pair(False, args.steps, costs, profiles, work)}
     results.update(loadavg_before=load_before, loadavg_after=os.getloadavg(),
                    wall_s=round(time.monotonic() - started, 1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    png = args.out.with_suffix(".png")
-    plot(results, png)
-    results["plot"] = str(png)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(json.dumps(results))
+    write_results(results, args.out, lambda png: plot(results, png))
 
 
 if __name__ == "__main__":

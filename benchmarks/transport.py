@@ -26,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.harness import save_figure, write_results  # noqa: E402
+
 KIB, MIB = 1024, 1024 * 1024
 # (tensor bytes, MQTT message bytes, QoS): the project's default message size, 1 MiB messages
 # (the bare-paho figure), one message per tensor, and QoS 0 for comparison.
@@ -299,9 +301,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_title(f"Transport throughput (raw TCP on this host: {tcp:.0f} MB/s)" if tcp
                  else "Transport throughput")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -340,12 +340,7 @@ def main() -> None:
                "note": "best of the repeats; CPU is shared with other work on this host",
                "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                "wall_s": round(time.monotonic() - started, 1)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    png = args.out.with_suffix(".png")
-    plot(rows, png)
-    results["plot"] = str(png)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(json.dumps(results))
+    write_results(results, args.out, lambda png: plot(rows, png))
 
 
 if __name__ == "__main__":

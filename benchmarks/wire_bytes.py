@@ -12,7 +12,6 @@ the sparsity they have in training, not at initialisation.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.harness import save_figure, write_results  # noqa: E402
 from ftpipe_iot.core.data import DataSpec, load_dataset  # noqa: E402
 from ftpipe_iot.core.models import ModelSpec, build_layers  # noqa: E402
 from ftpipe_iot.core.reference import train_reference  # noqa: E402
@@ -101,9 +101,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_ylabel("KiB per sample on the wire")
         ax.set_yscale("log")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -119,12 +117,7 @@ def main() -> None:
         models[name] = cuts_of(config, args.steps)
     results = {"micro_batch_size": MB, "trained_steps": args.steps, "models": models,
                "loadavg": os.getloadavg(), "wall_s": round(time.monotonic() - started, 1)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    png = args.out.with_suffix(".png")
-    plot(results, png)
-    results["plot"] = str(png)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(json.dumps(results))
+    write_results(results, args.out, lambda png: plot(results, png))
 
 
 if __name__ == "__main__":
