@@ -23,6 +23,7 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -38,6 +39,7 @@ from benchmarks.harness import (  # noqa: E402
 )
 from benchmarks.heterogeneity import BATCH, MB, WIDTH, M, _training  # noqa: E402
 from ftpipe_iot.core.models import profile_layer_costs  # noqa: E402
+from ftpipe_iot.planning.partition import balanced_split  # noqa: E402
 from ftpipe_iot.planning.profiles import load_profile  # noqa: E402
 from ftpipe_iot.planning.solver import LayerCosts, evaluate_partition  # noqa: E402
 from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess  # noqa: E402
@@ -53,6 +55,10 @@ PORT = 1883
 # same connection: the default detectors (5 s heartbeat, 30 s stall) would declare a healthy
 # device dead. Both kinds of run get the same, longer ones.
 DETECTORS = ["--heartbeat-timeout", "60", "--stall-timeout", "120"]
+# Replicas only at plan changes (outside the measuring window): the solver's link model counts
+# activations and gradients, and the window measures what it models. What one replication
+# costs on each link is reported on its own (``replication``).
+REPLICATION = ["--replicate-every", "0"]
 
 
 def write_profiles(folder: Path) -> dict[str, Path]:
@@ -64,6 +70,12 @@ def write_profiles(folder: Path) -> dict[str, Path]:
                                     "bandwidth_bytes_per_s": mbit * 1e6 / 8}))
         paths[name] = path
     return paths
+
+
+def even_assignment(costs: dict) -> str:
+    """The even split of heterogeneity.py: balanced by reference cost, devices in name order."""
+    ranges = balanced_split(costs["layer_cost_s"], len(NAMES))
+    return ",".join(f"{n}:{start}-{end}" for n, (start, end) in zip(NAMES, ranges))
 
 
 class LinkWindow:
@@ -86,7 +98,8 @@ class LinkWindow:
             raise TimeoutError(f"never reached step {self.last}")
         span, micro_batches = time.monotonic() - started, (self.last - self.first) * M
         after = self._counters() if self.lab else {}
-        self.result = {"steps": [self.first, self.last], "seconds": span, "devices": {}}
+        self.result = {"steps": [self.first, self.last], "seconds": span, "devices": {},
+                       "capacities": dict(watcher.job.capacities)}
         for name in NAMES:
             view = watcher.devices.get(name)
             entry = {"reported_compute_s_per_micro_batch":
@@ -103,13 +116,19 @@ def predicted_and_measured(summary: dict, window: dict, costs: dict, profiles: d
     specs = [load_profile(profiles[n]).device_spec(name=n) for n in NAMES]
     assignment = [(s["device"], s["start"], s["end"]) for s in summary["stages"]]
     plan = evaluate_partition(assignment, LayerCosts.from_dict(costs), specs)
+    # The controller's own view: the capacity factors it measured during the run.
+    measured_specs = [replace(spec, factor=window["capacities"].get(spec.name, spec.factor))
+                      for spec in specs]
+    seen = evaluate_partition(assignment, LayerCosts.from_dict(costs), measured_specs)
     stages = []
-    for stage in plan.stages:
+    for stage, seen_stage in zip(plan.stages, seen.stages):
         rate = load_profile(profiles[stage.device]).bandwidth_bytes_per_s
         measured = window["devices"][stage.device]
         row = {"device": stage.device, "layers": [stage.start, stage.end],
                "predicted": {"compute_s": stage.compute_s, "comm_s": stage.comm_s,
                              "time_s": stage.time_s},
+               "predicted_with_measured_capacity": {"compute_s": seen_stage.compute_s,
+                                                    "time_s": seen_stage.time_s},
                "measured": dict(measured)}
         if "tx_bytes_per_micro_batch" in measured:
             tx, rx = measured["tx_bytes_per_micro_batch"], measured["rx_bytes_per_micro_batch"]
@@ -120,6 +139,7 @@ def predicted_and_measured(summary: dict, window: dict, costs: dict, profiles: d
     per_micro_batch = window["seconds"] / ((window["steps"][1] - window["steps"][0]) * M)
     return {"stages": stages, "predicted_bottleneck_s": plan.bottleneck_s,
             "predicted_samples_per_s": MB / plan.bottleneck_s,
+            "predicted_samples_per_s_with_measured_capacity": MB / seen.bottleneck_s,
             "measured_s_per_micro_batch": per_micro_batch,
             "measured_samples_per_s": MB / per_micro_batch}
 
@@ -129,8 +149,9 @@ def run_pair(real: bool, steps: int, costs: dict, profiles: dict, work: Path) ->
     out: dict = {}
     for mode in ("even", "dynamic"):
         run_steps = steps if mode == "even" else steps + 12
-        args = [*_training(run_steps), *(["--no-repartition"] if mode == "even"
-                                        else ["--repartition-cooldown", "5"]), *DETECTORS]
+        policy = (["--no-repartition", "--assignment", even_assignment(costs)] if mode == "even"
+                  else ["--repartition-cooldown", "5"])
+        args = [*_training(run_steps), *policy, *DETECTORS, *REPLICATION]
         spec = JobSpec(f"links-{'real' if real else 'sleep'}-{mode}",
                        [(n, profiles[n]) for n in NAMES], args, timeout_s=1800)
         first = run_steps - steps // 2
@@ -144,6 +165,8 @@ def run_pair(real: bool, steps: int, costs: dict, profiles: dict, work: Path) ->
             window = window.result
         out[mode] = {"samples_per_s": steady_rate(summary, BATCH, steps // 2),
                      "stages": summary["stages"], "repartitions": summary["repartitions"],
+                     "failures_detected": summary["failures_detected"],
+                     "replicated_bytes": summary["replicated_bytes"],
                      "window": window,
                      "model_vs_links": predicted_and_measured(summary, window, costs,
                                                               profiles)}
@@ -167,6 +190,21 @@ def _real_run(spec: JobSpec, first: int, last: int, work: Path) -> tuple[dict, d
             window = LinkWindow(lab, first, last)
             summary = run_job(spec, broker, during=window, placement=placement)
     return summary, window.result
+
+
+def replication_cost() -> dict:
+    """What one replication of every layer weighs (its state plus an SGD momentum buffer per
+    parameter) and how long it takes through a 10 and a 40 Mbit/s link: traffic the solver's
+    model leaves out."""
+    from ftpipe_iot.core.models import ModelSpec, build_layers
+
+    layers = build_layers(ModelSpec("mobilenetv2", width=WIDTH), (3, 32, 32), 10, 0)
+    state = sum(t.numel() * t.element_size() for layer in layers
+                for t in layer.state_dict().values())
+    momentum = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+    total = state + momentum
+    return {"replica_bytes": total,
+            "seconds_at": {f"{mbit} Mbit/s": total / (mbit * 1e6 / 8) for mbit in (10, 40)}}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -222,6 +260,7 @@ def main() -> None:
         results = {"model": f"mobilenetv2(width={WIDTH})", "micro_batches": M,
                    "micro_batch_size": MB, "factors": dict(zip(NAMES, FACTORS)),
                    "caps_mbit_each_way": dict(zip(NAMES, CAPS_MBIT)),
+                   "replication": replication_cost(),
                    "real": run_pair(True, args.steps, costs, profiles, work),
                    "sleep": run_pair(False, args.steps, costs, profiles, work)}
     results.update(loadavg_before=load_before, loadavg_after=os.getloadavg(),
