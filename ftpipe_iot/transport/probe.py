@@ -30,7 +30,7 @@ from ftpipe_iot.transport.mqtt import MqttTransport
 KIB = 1024
 # Payload sizes tried for the size cap: AWS IoT's 128 KiB, the project's chunk, EMQX's 1 MiB.
 PAYLOAD_SIZES = (100 * KIB, 256 * KIB, 1024 * KIB, 4096 * KIB)
-_WAIT_S = 3.0
+_WAIT_S = 5.0  # per check; generous for a loaded CI host (a negative answer waits it out)
 
 
 @dataclass
