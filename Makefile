@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,onnx]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -113,6 +113,10 @@ class BrokerError(FtpipeError, RuntimeError):
     """The broker could not be started or did not come up."""
 
 
+class TrainingDiverged(FtpipeError, ArithmeticError):
+    """The training loss stopped being a finite number (a learning rate too high, bad data)."""
+
+
 class DemoError(FtpipeError, RuntimeError):
     """The demo could not run to the end; the message names the process and the reason."""
 

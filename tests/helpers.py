@@ -9,7 +9,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.control.controller import Controller, ControllerConfig
-from ftpipe_iot.device.agent import DeviceAgent, device_will
+from ftpipe_iot.device.agent import DeviceAgent, DeviceOptions, device_will
 from ftpipe_iot.protocol.vocab import ControllerPhase as Phase
 from ftpipe_iot.runtime.supervise import ProcessGroup
 from ftpipe_iot.transport.memory import MemoryBroker
@@ -18,13 +18,14 @@ from ftpipe_iot.transport.memory import MemoryBroker
 class MemoryJob:
     """A controller and devices on an in-memory broker, pumped in one thread."""
 
-    def __init__(self, config: ControllerConfig, devices: int = 3, job: str = "t") -> None:
+    def __init__(self, config: ControllerConfig, devices: int = 3, job: str = "t",
+                 options: DeviceOptions = DeviceOptions()) -> None:
         self.broker = MemoryBroker()
         self.controller = Controller(job, config, self.broker.transport("controller"),
                                      CollectorRegistry())
         self.devices = [
             DeviceAgent(f"d{i}", job, self.broker.transport(f"d{i}", device_will(f"d{i}", job)),
-                        CollectorRegistry())
+                        CollectorRegistry(), options)
             for i in range(devices)
         ]
 

@@ -80,16 +80,62 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path):
     assert not any("mosquitto" in p for p in _broker_processes(tmp_path))
 
 
-def test_a_failing_device_stops_the_whole_demo(tmp_path):
+def _pid(job: str, name: str) -> int:
+    line = next(line for line in _leftovers(job) if f" {name} " in f"{line} ")
+    return int(line.split()[0])
+
+
+def _start_demo(job: str, tmp_path, *args: str) -> subprocess.Popen:
+    """A demo that prints its summary as JSON; returns once the first plan is out."""
+    proc = subprocess.Popen([sys.executable, "-m", "ftpipe_iot", "demo", "--json", "--job", job,
+                             "--devices", "3", "--epochs", "4", "--work-dir", str(tmp_path),
+                             *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    for line in proc.stderr:  # blocks until the controller reports its plan
+        if line.startswith("plan "):
+            return proc
+    proc.wait(10)
+    raise AssertionError("demo ended before training started")
+
+
+def test_a_device_killed_from_outside_is_the_controllers_business(tmp_path):
     job = _job()
-    proc = _start_demo_and_wait_for_training(job, tmp_path)
-    victim = next(line for line in _leftovers(job) if "--name dev1" in line)
-    os.kill(int(victim.split()[0]), signal.SIGKILL)
-    _, err = proc.communicate(timeout=90)
-    assert proc.returncode != 0
-    assert "dev1" in err
+    proc = _start_demo(job, tmp_path, "--max-steps", "150", "--replicate-every", "5")
+    os.kill(_pid(job, "--name dev1"), signal.SIGKILL)  # as a user would, from another terminal
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 150 and summary["error"] is None
+    assert summary["failures_detected"] >= 1 and summary["recoveries"] >= 1
+    assert "dev1" in summary["exited"] and "SIGKILL" in summary["exited"]["dev1"]
+    assert summary["devices"] == 2  # finished on the two that were left
     assert _leftovers(job) == []
-    assert _broker_processes(tmp_path) == []
+
+
+def test_the_demo_restarts_a_killed_controller_and_with_the_option_a_killed_device(tmp_path):
+    job = _job()
+    proc = _start_demo(job, tmp_path, "--max-steps", "150", "--replicate-every", "5",
+                       "--restart-devices")
+    os.kill(_pid(job, "controller"), signal.SIGKILL)
+    os.kill(_pid(job, "--name dev2"), signal.SIGKILL)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    assert "restarting it with --resume" in err and "dev2 was killed by SIGKILL" in err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["restarts"]["controller"] == 1 and summary["restarts"]["devices"] == 1
+    assert summary["steps"] == 150 and summary["error"] is None
+    assert _leftovers(job) == []
+
+
+@pytest.mark.parametrize(("broker", "message"), [
+    ("mqtt://127.0.0.1:1", "cannot reach broker at mqtt://127.0.0.1:1"),
+    ("http://x", "scheme must be mqtt:// or mqtts://"),
+])
+def test_an_unusable_broker_is_named_with_its_reason(broker, message):
+    result = _run_demo("--broker", broker, "--job", _job(), timeout=60)
+    assert result.returncode == 1
+    assert message in result.stderr and "Traceback" not in result.stderr
 
 
 def _broker_processes(tmp_path) -> list[str]:

@@ -9,10 +9,18 @@ from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.device.agent import DeviceAgent, DeviceOptions
 from ftpipe_iot.planning.profiles import DeviceProfile
-from ftpipe_iot.protocol.messages import DeviceStatus, LayerReplica, PlanMessage, envelope
+from ftpipe_iot.protocol.messages import (
+    ControllerState,
+    DeviceStatus,
+    LayerReplica,
+    PlanMessage,
+    envelope,
+)
 from ftpipe_iot.protocol.plan import Plan, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.results import Missing, Result
+from ftpipe_iot.protocol.specs import ModelSpec
 from ftpipe_iot.protocol.topics import Topics
+from ftpipe_iot.protocol.vocab import ControllerStatus
 from ftpipe_iot.protocol.wire import WireOptions, decode, encode
 from ftpipe_iot.transport.base import Incoming
 from ftpipe_iot.transport.memory import MemoryBroker
@@ -66,10 +74,14 @@ def test_missing_layers_are_asked_for_only_when_nothing_arrives():
     watcher = broker.transport("watcher")
     watcher.connect()
     watcher.subscribe(Topics(JOB).results)
-    plan = Plan(7, JOB, (StageAssignment(0, "d0", 0, 2),), TrainConfig(), 2, (64,), 10,
-                resume_step=5)
-    agent.handle(Incoming(Topics(JOB).plan, encode(envelope(PlanMessage(plan), JOB, "c"))[0]))
-    assert agent.loader is not None and agent.loader.missing == {0, 1}
+    plan = Plan(7, JOB, (StageAssignment.single(0, "d0", 0, 6),),
+                TrainConfig(model=ModelSpec("mlp")), 6, (1, 8, 8), 10, resume_step=5)
+    # The controller announces the plan's version in its retained state, then the plan.
+    state = ControllerState(ControllerStatus.ONLINE, JOB)
+    agent.handle(Incoming(Topics(JOB).state, encode(envelope(state, JOB, "controller", 7))[0]))
+    agent.handle(Incoming(Topics(JOB).plan,
+                          encode(envelope(PlanMessage(plan), JOB, "controller", 7))[0]))
+    assert agent.loader is not None and agent.loader.missing == set(range(6))
     big = LayerReplica(0, 5, {"w": np.zeros(100_000, dtype=np.float32)}, None)
     chunks = encode(envelope(big, JOB, "c", 7, 5, seq=1),
                     WireOptions(compress=False, max_message_bytes=64 * 1024))
@@ -81,4 +93,4 @@ def test_missing_layers_are_asked_for_only_when_nothing_arrives():
     assert _missing_requests(watcher) == []
     clock.now += 3.5  # now nothing arrives for longer than the interval
     agent.tick(heartbeat=False)
-    assert _missing_requests(watcher) == [Missing(5, (0, 1))]
+    assert _missing_requests(watcher) == [Missing(5, tuple(range(6)))]

@@ -98,7 +98,7 @@ def test_kill_9_of_one_device_mid_run(fault_job):
     assert summary["failures_detected"] >= 1 and summary["recoveries"] >= 1
     failures = [e for e in summary["events"] if e["type"] == "failure_detected"]
     assert failures[0]["cause"] == "last_will" and failures[0]["devices"] == ["dev1"]
-    assert "dev1" not in {s["device"] for s in summary["stages"]}
+    assert "dev1" not in {d["device"] for s in summary["stages"] for d in s["devices"]}
     assert summary["recomputed_steps"] >= 0
 
 
@@ -107,13 +107,13 @@ def test_two_adjacent_devices_killed_at_once(fault_job):
         fault_job.device(f"dev{i}")
     fault_job.controller(4)
     fault_job.wait_step(12)
-    stages = {s.device: s.stage for s in fault_job.watcher.job.stages}
+    stages = {d: s.stage for s in fault_job.watcher.job.stages for d in s.devices}
     adjacent = sorted(stages, key=stages.get)[1:3]  # stages 1 and 2
     for name in adjacent:
         fault_job.signal(name, signal.SIGKILL)
     summary = fault_job.finish()
     assert summary["recoveries"] >= 1
-    survivors = {s["device"] for s in summary["stages"]}
+    survivors = {d["device"] for s in summary["stages"] for d in s["devices"]}
     assert survivors.isdisjoint(adjacent) and len(survivors) == 2
 
 
@@ -139,18 +139,18 @@ def test_hung_device_is_detected_by_missing_heartbeats(fault_job):
 def test_replacement_device_that_was_not_there_at_start(fault_job):
     for i in range(3):
         fault_job.device(f"dev{i}")
-    fault_job.steps = 120
+    fault_job.steps = 240  # long enough for a new process to start while the job runs
     fault_job.controller(3)
     fault_job.wait_step(10)
     fault_job.signal("dev0", signal.SIGKILL)
     assert fault_job.watcher.wait_for(
-        lambda w: w.job.stages and "dev0" not in {s.device for s in w.job.stages}, 60)
+        lambda w: w.job.stages and "dev0" not in {d for s in w.job.stages for d in s.devices}, 60)
     fault_job.device("spare")
     assert fault_job.watcher.wait_for(
-        lambda w: "spare" in {s.device for s in w.job.stages}, 90), \
+        lambda w: "spare" in {d for s in w.job.stages for d in s.devices}, 90), \
         "the replacement device was never taken into the plan"
     summary = fault_job.finish()
-    assert "spare" in {s["device"] for s in summary["stages"]}
+    assert "spare" in {d["device"] for s in summary["stages"] for d in s["devices"]}
     assert len(summary["stages"]) == 3
 
 

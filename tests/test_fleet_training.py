@@ -48,7 +48,7 @@ def test_training_over_tls_with_provisioned_identities(tmp_path, processes):
         broker.cleanup()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 15 and summary["error"] is None
-    assert sorted(s["device"] for s in summary["stages"]) == names
+    assert sorted(d["device"] for s in summary["stages"] for d in s["devices"]) == names
     # secrets never reach logs or the command line
     for name in [*names, "ctl"]:
         password = (root / "bundles" / name / "password").read_text().strip()

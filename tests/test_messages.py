@@ -54,8 +54,8 @@ from ftpipe_iot.transport.messenger import Messenger
 
 
 def _plan() -> Plan:
-    return Plan(version=7, job="j", stages=(StageAssignment(0, "a", 0, 2),
-                                            StageAssignment(1, "b", 2, 6)),
+    return Plan(version=7, job="j", stages=(StageAssignment.single(0, "a", 0, 2),
+                                            StageAssignment.single(1, "b", 2, 6)),
                 train=TrainConfig(), num_layers=6, input_shape=(1, 8, 8), num_classes=10)
 
 
@@ -166,7 +166,8 @@ def test_loading_a_plan_imports_no_torch():
             "from ftpipe_iot.protocol.messages import PlanMessage, decode_message, envelope\n"
             "from ftpipe_iot.protocol.wire import decode, encode\n"
             "from ftpipe_iot.protocol.plan import Plan, StageAssignment, TrainConfig\n"
-            "plan = Plan(1, 'j', (StageAssignment(0, 'a', 0, 3),), TrainConfig(), 3, (4,), 2)\n"
+            "stages = (StageAssignment.single(0, 'a', 0, 3),)\n"
+            "plan = Plan(1, 'j', stages, TrainConfig(), 3, (4,), 2)\n"
             "back = decode_message(decode(encode(envelope(PlanMessage(plan), 'j', 'c'))[0]))\n"
             "assert back.message.plan == plan\n"
             "print('torch' in sys.modules)\n")

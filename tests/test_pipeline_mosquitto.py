@@ -48,7 +48,8 @@ def test_three_device_processes_equal_single_process_training(mosquitto, process
     summary = json.loads(controller.stdout.read().strip().splitlines()[-1])
     assert summary["steps"] == STEPS and summary["devices"] == 3
     # the controller may have rebalanced on measured speeds; the weights must not care
-    assert sorted(s["device"] for s in summary["stages"]) == ["dev0", "dev1", "dev2"]
+    devices = sorted(d["device"] for s in summary["stages"] for d in s["devices"])
+    assert devices == ["dev0", "dev1", "dev2"]
     gathered = load_weights(tmp_path / "weights.npz")
     assert max_weight_diff(gathered, _reference(STEPS)) < 1e-5
     assert max_weight_diff(gathered, _reference(0)) > 1e-3
@@ -85,23 +86,23 @@ class _Injector:
             pubs.append(self.client.publish(topic, payload, qos=1))
 
         for _ in range(5):  # repeated: the log must still say it once
-            pub(t.stage_act(1), b"\x93random bytes, not msgpack\xff")
+            pub(t.stage_act(1, "dev1"), b"\x93random bytes, not msgpack\xff")
         version_frame = msgpack.unpackb(encode(Envelope(MessageKind.ACTIVATION, t.job, "x"))[0],
                                         raw=False)
         version_frame["v"] = 42
-        pub(t.stage_grad(0), msgpack.packb(version_frame, use_bin_type=True))
+        pub(t.stage_grad(0, "dev0"), msgpack.packb(version_frame, use_bin_type=True))
         big = Envelope(MessageKind.ACTIVATION, t.job, "x", plan_version=self.plan_version,
                        body={"x": np.arange(40_000, dtype=np.float32)})
         chunks = encode(big, WireOptions(compress=False, max_message_bytes=64 * 1024))
-        pub(t.stage_act(2), chunks[0][: len(chunks[0]) // 3])  # truncated chunk
+        pub(t.stage_act(2, "dev2"), chunks[0][: len(chunks[0]) // 3])  # truncated chunk
         old = Envelope(MessageKind.GRADIENT, t.job, "x", plan_version=self.plan_version - 1,
                        step=0, micro_batch=0, body={"g": np.zeros((8, 32, 4, 4), np.float32)})
-        pub(t.stage_grad(1), encode(old)[0])
+        pub(t.stage_grad(1, "dev1"), encode(old)[0])
         wrong = Envelope(MessageKind.ACTIVATION, t.job, "x", plan_version=self.plan_version,
                          step=10_000, micro_batch=0,
                          body={"x": np.zeros((8, 3, 3), np.float32),
                                "y": np.zeros(8, np.int64), "train": True})
-        pub(t.stage_act(1), encode(wrong)[0])
+        pub(t.stage_act(1, "dev1"), encode(wrong)[0])
         pub(t.results, b"\x00\x01\x02")
         for info in pubs:
             info.wait_for_publish(10)

@@ -152,5 +152,5 @@ def test_model_registry_errors_are_clear(monkeypatch):
     monkeypatch.setitem(sys.modules, "ftpipe_iot.core.models", None)  # makes the import fail
     result = run("--model", "mlp", "--profiles", profile("gateway"))
     assert result.exit_code == 1
-    assert "ftpipe_iot.models.profile_layer_costs" in result.output
+    assert "ftpipe_iot.core.models.profile_layer_costs" in result.output
     assert "--costs FILE" in result.output

@@ -45,13 +45,14 @@ def test_the_topic_map_lets_only_what_must_cross_cross():
     base = f"ftpipe/{JOB}"
     assert _crossing(f"{base}/ctrl/plan") == {Direction.IN}
     assert _crossing(f"{base}/ctrl/cmd/dev0") == {Direction.IN}
-    assert _crossing(f"{base}/stage/0/act") == {Direction.IN}
+    assert _crossing(f"{base}/stage/0/act/dev0") == {Direction.IN}
     assert _crossing(f"{base}/results") == {Direction.OUT}
     assert _crossing(f"{base}/weights/3/0") == {Direction.BOTH}
     assert _crossing("ftpipe/dev/dev0/status") == {Direction.OUT}
     assert _crossing("ftpipe/dev/dev0/hb") == {Direction.OUT}
-    for local in (f"{base}/stage/1/act", f"{base}/stage/2/act", f"{base}/stage/0/grad",
-                  f"{base}/stage/1/grad", f"{base}/events", "ftpipe/other/ctrl/plan"):
+    for local in (f"{base}/stage/1/act/dev1", f"{base}/stage/2/act/dev2",
+                  f"{base}/stage/0/grad/dev0", f"{base}/stage/1/grad/dev1",
+                  f"{base}/stage/0/reduce", f"{base}/events", "ftpipe/other/ctrl/plan"):
         assert _crossing(local) == set(), local
     table = topic_map_markdown(JOB)
     assert all(f"`{t.pattern}`" in table for t in bridge_topics(JOB))
@@ -62,7 +63,8 @@ def test_the_site_identity_may_do_at_the_central_broker_what_the_bridge_does():
     assert (f"ftpipe/{JOB}/ctrl/#", "read") in rules
     assert (f"ftpipe/{JOB}/results", "write") in rules
     assert (f"ftpipe/{JOB}/weights/#", "readwrite") in rules
-    assert not any("grad" in topic or "stage/1" in topic for topic, _ in rules)
+    assert not any("grad" in topic or "reduce" in topic or "stage/1" in topic
+                   for topic, _ in rules)
 
 
 def test_bad_site_settings_are_refused_with_a_reason():
@@ -160,5 +162,5 @@ def test_training_over_a_bridge_survives_a_central_restart_and_keeps_pipeline_lo
     assert summary["steps"] == steps and summary["error"] is None
     assert max_weight_diff(load_weights(tmp_path / "weights.npz"), reference(steps)) < 1e-5
     # Only the controller's feed into stage 0 reached the central broker.
-    assert topics == {f"ftpipe/{JOB}/stage/0/act"}, topics
+    assert topics and all(t.startswith(f"ftpipe/{JOB}/stage/0/act/") for t in topics), topics
 

@@ -4,15 +4,16 @@ objects (parsing only: every check of a value's meaning lives in the config clas
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import click
 
 from ftpipe_iot.errors import FtpipeError
-from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
 from ftpipe_iot.protocol.vocab import OptimizerName, WireDtype
-from ftpipe_iot.transport.config import BrokerConfig, load_bundle, parse_protocol
+from ftpipe_iot.transport.config import BrokerConfig, Bundle, load_bundle, parse_protocol
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -48,8 +49,9 @@ _TRAINING: list[Decorator] = [
                  help="digits | synthetic | npz:PATH (arrays x and y)"),
     click.option("--data-shape", default="3,32,32", show_default=True,
                  help="sample shape of synthetic data, comma separated"),
-    click.option("--data-classes", type=click.IntRange(min=2), default=10, show_default=True,
-                 help="classes of synthetic data"),
+    click.option("--data-classes", type=click.IntRange(min=2), default=None,
+                 help="classes of synthetic data [default: 10] or of an npz file [default: its "
+                      "largest label + 1]"),
     click.option("--data-samples", type=click.IntRange(min=4), default=2048, show_default=True,
                  help="samples of synthetic data"),
     click.option("--epochs", type=click.IntRange(min=1), default=6, show_default=True),
@@ -73,11 +75,14 @@ _TRAINING: list[Decorator] = [
     click.option("--no-compress", is_flag=True, help="never lz4-compress message bodies"),
     click.option("--replicate-every", type=click.IntRange(min=0), default=10, show_default=True,
                  help="replicate weights every R steps (0 = only at plan changes)"),
+    click.option("--freeze-layers", default=None, metavar="0-K",
+                 help="keep layers [0, K) fixed: no gradients, no optimizer state, and "
+                      "gradients stop at the first trainable stage"),
 ]
 TRAINING_NAMES = ("model", "data", "data_shape", "data_classes", "data_samples", "epochs",
                   "max_steps", "micro_batches", "micro_batch_size", "optimizer", "lr",
                   "momentum", "seed", "max_in_flight", "wire_dtype", "no_compress",
-                  "replicate_every")
+                  "replicate_every", "freeze_layers")
 
 _CONNECTION: list[Decorator] = [
     click.option("--broker", "broker_url", default="mqtt://127.0.0.1:1883", show_default=True,
@@ -141,7 +146,23 @@ def train_config(kw: dict[str, Any]) -> TrainConfig:
         optimizer=OptimizerName(kw["optimizer"]), lr=kw["lr"], momentum=kw["momentum"],
         seed=kw["seed"], epochs=kw["epochs"], max_steps=kw["max_steps"],
         max_in_flight=kw["max_in_flight"], wire_dtype=WireDtype(kw["wire_dtype"]),
-        compress=not kw["no_compress"], replicate_every=kw["replicate_every"])
+        compress=not kw["no_compress"], replicate_every=kw["replicate_every"],
+        frozen_layers=parse_frozen(kw["freeze_layers"]))
+
+
+def parse_frozen(text: str | None) -> int:
+    """``0-K`` -> K (layers [0, K) are fixed); only a prefix of the model can be frozen."""
+    if not text:
+        return 0
+    start, _, end = text.partition("-")
+    try:
+        first, last = int(start), int(end)
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r} is not 0-K", param_hint="--freeze-layers") from exc
+    if first != 0 or last < 1:
+        raise click.BadParameter("only the first layers can be frozen: 0-K with K >= 1",
+                                 param_hint="--freeze-layers")
+    return last
 
 
 def explicit(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
@@ -150,28 +171,40 @@ def explicit(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
 
 
-def parse_assignment(text: str) -> tuple[tuple[str, int, int], ...]:
-    """``dev3:0-10,dev0:10-22`` -> ((dev3, 0, 10), (dev0, 10, 22))."""
+def parse_assignment(text: str) -> tuple[StageAssignment, ...]:
+    """``dev3:0-10,dev0+dev1:10-22`` -> stage 0 on dev3, stage 1 on the group dev0 and dev1
+    (equal shares)."""
     stages = []
-    for part in text.split(","):
+    for index, part in enumerate(text.split(",")):
         try:
-            device, _, span = part.partition(":")
+            devices, _, span = part.partition(":")
             start, _, end = span.partition("-")
-            stages.append((device.strip(), int(start), int(end)))
+            names = [d.strip() for d in devices.split("+")]
+            if any(not name for name in names):
+                raise click.BadParameter("every stage needs device names",
+                                         param_hint="--assignment")
+            members = tuple(Member(name, 1.0 / len(names)) for name in names)
+            stages.append(StageAssignment(index, int(start), int(end), members))
         except ValueError as exc:
-            raise click.BadParameter(f"{part!r} is not DEVICE:START-END",
+            raise click.BadParameter(f"{part!r} is not DEVICE[+DEVICE...]:START-END",
                                      param_hint="--assignment") from exc
-    if any(not d for d, _, _ in stages):
-        raise click.BadParameter("every stage needs a device name", param_hint="--assignment")
     return tuple(stages)
 
 
 def broker_settings(url: str, config_file: str | None, protocol: str, max_message: int,
                     keepalive: int, job: str | None) -> tuple[BrokerConfig, str | None, str]:
     """Broker settings, identity name and job from a bundle file or from the options."""
+    bundle = identity(url, config_file, protocol, max_message, keepalive, job)
+    return bundle.broker, bundle.name or None, bundle.job
+
+
+def identity(url: str, config_file: str | None, protocol: str, max_message: int,
+             keepalive: int, job: str | None) -> Bundle:
+    """The bundle file's identity (its job overridden by ``job``), or one made of the options
+    (with an empty name)."""
     if config_file:
         bundle = load_bundle(config_file)
-        return bundle.broker, bundle.name, job or bundle.job
+        return replace(bundle, job=job or bundle.job)
     config = BrokerConfig.from_url(url, protocol=parse_protocol(protocol),
                                    max_message_bytes=max_message, keepalive_s=keepalive)
-    return config, None, job or "default"
+    return Bundle(name="", job=job or "default", broker=config)

@@ -21,7 +21,7 @@ def _model_costs(model: str, micro_batch_size: int) -> LayerCosts:
         from ftpipe_iot.core.models import profile_layer_costs
     except ImportError as exc:
         raise click.ClickException(
-            f"--model needs ftpipe_iot.models.profile_layer_costs, which cannot be imported "
+            f"--model needs ftpipe_iot.core.models.profile_layer_costs, which cannot be imported "
             f"({exc}); pass measured costs with --costs FILE instead") from exc
     try:
         data = profile_layer_costs(model, micro_batch_size)

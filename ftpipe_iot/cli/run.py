@@ -16,6 +16,7 @@ from ftpipe_iot.cli.options import (
     command,
     connection_options,
     explicit,
+    identity,
     parse_assignment,
     process_options,
     train_config,
@@ -60,10 +61,16 @@ def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
 @click.option("--real-link", is_flag=True,
               help="the network enforces the profile's link cap (e.g. a tbf-capped namespace): "
                    "declare it, do not sleep for it")
+@click.option("--controller-name", default="controller", show_default=True,
+              help="sender name the job's plans must carry")
+@click.option("--allow-model-module", "allowed_modules", multiple=True, metavar="MODULE",
+              help="module a plan's user model (MODULE:callable) may be imported from "
+                   "(repeatable; also `allow_model_modules` in the bundle)")
 @connection_options
 @process_options
 def device(name: str | None, job: str | None, heartbeat_interval: float,
-           profile_file: str | None, real_link: bool, broker_url: str, config_file: str | None,
+           profile_file: str | None, real_link: bool, controller_name: str,
+           allowed_modules: tuple[str, ...], broker_url: str, config_file: str | None,
            mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
            threads: int, log_level: str) -> None:
     """Run a device agent: announce, take a stage from the plan, compute, report."""
@@ -71,15 +78,17 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
     from ftpipe_iot.planning.profiles import load_profile
     from ftpipe_iot.runtime.entry import ProcessOptions, run_device
 
-    config, bundle_name, job = broker_settings(broker_url, config_file, mqtt_protocol,
-                                               max_message_bytes, keepalive, job)
-    name = name or bundle_name
+    bundle = identity(broker_url, config_file, mqtt_protocol, max_message_bytes, keepalive, job)
+    name = name or bundle.name
     if not name:
         raise click.UsageError("give --name or a --config bundle")
     profile = load_profile(profile_file) if profile_file else None
-    sys.exit(run_device(name, job, config, ProcessOptions(metrics_port, threads, log_level),
-                        DeviceOptions(heartbeat_interval_s=heartbeat_interval,
-                                      emulate_link=not real_link), profile))
+    options = DeviceOptions(heartbeat_interval_s=heartbeat_interval, controller=controller_name,
+                            allowed_model_modules=(*bundle.allow_model_modules,
+                                                   *allowed_modules),
+                            emulate_link=not real_link)
+    sys.exit(run_device(name, bundle.job, bundle.broker,
+                        ProcessOptions(metrics_port, threads, log_level), options, profile))
 
 
 @command()
@@ -94,7 +103,8 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 @click.option("--heartbeat-timeout", type=click.FloatRange(min=0.1), default=5.0,
               show_default=True, help="a device silent this long is declared failed")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
-              help="also write every complete checkpoint version here (.npz)")
+              help="also write every complete checkpoint version here (step-N.pt, the "
+                   "--save-model format)")
 @click.option("--resume", is_flag=True,
               help="continue the job from the retained plan, state and weights on the broker")
 @click.option("--repartition/--no-repartition", default=True, show_default=True,
@@ -105,8 +115,14 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
               show_default=True, help="steps between repartitions")
 @click.option("--assignment", default=None, metavar="DEV:START-END,...",
               help="pin the first plan, e.g. dev3:0-10,dev0:10-22 (stages in order)")
+@click.option("--init-from", type=click.Path(dir_okay=False), default=None,
+              help="start from these weights: a --save-model checkpoint or a state dict of the "
+                   "whole nn.Sequential (fine-tuning)")
+@click.option("--save-model", type=click.Path(dir_okay=False), default=None,
+              help="write the trained model here: a PyTorch checkpoint (.pt) that "
+                   "`ftpipe-iot export` and `evaluate` read")
 @click.option("--save-weights", type=click.Path(dir_okay=False), default=None,
-              help="write the trained weights (.npz) here")
+              help="also write the trained layers as the project's .npz")
 @click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
               help="write the run summary here")
 @click.option("--stop-devices", is_flag=True, help="shut the devices down at the end")
@@ -121,7 +137,9 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                wait_devices: float, stall_timeout: float, heartbeat_timeout: float,
                checkpoint_dir: str | None, resume: bool, repartition: bool,
                repartition_threshold: float, repartition_cooldown: int, assignment: str | None,
-               save_weights: str | None, summary_json: str | None, stop_devices: bool,
+               init_from: str | None, save_model: str | None, save_weights: str | None,
+               summary_json: str | None,
+               stop_devices: bool,
                as_json: bool, train_file: str | None, broker_url: str, config_file: str | None,
                mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
                threads: int, log_level: str, **training: Any) -> None:
@@ -149,13 +167,15 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
         repartition=repartition, repartition_threshold=repartition_threshold,
         repartition_cooldown_steps=repartition_cooldown,
         assignment=parse_assignment(assignment) if assignment else (),
-        save_weights=Path(save_weights) if save_weights else None, stop_devices=stop_devices)
+        save_weights=Path(save_weights) if save_weights else None,
+        save_model=Path(save_model) if save_model else None,
+        init_from=Path(init_from) if init_from else None, stop_devices=stop_devices)
     summary = run_controller(job, config, ctrl_config,
                              ProcessOptions(metrics_port, threads, log_level),
                              default_progress(), client_id=bundle_name,
                              summary_path=Path(summary_json) if summary_json else None)
     if as_json:
-        click.echo(json.dumps(summary.to_dict(with_history=False)))
+        click.echo(summary.to_json(with_history=False))
     if summary.error:
         raise click.ClickException(summary.error)
 
@@ -178,12 +198,20 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
               help="inject a fault with real signals: kill:2@step=30, hang:1@step=50, "
                    "cont:1@step=60, join@step=40, broker-restart@step=70, "
                    "controller-restart@step=80 (repeatable)")
+@click.option("--restart-devices", is_flag=True,
+              help="start a device process again when it dies (as systemd would)")
+@click.option("--max-message-bytes", type=click.IntRange(min=1024), default=None,
+              help="largest MQTT message (larger payloads are chunked); at most the broker's "
+                   "limit")
+@click.option("--init-from", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="start from these weights (a model.pt of an earlier run, or a state dict)")
 @click.option("--json", "as_json", is_flag=True,
               help="print the summary as one JSON object on the last line of stdout")
 @training_options
 def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
-         work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...], as_json: bool,
-         **training: Any) -> None:
+         work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...],
+         restart_devices: bool, max_message_bytes: int | None, init_from: str | None,
+         as_json: bool, **training: Any) -> None:
     """Train the CNN on digits with a broker, a controller and N device processes."""
     from ftpipe_iot.runtime.demo import Demo, DemoOptions
     from ftpipe_iot.runtime.faults import FaultAction, fault_schedule
@@ -199,7 +227,10 @@ def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
     options = DemoOptions(devices=devices, job=job, broker_url=broker_url,
                           embedded=embedded_broker, train=train_config(training),
                           work_dir=Path(work_dir) if work_dir else None,
-                          metrics_port_base=metrics_port_base, faults=schedule)
+                          metrics_port_base=metrics_port_base, faults=schedule,
+                          restart_devices=restart_devices, max_message_bytes=max_message_bytes,
+                          controller_args=["--init-from", str(Path(init_from).resolve())]
+                          if init_from else [])
     try:
         summary = Demo(options).run()
     except KeyboardInterrupt:
@@ -210,13 +241,16 @@ def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
         click.echo(f"report: {summary['report_png']} and {summary['report_json']}", err=True)
     elif "report_error" in summary:
         click.echo(f"no report: {summary['report_error']}", err=True)
+    if "model" in summary:
+        click.echo(f"model: {summary['model']} (ftpipe-iot evaluate / export read it)", err=True)
     if as_json:
         summary.pop("history", None)
         click.echo(json.dumps(summary))
 
 
 def _summary_text(summary: dict) -> str:
-    stages = ", ".join(f"{s['device']}=[{s['start']},{s['end']})" for s in summary["stages"])
+    stages = ", ".join("+".join(d["device"] for d in s["devices"]) + f"=[{s['start']},{s['end']})"
+                       for s in summary["stages"])
     text = (f"done: test accuracy {summary['test_accuracy']:.4f} after {summary['steps']} steps "
             f"({summary['epochs']} epochs), {summary['samples_per_s']:.0f} samples/s, "
             f"{summary['devices']} devices [{stages}], broker {summary['broker']}, "

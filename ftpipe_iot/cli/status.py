@@ -42,14 +42,15 @@ def status(broker_url: str, config_file: str | None, job: str | None, mqtt_proto
     click.echo(f"job {table['job']}: controller {table['controller']} ({table['phase']}), "
                f"step {table['step']}, plan {table['plan_version']}, "
                f"latest complete checkpoint {_fmt(table['complete_version'])}")
-    header = f"{'device':<16}{'state':<9}{'stage':>6}{'layers':>10}{'capacity':>10}" \
-             f"{'heartbeat':>11}{'step':>7}"
+    header = f"{'device':<16}{'state':<9}{'stage':>6}{'layers':>10}{'share':>7}" \
+             f"{'capacity':>10}{'heartbeat':>11}{'step':>7}"
     click.echo(header)
     for row in table["devices"]:
         layers = f"{row['layers'][0]}-{row['layers'][1]}" if row["layers"] else "-"
+        share = f"{row['share']:.0%}" if row["share"] is not None else "-"
         click.echo(f"{row['device']:<16}{row['state']:<9}{_fmt(row['stage']):>6}{layers:>10}"
-                   f"{_fmt(row['capacity'], 'x'):>10}{_fmt(row['heartbeat_age_s'], 's'):>11}"
-                   f"{row['step']:>7}")
+                   f"{share:>7}{_fmt(row['capacity'], 'x'):>10}"
+                   f"{_fmt(row['heartbeat_age_s'], 's'):>11}{row['step']:>7}")
     if not table["devices"]:
         click.echo("(no device has announced itself on this broker)")
 

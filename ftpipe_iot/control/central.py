@@ -8,8 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ftpipe_iot.artifacts.checkpoint import initial_layers, save_checkpoint
 from ftpipe_iot.control.checkpoint import save_weights
+from ftpipe_iot.control.job import JobModel
 from ftpipe_iot.control.recovery import RecoveryPlan, recovery_plan
+from ftpipe_iot.core.models import build_layers
 from ftpipe_iot.core.replicas import ReplicaStore
 from ftpipe_iot.protocol.messages import LayerReplica
 
@@ -18,11 +21,22 @@ class CentralReplicas:
     """Replicas by layer and version, plus ``last_published``: the version of each layer's
     retained copy on the broker (what a device loading that layer will find)."""
 
-    def __init__(self, num_layers: int, checkpoint_dir: Path | None = None) -> None:
-        self.num_layers = num_layers
-        self.store = ReplicaStore(num_layers)
+    def __init__(self, model: JobModel, checkpoint_dir: Path | None = None) -> None:
+        self.model = model
+        self.num_layers = model.num_layers
+        self.store = ReplicaStore(self.num_layers)
         self.last_published: dict[int, int] = {}
         self.checkpoint_dir = checkpoint_dir
+        self.started_from_file = False
+
+    def start_from(self, path: Path) -> None:
+        """Version 0 from a checkpoint or a plain state dict (refused with the first mismatch)
+        instead of the seed's initial weights."""
+        layers = build_layers(self.model.train.model, self.model.data.input_shape,
+                              self.model.data.num_classes, self.model.train.seed)
+        for layer, state in initial_layers(path, layers).items():
+            self.store.add(LayerReplica(layer, 0, state, None))
+        self.started_from_file = True
 
     def offer(self, replica: LayerReplica) -> bool:
         """A replica seen on the weights topics; True when it was new to the store. Writes the
@@ -31,9 +45,9 @@ class CentralReplicas:
         if not self.store.add(replica):
             return False
         if self.checkpoint_dir is not None and self.store.complete(replica.version):
-            path = self.checkpoint_dir / f"step-{replica.version:07d}.npz"
+            path = self.checkpoint_dir / f"step-{replica.version:07d}.pt"
             if not path.exists():
-                self.save(path, replica.version)
+                self.save_model(path, replica.version)
         return True
 
     def latest_complete(self) -> int | None:
@@ -51,7 +65,14 @@ class CentralReplicas:
         return {layer: r.state for layer, r in enumerate(replicas) if r is not None}
 
     def save(self, path: Path, version: int) -> None:
+        """The layers at ``version`` as the project's ``.npz`` (``--save-weights``)."""
         save_weights(path, self.weights_at(version), self.num_layers)
+
+    def save_model(self, path: Path, version: int) -> Path:
+        """The model at ``version`` as a standard checkpoint (``artifacts.checkpoint``)."""
+        data = self.model.data
+        return save_checkpoint(path, self.weights_at(version), self.model.train,
+                               data.input_shape, data.num_classes, version)
 
     def recover(self, current: Sequence[str], online: Iterable[str], dead: Iterable[str],
                 wanted: int) -> RecoveryPlan:

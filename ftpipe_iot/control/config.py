@@ -1,4 +1,5 @@
-"""What a controller is asked to do: the job, how patient to be, when to re-plan."""
+"""What a controller is asked to do (the job, how patient to be, when to re-plan), and the Last
+Will it leaves on the broker."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ftpipe_iot.errors import ConfigError
-from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.messages import ControllerState, envelope
+from ftpipe_iot.protocol.plan import StageAssignment, TrainConfig
+from ftpipe_iot.protocol.topics import Topics
+from ftpipe_iot.protocol.vocab import ControllerStatus
+from ftpipe_iot.protocol.wire import encode
+from ftpipe_iot.transport.base import Will
 
 
 @dataclass(frozen=True)
@@ -20,13 +26,16 @@ class ControllerConfig:
     stall_timeout_s: float = 30.0
     heartbeat_timeout_s: float = 5.0
     save_weights: Path | None = None
+    save_model: Path | None = None  # a standard checkpoint of the trained model (.pt)
+    init_from: Path | None = None  # start from these weights (a checkpoint or a state dict)
     checkpoint_dir: Path | None = None
     stop_devices: bool = False
     resume: bool = False
     repartition: bool = True
     repartition_threshold: float = 0.10
     repartition_cooldown_steps: int = 10
-    assignment: tuple[tuple[str, int, int], ...] = ()
+    retune_threshold: float = 0.05  # gain needed to retune a group's shares (no weights move)
+    assignment: tuple[StageAssignment, ...] = ()  # pinned first plan
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -35,6 +44,12 @@ class ControllerConfig:
             raise ConfigError("device_names must name exactly `devices` devices")
         if self.heartbeat_timeout_s <= 0 or self.stall_timeout_s <= 0:
             raise ConfigError("timeouts must be > 0")
-        if self.assignment and self.device_names and \
-                {d for d, _, _ in self.assignment} != set(self.device_names):
+        pinned = {d for stage in self.assignment for d in stage.devices}
+        if self.assignment and self.device_names and pinned != set(self.device_names):
             raise ConfigError("assignment and device_names name different devices")
+
+
+def controller_will(job: str) -> Will:
+    """Last Will on the retained state topic: the controller vanished."""
+    env = envelope(ControllerState(ControllerStatus.OFFLINE, job), job, "controller")
+    return Will(Topics(job).state, encode(env)[0], qos=1, retain=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -20,19 +20,27 @@ from ftpipe_iot.control.central import CentralReplicas
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.job import JobModel, prepare_job
 from ftpipe_iot.control.liveness import Failure, LivenessTracker
+from ftpipe_iot.control.outbox import JobOutbox
 from ftpipe_iot.control.recorder import Recorder
-from ftpipe_iot.control.replan import Replanner, ReplanReason, next_plan
+from ftpipe_iot.control.replan import (
+    Replanner,
+    ReplanReason,
+    next_plan,
+    retuned,
+    single_stages,
+    without,
+)
 from ftpipe_iot.control.roster import Roster
 from ftpipe_iot.control.summary import RunSummary
 from ftpipe_iot.control.training import PlanTraining
 from ftpipe_iot.core.data import Dataset
+from ftpipe_iot.errors import TrainingDiverged
 from ftpipe_iot.observability.metrics import ControllerMetrics
 from ftpipe_iot.observability.progress import ProgressReporter, SilentProgress
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.partition import RepartitionPolicy
-from ftpipe_iot.planning.rebalance import Assignment, device_specs, new_assignment
+from ftpipe_iot.planning.rebalance import device_specs, new_assignment
 from ftpipe_iot.protocol.messages import (
-    Activation,
     Command,
     ControllerState,
     DeviceStatus,
@@ -41,7 +49,6 @@ from ftpipe_iot.protocol.messages import (
     Inbound,
     LayerReplica,
     PlanMessage,
-    envelope,
 )
 from ftpipe_iot.protocol.plan import Plan, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.results import DeviceError, Missing, Ready, Replicated, Result
@@ -54,8 +61,14 @@ from ftpipe_iot.protocol.vocab import (
     DropReason,
     FailureCause,
 )
-from ftpipe_iot.protocol.wire import WireOptions, encode
-from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, Transport, Will, serve
+from ftpipe_iot.protocol.wire import WireOptions
+from ftpipe_iot.transport.base import (
+    RECONNECTED_TOPIC,
+    Incoming,
+    Transport,
+    message_size_problem,
+    serve,
+)
 from ftpipe_iot.transport.messenger import Messenger
 
 log = logging.getLogger("ftpipe_iot.controller")
@@ -64,12 +77,6 @@ Phase = ControllerPhase
 _ACTIVE = (Phase.DEPLOYING, Phase.TRAINING, Phase.REPLICATING)
 # Consecutive failed recoveries after which the job gives up.
 _MAX_FAILURES_IN_A_ROW = 20
-
-
-def controller_will(job: str) -> Will:
-    """Last Will on the retained state topic: the controller vanished."""
-    env = envelope(ControllerState(ControllerStatus.OFFLINE, job), job, "controller")
-    return Will(Topics(job).state, encode(env)[0], qos=1, retain=True)
 
 
 class Controller:
@@ -85,11 +92,12 @@ class Controller:
         self.transport = transport
         self.metrics = ControllerMetrics(registry)
         self.messenger = Messenger(transport, "controller", job, self.metrics, logger=log)
+        self.out = JobOutbox(self.messenger, self.topics)
         self.clock = clock
         self.recorder = Recorder(job, self.metrics, progress or SilentProgress(),
-                                 self._publish_event, clock)
+                                 lambda event: self.out.event(event, self.summary.steps), clock)
         self.roster = Roster(config.devices, config.device_names,
-                             tuple(d for d, _, _ in config.assignment))
+                             tuple(d for stage in config.assignment for d in stage.devices))
         self.phase = Phase.RESUMING if config.resume else Phase.WAITING_DEVICES
         self.plan: Plan | None = None
         self.ready: set[str] = set()
@@ -117,8 +125,11 @@ class Controller:
         self.train = train
         self.messenger.options = WireOptions(compress=train.compress, wire_dtype=train.wire_dtype)
         self.model = prepare_job(train, self._given_data)
-        self.central = CentralReplicas(self.model.num_layers, self.config.checkpoint_dir)
-        self.capacity = CapacityEstimator(self.model.layer_costs)
+        self.central = CentralReplicas(self.model, self.config.checkpoint_dir)
+        if self.config.init_from is not None and not self.config.resume:
+            # Version 0 is the given weights (fresh optimizer state), not the seed's.
+            self.central.start_from(self.config.init_from)
+        self.capacity = CapacityEstimator.for_costs(self.model.cost_model)
 
     @property
     def data(self) -> Dataset:
@@ -133,6 +144,12 @@ class Controller:
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self.transport.connect()
+        # A broker drops oversized messages silently: find out now, not from a stalled job.
+        problem = message_size_problem(self.transport, self.topics.probe,
+                                       self.messenger.max_message_bytes)
+        if problem is not None:
+            self.fail(problem)
+            return
         topics = [Topics.ALL_STATUS, Topics.ALL_HEARTBEATS, self.topics.results,
                   self.topics.weights_all]
         if self.config.resume:
@@ -238,13 +255,17 @@ class Controller:
             self.fail(f"device {inbound.sender}: {body.message}")
         elif isinstance(body, Ready) and self.phase is Phase.DEPLOYING:
             self.ready.add(inbound.sender)
-            if self.ready >= {s.device for s in self.plan.stages}:
+            if self.ready >= set(self.plan.devices):
                 self._start_training()
         elif isinstance(body, Missing):
             self._republish(body.version, body.layers)
         elif self.training is not None and self.phase is Phase.TRAINING:
-            progressed, boundary = self.training.on_result(inbound.step, inbound.micro_batch,
-                                                           body)
+            try:
+                progressed, boundary = self.training.on_result(inbound.sender, inbound.step,
+                                                               inbound.micro_batch, body)
+            except TrainingDiverged as exc:
+                self.fail(str(exc))
+                return
             self._progressed(progressed)
             if boundary is not None:
                 self._at_boundary(boundary)
@@ -288,7 +309,7 @@ class Controller:
         if self.phase is Phase.RESUMING:
             self._tick_resume(now)
         elif self.phase is Phase.WAITING_DEVICES:
-            current = [s.device for s in self.plan.stages] if self.plan else []
+            current = list(self.plan.devices) if self.plan else []
             devices = self.roster.ready_to_deploy(current, first_plan=self.plan is None,
                                                   recovering=self._recovering_since is not None)
             if devices is not None:
@@ -306,14 +327,11 @@ class Controller:
 
     def _check_liveness(self, now: float) -> None:
         assert self.plan is not None
-        failure = self.liveness.check({s.device for s in self.plan.stages}, now)
-        if failure is None:
-            return
-        if self.phase is Phase.DEPLOYING and failure.cause is FailureCause.STALLED_STEP:
-            failure = Failure(frozenset(s.device for s in self.plan.stages
-                                        if s.device not in self.ready),
-                              FailureCause.NOT_READY, failure.silent_s)
-        self._on_failure(failure)
+        failure = self.liveness.check_plan(self.plan.devices, now,
+                                           ready=self.ready
+                                           if self.phase is Phase.DEPLOYING else None)
+        if failure is not None:
+            self._on_failure(failure)
 
     def _tick_resume(self, now: float) -> None:
         if self.plan is None:
@@ -331,26 +349,36 @@ class Controller:
 
     # -- plans ----------------------------------------------------------------------------------
     def _deploy(self, devices: list[str], resume_step: int,
-                assignment: Assignment | None = None) -> None:
+                stages: Sequence[StageAssignment] | None = None) -> None:
         assert self.model is not None
-        if assignment is None and self.config.assignment and self.plan is None:
-            assignment = list(self.config.assignment)  # pinned by the user for the first plan
-        if assignment is None:
+        if stages is None and self.config.assignment and self.plan is None:
+            stages = self.config.assignment  # pinned by the user for the first plan
+        if stages is None and self.plan is not None and \
+                any(len(s.members) > 1 for s in self.plan.stages):
+            # Groups keep their layout; members that are gone leave their share to their peers.
+            stages = without(self.plan.stages, set(self.plan.devices) - set(devices)) or None
+        if stages is None:
             specs = device_specs(devices, self.capacity, self.roster.capabilities)
             assignment, warning = new_assignment(self.model.cost_model, specs)
             if warning:
                 log.warning("%s", warning)
-        self.plan = next_plan(self.job, self.model, assignment, self.plan, resume_step,
-                              self._since)
+            stages = single_stages(assignment)
+        init_weights = self.central.started_from_file or bool(self.plan and self.plan.init_weights)
+        self.plan = next_plan(self.job, self.model, stages, self.plan, resume_step,
+                              self._since, self.messenger.max_message_bytes, init_weights)
+        self.out.plan_version = self.plan.version
+        if resume_step == 0 and init_weights:
+            self._republish(0, tuple(range(self.num_layers)))
         self._since = self.plan.since
         stages = self.plan.stages
         self.ready = set()
         self.training = None
         self.recorder.throughput.pause(self.clock())
         self.phase = Phase.DEPLOYING
-        self.liveness.reset({s.device for s in stages}, self.clock())
-        self.messenger.send(self.topics.plan, PlanMessage(self.plan), self.plan.version,
-                            retain=True)
+        self.liveness.reset(set(self.plan.devices), self.clock())
+        # Devices take a plan only once the retained state announced its version.
+        self._publish_state(ControllerStatus.ONLINE)
+        self.out.plan(self.plan)
         self.recorder.plan_changed(self.plan, self.roster.online)
 
     def _start_training(self) -> None:
@@ -358,9 +386,8 @@ class Controller:
         self.phase = Phase.TRAINING
         start = self.plan.resume_step
         self.recorder.rewound(start)
-        self.training = PlanTraining(self.model, self.plan, self._send_batch, self.recorder,
-                                     self.capacity, self.clock,
-                                     lambda: self._publish_state(ControllerStatus.TRAINING))
+        self.training = PlanTraining(self.model, self.plan, self.out.batch, self.recorder,
+                                     self.capacity, self.clock, self._step_completed)
         now = self.clock()
         if self._recovering_since is not None:
             self.recorder.recovered(now - self._recovering_since, start)
@@ -391,7 +418,7 @@ class Controller:
         if self._recovering_since is None:
             self._recovering_since = self.clock()
         self.replanner.pending = None
-        current = [s.device for s in self.plan.stages] if self.plan else []
+        current = list(self.plan.devices) if self.plan else []
         recovery = self.central.recover(current, self.roster.online, self.roster.dead,
                                         self.config.devices)
         self._republish(recovery.version, recovery.republish)
@@ -404,15 +431,13 @@ class Controller:
 
     def _republish(self, version: int, layers: tuple[int, ...]) -> None:
         """Publish the controller's copies of ``layers`` at ``version`` (retained)."""
-        for replica in self.central.to_republish(version, layers):
-            self.messenger.send_replica(self.topics, self.plan.version if self.plan else 0,
-                                        replica)
+        self.out.replicas(self.central.to_republish(version, layers))
 
     def _maybe_take_in(self, device: str) -> None:
         """A device came (back) online: use it at once when the job is short of devices."""
         if self.phase is Phase.WAITING_DEVICES or self.plan is None:
             return
-        if self.roster.short_of([s.device for s in self.plan.stages], device):
+        if self.roster.short_of(list(self.plan.devices), device):
             self.replanner.request(ReplanReason.REJOIN)
 
     # -- planned re-plans at step boundaries ----------------------------------------------------
@@ -426,26 +451,36 @@ class Controller:
         if self.central.complete(version):
             self._on_replicated(version)
             return
-        for stage in self.plan.stages:
-            self._command(stage.device, Command(CommandOp.REPLICATE))
+        for stage in self.plan.stages:  # members are identical after each step: leaders suffice
+            self.out.command(stage.leader, Command(CommandOp.REPLICATE))
 
     def _on_replicated(self, version: int) -> None:
         replan = self.replanner.take()
         if replan.reason is ReplanReason.FINAL:
             self._finish(version)
         elif replan.reason is ReplanReason.REBALANCE and replan.target:
-            stages = tuple(StageAssignment(i, d, lo, hi)
-                           for i, (d, lo, hi) in enumerate(replan.target))
-            self.recorder.repartitioned(version, stages)
-            self._deploy([d for d, _, _ in replan.target], version, replan.target)
+            self.recorder.repartitioned(version, replan.target)
+            if replan.rebalance is not None:
+                self.replanner.moved(version, replan.rebalance)
+            self._deploy([d for s in replan.target for d in s.devices], version, replan.target)
         else:
-            current = [s.device for s in self.plan.stages] if self.plan else []
+            current = list(self.plan.devices) if self.plan else []
             self._deploy(self.roster.for_recovery(current), version)
 
     # -- feeding --------------------------------------------------------------------------------
-    def _send_batch(self, batch: Activation, step: int, index: int) -> None:
-        assert self.plan is not None
-        self.messenger.send(self.topics.stage_act(0), batch, self.plan.version, step, index)
+    def _retune(self, step: int) -> None:
+        """Cheap rebalancing first: a group's micro-batches follow its members' speeds."""
+        assert self.training is not None and self.model is not None and self.plan is not None
+        change = retuned(self.training.stages, self.training.counts, self.capacity,
+                         self.model.cost_model, self.train.micro_batches,
+                         self.config.retune_threshold)
+        if change is not None:
+            self.training.counts, self.training.stages = change
+            self.recorder.shares_changed(step, self.training.stages)
+
+    def _step_completed(self, step: int) -> None:
+        self.replanner.step_done(step, self.clock())
+        self._publish_state(ControllerStatus.TRAINING)
 
     def _at_boundary(self, step: int) -> None:
         """Between steps: finish, re-plan, or keep feeding."""
@@ -454,11 +489,14 @@ class Controller:
             self.replanner.request(ReplanReason.FINAL)
         else:
             assert self.model is not None and self.plan is not None
+            started = time.perf_counter()
+            self._retune(step)
             better = self.replanner.consider(step, self.model, self.plan,
                                              sorted(self.roster.alive), self.capacity,
                                              self.roster.capabilities)
             if better is not None:
                 self.recorder.rebalancing(step, better.current_s, better.proposed_s)
+            self.recorder.decided(time.perf_counter() - started)
         if self.replanner.pending is not None:
             self._begin_replication()
         else:
@@ -469,9 +507,11 @@ class Controller:
         assert self.plan is not None
         if self.config.save_weights is not None:
             self.central.save(self.config.save_weights, version)
+        if self.config.save_model is not None:
+            self.central.save_model(self.config.save_model, version)
         if self.config.stop_devices:
-            for device in sorted(self.roster.online | {s.device for s in self.plan.stages}):
-                self._command(device, Command(CommandOp.SHUTDOWN))
+            for device in sorted(self.roster.online | set(self.plan.devices)):
+                self.out.command(device, Command(CommandOp.SHUTDOWN))
         self.recorder.job_done(self.messenger.drops.counts)
         self.phase = Phase.DONE
 
@@ -481,19 +521,9 @@ class Controller:
         version = self.central.latest_complete()
         return {} if version is None else self.central.weights_at(version)
 
-    def _command(self, device: str, command: Command) -> None:
-        assert self.plan is not None
-        self.messenger.send(self.topics.cmd(device), command, self.plan.version)
-
     def _publish_state(self, state: ControllerStatus) -> None:
         known = self.model is not None
-        state_body = ControllerState(
-            state, self.job, self.phase,
-            self.central.latest_complete() if known else None,
-            dict(self.capacity.factors) if known else {})
-        self.messenger.send(self.topics.state, state_body, self.plan.version if self.plan else 0,
-                            self.summary.steps, retain=True)
-
-    def _publish_event(self, event: Event) -> None:
-        self.messenger.send(self.topics.events, event, self.plan.version if self.plan else 0,
-                            self.summary.steps)
+        self.out.state(ControllerState(state, self.job, self.phase,
+                                       self.central.latest_complete() if known else None,
+                                       dict(self.capacity.factors) if known else {}),
+                       self.summary.steps)

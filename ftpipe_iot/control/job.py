@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ftpipe_iot.core.data import Dataset, load_dataset
-from ftpipe_iot.core.models import build_layers, cut_shapes, measure_layer_costs
+from ftpipe_iot.core.models import build_layers, cut_shapes
+from ftpipe_iot.core.profiling import profile_stages
 from ftpipe_iot.core.schedule import SyncSchedule
 from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.plan import TrainConfig
@@ -18,7 +19,8 @@ from ftpipe_iot.protocol.plan import TrainConfig
 @dataclass(frozen=True)
 class JobModel:
     """A job's fixed facts. ``layer_costs`` are forward+backward seconds per micro-batch measured
-    here (the reference profile); ``cost_model`` adds activation and memory bytes per layer."""
+    here in stage context (the reference profile, ``core.profiling``); ``cost_model`` adds the
+    per-stage and loss overheads, activation and memory bytes per layer."""
 
     train: TrainConfig
     data: Dataset
@@ -41,14 +43,19 @@ def prepare_job(train: TrainConfig, data: Dataset | None = None) -> JobModel:
     data = data if data is not None else load_dataset(train.data)
     layers = build_layers(train.model, data.input_shape, data.num_classes, train.seed)
     shapes = cut_shapes(layers, data.input_shape, data.num_classes, train.model.name)
-    costs = measure_layer_costs(layers, data.input_shape, train.micro_batch_size)
+    profile = profile_stages(
+        lambda: build_layers(train.model, data.input_shape, data.num_classes, train.seed),
+        shapes, data.num_classes, train)
     params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     activations = [4 * train.micro_batch_size * int(np.prod(s)) for s in shapes[1:]]
     cost_model = LayerCosts.from_dict({
-        "layer_cost_s": costs, "activation_bytes": activations,
+        "layer_cost_s": list(profile.layer_cost_s), "activation_bytes": activations,
         # parameters, gradients and optimizer state (3 x 4 bytes) plus the stashed activation
         "layer_memory_bytes": [12 * p + 4 * a for p, a in zip(params, activations)],
-        "micro_batch_size": train.micro_batch_size})
+        "micro_batch_size": train.micro_batch_size,
+        "stage_overhead_s": profile.stage_overhead_s,
+        "head_overhead_s": profile.head_overhead_s})
+    costs = list(profile.layer_cost_s)
     schedule = SyncSchedule(len(data.x_train), train.micro_batches, train.micro_batch_size,
                             train.seed)
     return JobModel(train, data, shapes, costs, cost_model, schedule,

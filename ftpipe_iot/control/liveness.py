@@ -6,6 +6,7 @@ dead. Nothing here touches the network or the clock on its own.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ftpipe_iot.protocol.vocab import FailureCause
@@ -52,6 +53,18 @@ class LivenessTracker:
         if now - self.last_progress > self.stall_timeout_s:
             return Failure(frozenset(), FailureCause.STALLED_STEP, now - self.last_progress)
         return None
+
+    def check_plan(self, devices: Iterable[str], now: float,
+                   ready: set[str] | None = None) -> Failure | None:
+        """``check`` for the devices of a plan; while it deploys (``ready`` = the devices
+        that reported ready), a stall means the others never got ready."""
+        watched = set(devices)
+        failure = self.check(watched, now)
+        if failure is not None and ready is not None and \
+                failure.cause is FailureCause.STALLED_STEP:
+            return Failure(frozenset(watched - ready), FailureCause.NOT_READY,
+                           failure.silent_s)
+        return failure
 
     def silence(self, device: str, now: float) -> float:
         return now - self.last_seen.get(device, now)

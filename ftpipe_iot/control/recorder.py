@@ -18,6 +18,16 @@ from ftpipe_iot.protocol.plan import Plan, StageAssignment
 from ftpipe_iot.protocol.vocab import EventType
 
 
+def describe_stages(stages: Iterable[StageAssignment]) -> str:
+    """``stage 0: dev0 layers [0,5), stage 1: dev1 60% + dev2 40% layers [5,12)``."""
+    def group(stage: StageAssignment) -> str:
+        if len(stage.members) == 1:
+            return stage.leader
+        return " + ".join(f"{m.device} {m.share:.0%}" for m in stage.members)
+
+    return ", ".join(f"stage {s.stage}: {group(s)} layers [{s.start},{s.end})" for s in stages)
+
+
 @dataclass(frozen=True)
 class EpochResult:
     """Test figures after an epoch."""
@@ -59,14 +69,22 @@ class Recorder:
         stages = plan.stages
         self.metrics.plan_version.set(plan.version)
         self.metrics.stages.set(len(stages))
-        self.metrics.fleet.assign({s.device: s.stage for s in stages}, known_devices)
-        self.summary.devices = len(stages)
+        self.metrics.fleet.assign({m.device: (s.stage, m.share) for s in stages
+                                   for m in s.members}, known_devices)
+        self.summary.devices = len(plan.devices)
         self.summary.stages = [s.to_dict() for s in stages]
-        table = ", ".join(f"stage {s.stage}: {s.device} layers [{s.start},{s.end})"
-                          for s in stages)
-        self.progress.message(f"plan {plan.version} from step {plan.resume_step}: {table}")
+        self.progress.message(f"plan {plan.version} from step {plan.resume_step}: "
+                              f"{describe_stages(stages)}")
         self._event(Event(EventType.PLAN_CHANGED, plan=plan.version,
                           resume_step=plan.resume_step, stages=stages))
+
+    def shares_changed(self, step: int, stages: tuple[StageAssignment, ...]) -> None:
+        """Groups' shares retuned from ``step`` on (no weights move)."""
+        self.metrics.fleet.assign({m.device: (s.stage, m.share) for s in stages
+                                   for m in s.members}, ())
+        self.summary.stages = [s.to_dict() for s in stages]
+        self.progress.message(f"shares retuned at step {step}: {describe_stages(stages)}")
+        self._event(Event(EventType.SHARES_CHANGED, at_step=step, stages=stages))
 
     def training_started(self, total_steps: int) -> None:
         self.progress.start(total_steps)
@@ -137,6 +155,14 @@ class Recorder:
         self.metrics.repartitions.inc()
         self.summary.repartitions += 1
         self._event(Event(EventType.REPARTITIONED, at_step=at_step, stages=stages))
+
+    def decided(self, seconds: float) -> None:
+        """Time the controller took for its decisions at one step boundary."""
+        stats = self.summary.decision_s
+        count = stats.get("count", 0) + 1
+        stats["mean_s"] = stats.get("mean_s", 0.0) + (seconds - stats.get("mean_s", 0.0)) / count
+        stats["max_s"] = max(stats.get("max_s", 0.0), seconds)
+        stats["count"] = count
 
     # -- devices --------------------------------------------------------------------------------
     def devices_online(self, count: int) -> None:

@@ -38,7 +38,7 @@ def recovery_plan(store: ReplicaStore, last_published: dict[int, int], current: 
     """
     version = store.latest_complete() or 0
     republish: tuple[int, ...] = ()
-    if version > 0:
+    if store.complete(version):  # version 0 too, when it came from --init-from
         republish = tuple(layer for layer in range(store.num_layers)
                           if last_published.get(layer) != version)
     return RecoveryPlan(choose_devices(current, online, dead, wanted), version, republish)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from ftpipe_iot.control.job import JobModel
+from ftpipe_iot.core.routing import Counts, apportion
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.partition import RepartitionPolicy
 from ftpipe_iot.planning.rebalance import (
@@ -17,8 +18,9 @@ from ftpipe_iot.planning.rebalance import (
     RebalanceInputs,
     propose_rebalance,
 )
+from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.messages import Capabilities
-from ftpipe_iot.protocol.plan import Plan, StageAssignment
+from ftpipe_iot.protocol.plan import Member, Plan, StageAssignment
 
 
 class ReplanReason(str, Enum):
@@ -35,8 +37,24 @@ class PendingReplan:
     asked to replicate at that boundary (the change follows when the version is complete)."""
 
     reason: ReplanReason
-    target: Assignment | None = None
+    target: tuple[StageAssignment, ...] | None = None
     version: int | None = None
+    rebalance: Rebalance | None = None
+
+
+@dataclass(frozen=True)
+class MoveCheck:
+    """A rebalance to judge: the step it took effect at, the step time before it, and the gain
+    the planner predicted."""
+
+    at_step: int
+    before_s: float
+    predicted_gain: float
+
+
+# Steps measured on each side of a rebalance to judge it (the first step after a change refills
+# the pipeline and is left out).
+_JUDGE_STEPS = 5
 
 
 @dataclass
@@ -48,12 +66,55 @@ class Replanner:
     pending: PendingReplan | None = None
     last_change_step: int | None = None
     cost_s: float = 1.0  # measured seconds from asking a change to training again, smoothed
+    failed_moves: int = 0  # rebalances in a row whose predicted gain did not show up
+    confirmations: int = 2  # boundaries in a row that must propose the same move
     _asked_at: float | None = None
+    _candidate: tuple[tuple[tuple[str, int, int], ...], int] | None = None
+    _check: MoveCheck | None = None
+    _step_times: dict[int, float] = field(default_factory=dict)
 
-    def request(self, reason: ReplanReason, target: Assignment | None = None) -> None:
+    @property
+    def effective_policy(self) -> RepartitionPolicy:
+        """The policy, its threshold and cooldown doubled for every failed move in a row: a
+        planner whose predictions do not come true must be surer and wait longer."""
+        scale = 2 ** self.failed_moves
+        return RepartitionPolicy(min(0.9, self.policy.threshold * scale),
+                                 self.policy.cooldown_steps * scale)
+
+    def request(self, reason: ReplanReason, target: Sequence[StageAssignment] | None = None,
+                rebalance: Rebalance | None = None) -> None:
         """Ask for a change at the next boundary; the final gathering overrides anything else."""
         if self.pending is None or reason is ReplanReason.FINAL:
-            self.pending = PendingReplan(reason, list(target) if target else None)
+            self.pending = PendingReplan(reason, tuple(target) if target else None,
+                                         rebalance=rebalance)
+
+    def step_done(self, step: int, now: float) -> None:
+        """A training step completed at ``now``: judge a rebalance once enough steps ran."""
+        self._step_times[step] = now
+        for old in [s for s in self._step_times if s < step - 4 * _JUDGE_STEPS]:
+            del self._step_times[old]
+        check = self._check
+        if check is None or step < check.at_step + 1 + _JUDGE_STEPS:
+            return
+        after = self._mean_step_s(check.at_step + 1, check.at_step + 1 + _JUDGE_STEPS)
+        self._check = None
+        if after is None or check.before_s <= 0:
+            return
+        realized = 1.0 - after / check.before_s
+        self.failed_moves = 0 if realized >= check.predicted_gain / 2 else self.failed_moves + 1
+
+    def _mean_step_s(self, first: int, last: int) -> float | None:
+        times = [self._step_times.get(s) for s in range(first, last + 1)]
+        if any(t is None for t in times):
+            return None
+        return (times[-1] - times[0]) / (last - first)  # type: ignore[operator]
+
+    def moved(self, at_step: int, rebalance: Rebalance) -> None:
+        """A rebalance takes effect at ``at_step``: judge it against the steps before."""
+        before = self._mean_step_s(at_step - 1 - _JUDGE_STEPS, at_step - 1)
+        if before is not None and rebalance.current_s > 0:
+            self._check = MoveCheck(at_step, before,
+                                    1.0 - rebalance.proposed_s / rebalance.current_s)
 
     def replicating(self, version: int, now: float) -> PendingReplan:
         """Every stage replicates ``version`` for the pending change."""
@@ -81,29 +142,86 @@ class Replanner:
                  capacity: CapacityEstimator, capabilities: Mapping[str, Capabilities]
                  ) -> Rebalance | None:
         """At a step boundary: a better partition that pays off (and is now pending), or None."""
-        if not self.rebalance or self.pending is not None:
-            return None
-        current = [(s.device, s.start, s.end) for s in plan.stages]
+        if not self.rebalance or self.pending is not None or \
+                any(len(s.members) > 1 for s in plan.stages):
+            return None  # groups are rebalanced by their shares (``Controller._retune``)
+        current = [(s.leader, s.start, s.end) for s in plan.stages]
         better = propose_rebalance(
-            model.cost_model, current, candidates, capacity, capabilities, self.policy,
+            model.cost_model, current, candidates, capacity, capabilities,
+            self.effective_policy,
             RebalanceInputs(step, self.last_change_step, model.total_steps - step,
                             plan.train.micro_batches, self.cost_s))
-        if better is not None:
-            self.request(ReplanReason.REBALANCE, better.assignment)
+        if better is None:
+            self._candidate = None
+            return None
+        # A move must be proposed at consecutive boundaries: a device that is only briefly
+        # slower (another process took the core for a moment) does not move layers.
+        key = tuple(better.assignment)
+        seen = self._candidate[1] + 1 if self._candidate and self._candidate[0] == key else 1
+        self._candidate = (key, seen)
+        if seen < self.confirmations:
+            return None
+        self._candidate = None
+        self.request(ReplanReason.REBALANCE, single_stages(better.assignment), better)
         return better
 
 
-def next_plan(job: str, model: JobModel, assignment: Assignment, previous: Plan | None,
-              resume_step: int, since: int | None) -> Plan:
-    """The plan that follows ``previous`` with ``assignment``, resuming at ``resume_step``.
+def single_stages(assignment: Assignment) -> tuple[StageAssignment, ...]:
+    """A (device, start, end) per stage assignment as stages of one device each."""
+    return tuple(StageAssignment.single(i, d, lo, hi) for i, (d, lo, hi) in enumerate(assignment))
+
+
+def without(stages: Sequence[StageAssignment], gone: set[str]) -> tuple[StageAssignment, ...]:
+    """The same layout without the ``gone`` devices, their shares spread over their peers; empty
+    when some stage would lose every member."""
+    kept = []
+    for stage in stages:
+        members = [m for m in stage.members if m.device not in gone]
+        if not members:
+            return ()
+        total = sum(m.share for m in members)
+        kept.append(StageAssignment(stage.stage, stage.start, stage.end,
+                                    tuple(Member(m.device, m.share / total) for m in members)))
+    return tuple(kept)
+
+
+def next_plan(job: str, model: JobModel, stages: Sequence[StageAssignment],
+              previous: Plan | None, resume_step: int, since: int | None,
+              max_message_bytes: int, init_weights: bool = False) -> Plan:
+    """The plan that follows ``previous`` with ``stages``, resuming at ``resume_step``.
 
     Plan versions are millisecond timestamps: they increase across controller restarts too, so a
     device never mistakes an old job's plan for a newer one. ``since`` (None for the job's first
     plan) is the version of this run's first plan.
     """
     version = max(int(time.time() * 1000), (previous.version + 1) if previous else 0)
-    stages = tuple(StageAssignment(i, d, lo, hi) for i, (d, lo, hi) in enumerate(assignment))
-    return Plan(version=version, job=job, stages=stages, train=model.train,
+    return Plan(version=version, job=job, stages=tuple(stages), train=model.train,
                 num_layers=model.num_layers, input_shape=model.data.input_shape,
                 num_classes=model.data.num_classes, resume_step=resume_step,
-                since=version if since is None else since)
+                since=version if since is None else since, max_message_bytes=max_message_bytes,
+                init_weights=init_weights)
+
+
+def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: CapacityEstimator,
+            costs: LayerCosts, micro_batches: int, threshold: float
+            ) -> tuple[Counts, tuple[StageAssignment, ...]] | None:
+    """Cheaper shares for the groups (no layer moves): each group's micro-batches apportioned
+    to its members' measured speeds, when that shortens the slowest stage's busy time per step
+    by more than ``threshold``; None otherwise (or while a member is unmeasured)."""
+    members = [m.device for s in stages for m in s.members if len(s.members) > 1]
+    if not members or not capacity.settled(members, 1):
+        return None
+    new_counts, busy_now, busy_new = [], 0.0, 0.0
+    for stage, current in zip(stages, counts):
+        cost = costs.stage_cost_s(stage.start, stage.end)
+        times = [capacity.factor(m.device) * cost for m in stage.members]
+        better = apportion(micro_batches, times) if len(times) > 1 else current
+        busy_now = max(busy_now, max(n * t for n, t in zip(current, times)))
+        busy_new = max(busy_new, max(n * t for n, t in zip(better, times)))
+        new_counts.append(tuple(better))
+    if busy_now <= 0 or (busy_now - busy_new) / busy_now <= threshold:
+        return None
+    shares = tuple(StageAssignment(s.stage, s.start, s.end, tuple(
+        Member(m.device, n / micro_batches) for m, n in zip(s.members, c)))
+        for s, c in zip(stages, new_counts))
+    return tuple(new_counts), shares

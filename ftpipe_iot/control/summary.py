@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -31,16 +34,33 @@ class RunSummary:
     device_dropped: dict[str, dict[str, int]] = field(default_factory=dict)
     device_layer_seconds: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     device_links: dict[str, dict[str, float]] = field(default_factory=dict)
+    # seconds the controller spent deciding at step boundaries (retune, rebalance)
+    decision_s: dict[str, float] = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
     error: str | None = None
 
     def to_dict(self, with_history: bool = True) -> dict:
-        data = asdict(self)
+        """The summary as JSON-ready values: a number that is not finite becomes None (JSON has
+        no NaN)."""
+        data = _finite(asdict(self))
         if not with_history:
             data.pop("history")
         return data
+
+    def to_json(self, with_history: bool = True, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(with_history), indent=indent, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 @dataclass

@@ -5,11 +5,14 @@ reached, where the controller may re-plan."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from ftpipe_iot.control.job import JobModel
 from ftpipe_iot.control.recorder import EpochResult, Recorder
 from ftpipe_iot.core.feed import EvalRound, StepSummary, TrainFeed
+from ftpipe_iot.core.routing import Counts, StepRoutes, eval_route, plan_counts
+from ftpipe_iot.errors import TrainingDiverged
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.protocol.messages import (
     Activation,
@@ -22,8 +25,8 @@ from ftpipe_iot.protocol.results import (
     StageStepDone,
 )
 
-# send(batch, step, micro-batch index) publishes a batch into stage 0
-SendBatch = Callable[[Activation, int, int], None]
+# send(batch, step, micro-batch index, device) publishes a batch into stage 0's member device
+SendBatch = Callable[[Activation, int, int, str], None]
 
 
 class PlanTraining:
@@ -31,7 +34,7 @@ class PlanTraining:
 
     def __init__(self, model: JobModel, plan: Plan, send: SendBatch, recorder: Recorder,
                  capacity: CapacityEstimator, clock: Callable[[], float],
-                 step_done: Callable[[], None]) -> None:
+                 step_done: Callable[[int], None]) -> None:
         self.model = model
         self.plan = plan
         self.train = plan.train
@@ -40,9 +43,23 @@ class PlanTraining:
         self._capacity = capacity
         self._clock = clock
         self._step_done = step_done
-        self.feed = TrainFeed(model.schedule, plan.n_stages, plan.resume_step,
+        # Every member of every stage reports each step done: the feed counts reporters.
+        self._reporter = {device: i for i, device in enumerate(plan.devices)}
+        self.feed = TrainFeed(model.schedule, len(self._reporter), plan.resume_step,
                               model.total_steps, self.train.max_in_flight)
         self.eval_round: EvalRound | None = None
+        self.counts: Counts = plan_counts(plan.stages, self.train.micro_batches)
+        self.stages = plan.stages  # the plan's stages with the shares in force
+        self._routes: dict[int, StepRoutes] = {}
+
+    def routes(self, step: int) -> StepRoutes:
+        """The routes of ``step``, fixed by the counts in force when it is first fed."""
+        routes = self._routes.get(step)
+        if routes is None:
+            routes = self._routes[step] = StepRoutes.for_counts(self.counts)
+            for old in [s for s in self._routes if s < step - 2]:
+                del self._routes[old]
+        return routes
 
     @property
     def evaluating(self) -> bool:
@@ -59,49 +76,61 @@ class PlanTraining:
 
     def pump(self) -> None:
         """Send what the in-flight bound allows now."""
-        data = self.model.data
+        data, first = self.model.data, self.plan.stages[0]
         if self.eval_round is not None:
             for index, indices in self.eval_round.next_to_send():
-                self._send(Activation(data.x_test[indices], data.y_test[indices], train=False),
-                           self.eval_round.tag, index)
+                route = eval_route(self.plan.stages, index)
+                self._send(Activation(data.x_test[indices], data.y_test[indices], False, route),
+                           self.eval_round.tag, index, first.members[route[0]].device)
             return
         for mb in self.feed.next_to_send():
+            routes = self.routes(mb.step)
+            route = routes.route(mb.index)
             self._send(Activation(data.x_train[mb.sample_indices],
-                                  data.y_train[mb.sample_indices], train=True),
-                       mb.step, mb.index)
+                                  data.y_train[mb.sample_indices], True, route, routes.counts),
+                       mb.step, mb.index, first.members[route[0]].device)
 
-    def on_result(self, step: int, micro_batch: int, body: ResultBody
+    def on_result(self, sender: str, step: int, micro_batch: int, body: ResultBody
                   ) -> tuple[bool, int | None]:
         """Fold in one device result: (whether the job progressed, the step boundary reached
-        or None). At a boundary nothing more is sent until ``pump`` is called again."""
+        or None). At a boundary nothing more is sent until ``pump`` is called again. Raises
+        ``TrainingDiverged`` when a step's loss is not finite."""
         if isinstance(body, MicroBatchLoss) and body.train:
             return self.feed.on_loss(step, micro_batch, body.loss, body.correct,
                                      body.count), None
         if isinstance(body, MicroBatchFinished):
             return self.feed.on_micro_batch_done(step, micro_batch), None
         if isinstance(body, StageStepDone):
-            return True, self._on_stage_step_done(step, body)
+            return True, self._on_stage_step_done(sender, step, body)
         if isinstance(body, MicroBatchLoss) and self.eval_round is not None:
             if not self.eval_round.on_result(micro_batch, body.loss, body.correct, body.count):
                 return False, None
             return True, self._on_eval_complete() if self.eval_round.done else None
         return False, None
 
-    def _on_stage_step_done(self, step: int, done: StageStepDone) -> int | None:
-        if step == self.feed.step and done.stage < self.plan.n_stages:
-            stage = self.plan.stages[done.stage]
+    def _on_stage_step_done(self, sender: str, step: int, done: StageStepDone) -> int | None:
+        reporter = self._reporter.get(sender)
+        if reporter is None:
+            return None
+        stage = self.plan.stage_of(sender)
+        assert stage is not None
+        if step == self.feed.step:
             if len(done.layer_times) == stage.end - stage.start:
-                self._recorder.layer_seconds(stage.device, stage.start, done.layer_times)
-            factor = self._capacity.observe(stage.device, stage.start, stage.end,
-                                            done.compute_s, self.train.micro_batches)
+                self._recorder.layer_seconds(sender, stage.start, done.layer_times)
+            factor = self._capacity.observe(sender, stage.start, stage.end,
+                                            done.typical_s or done.compute_s,
+                                            done.micro_batches or self.train.micro_batches)
             if factor is not None:
-                self._recorder.capacity(stage.device, factor)
-        summary = self.feed.on_stage_step_done(step, done.stage, done.compute_s)
+                self._recorder.capacity(sender, factor)
+        summary = self.feed.on_stage_step_done(step, reporter, done.compute_s)
         return None if summary is None else self._on_step_complete(summary)
 
     def _on_step_complete(self, step: StepSummary) -> int | None:
+        if not math.isfinite(step.loss):
+            raise TrainingDiverged(f"training diverged: the loss of step {step.step} is "
+                                   f"{step.loss} (try a lower --lr)")
         self._recorder.step_completed(step, self.plan.version)
-        self._step_done()
+        self._step_done(step.step)
         if self.model.schedule.is_last_of_epoch(step.step) or self.feed.finished:
             self._recorder.throughput.pause(self._clock())
             self.eval_round = EvalRound(len(self.model.data.x_test), self.train.eval_batch_size,

@@ -50,14 +50,24 @@ def _synthetic(spec: DataSpec) -> Dataset:
     shape = tuple(int(d) for d in spec.shape)
     x = rng.standard_normal((spec.samples, *shape), dtype=np.float32)
     # Labels from a fixed random projection so the task is learnable, not noise.
-    projection = rng.standard_normal((int(np.prod(shape)), spec.classes)).astype(np.float32)
+    classes = spec.classes or 10
+    projection = rng.standard_normal((int(np.prod(shape)), classes)).astype(np.float32)
     y = np.argmax(x.reshape(spec.samples, -1) @ projection, axis=1).astype(np.int64)
     x_tr, y_tr, x_te, y_te = _split(x, y, spec.test_fraction, seed=1234)
-    return Dataset(x_tr, y_tr, x_te, y_te, spec.classes, "synthetic")
+    return Dataset(x_tr, y_tr, x_te, y_te, classes, "synthetic")
 
 
 def _npz(spec: DataSpec) -> Dataset:
     path = Path(spec.name[4:])
+    try:
+        magic = path.read_bytes()[:4]
+    except FileNotFoundError as exc:
+        raise DataError(f"data file {path} does not exist") from exc
+    except OSError as exc:
+        raise DataError(f"cannot read data file {path}: {exc}") from exc
+    if magic != b"PK\x03\x04":
+        raise DataError(f"{path} is not an npz archive (numpy.savez writes one: a zip of arrays "
+                        "'x' and 'y')")
     try:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {k: archive[k] for k in archive.files}
@@ -82,18 +92,38 @@ def _npz(spec: DataSpec) -> Dataset:
         raise DataError(f"{path}: need at least 4 samples, got {len(x)}")
     if not np.all(np.isfinite(x)):
         raise DataError(f"{path}: 'x' contains NaN or infinite values")
-    classes = int(y.max()) + 1
-    if classes < 2:
-        raise DataError(f"{path}: need at least 2 classes in 'y'")
     x = x.astype(np.float32)
     y = y.astype(np.int64)
+    x_te = y_te = None
     if "x_test" in arrays and "y_test" in arrays:
         x_te, y_te = arrays["x_test"].astype(np.float32), arrays["y_test"].astype(np.int64)
-        if x_te.shape[1:] != x.shape[1:] or len(x_te) != len(y_te):
+        if x_te.shape[1:] != x.shape[1:] or len(x_te) != len(y_te) or y_te.ndim != 1:
             raise DataError(f"{path}: 'x_test'/'y_test' do not match 'x'/'y' in shape")
-        return Dataset(x, y, x_te, y_te, max(classes, int(y_te.max()) + 1), path.name)
+    labels = y if y_te is None else np.concatenate([y, y_te])
+    classes = _classes(path, labels, spec.classes)
+    if x_te is not None and y_te is not None:
+        return Dataset(x, y, x_te, y_te, classes, path.name)
     x_tr, y_tr, x_te, y_te = _split(x, y, spec.test_fraction, seed=1234)
     return Dataset(x_tr, y_tr, x_te, y_te, classes, path.name)
+
+
+def _classes(path: Path, labels: np.ndarray, given: int | None) -> int:
+    """Classes of an npz data set: ``given``, or the largest label + 1 when that is plausible."""
+    largest = int(labels.max())
+    if given is not None:
+        if largest >= given:
+            raise DataError(f"{path}: label {largest} does not fit {given} classes "
+                            f"(--data-classes)")
+        return given
+    distinct = len(np.unique(labels))
+    if largest + 1 < 2:
+        raise DataError(f"{path}: need at least 2 classes in 'y'")
+    # Sparse labels would silently train a huge output layer: a typo, or ids rather than classes.
+    if largest + 1 > max(2 * distinct, distinct + 10):
+        raise DataError(f"{path}: 'y' has {distinct} distinct labels but its largest is "
+                        f"{largest}, which would make a {largest + 1}-class model; relabel to "
+                        f"0..{distinct - 1} or give the number of classes with --data-classes")
+    return largest + 1
 
 
 def load_dataset(spec: DataSpec) -> Dataset:

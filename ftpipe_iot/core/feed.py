@@ -26,7 +26,9 @@ class StepSummary:
 class TrainFeed:
     """Feeds steps ``start_step .. end_step-1`` with at most ``max_in_flight`` micro-batches
     between the controller and the end of their backward pass. Step ``s+1`` starts only when
-    every stage has applied its optimizer for step ``s`` (the synchronous contract)."""
+    every stage has applied its optimizer for step ``s`` (the synchronous contract).
+    ``n_stages`` counts the reporters of a step: every member of every stage group, each
+    reporting under its own index."""
 
     schedule: SyncSchedule
     n_stages: int

@@ -103,12 +103,16 @@ def _user_model(name: str) -> list[nn.Module]:
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ModelError(f"cannot import user model module {module_name!r}: {exc}") from exc
+    except Exception as exc:  # a user module may fail in any way: say which and how
+        raise ModelError(f"cannot import user model module {module_name!r}: "
+                         f"{type(exc).__name__}: {exc}") from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ModelError(f"{name!r}: {module_name} has no callable {attr!r}")
-    built = factory()
+    try:
+        built = factory()
+    except Exception as exc:
+        raise ModelError(f"user model {name!r} raised {type(exc).__name__}: {exc}") from exc
     if isinstance(built, nn.Sequential):
         return list(built.children())
     if isinstance(built, (list, tuple)) and built and all(isinstance(m, nn.Module) for m in built):
@@ -203,14 +207,20 @@ def measure_layer_costs(layers: Sequence[nn.Module], input_shape: Sequence[int],
 def profile_layer_costs(name: str, micro_batch_size: int, width: float = 1.0) -> dict:
     """Per-layer cost profile of a built-in model on its usual input, for offline planning.
 
-    Returns ``layer_cost_s`` (fwd+bwd seconds per micro-batch), ``activation_bytes`` (fp32 bytes
-    of each layer's output for one micro-batch) and ``layer_memory_bytes`` (parameters, gradients
-    and optimizer state, plus the stashed input activation of each micro-batch).
+    Returns ``layer_cost_s`` (fwd+bwd seconds per micro-batch, measured in stage context),
+    ``stage_overhead_s`` and ``head_overhead_s`` (``core.profiling``), ``activation_bytes`` (fp32
+    bytes of each layer's output for one micro-batch) and ``layer_memory_bytes`` (parameters,
+    gradients and optimizer state, plus the stashed input activation of each micro-batch).
     """
+    from ftpipe_iot.core.profiling import profile_stages
+    from ftpipe_iot.protocol.plan import TrainConfig
+
     input_shape, classes = ((3, 32, 32), 10) if name == "mobilenetv2" else ((1, 8, 8), 10)
-    layers = build_layers(ModelSpec(name, width=width), input_shape, classes, seed=0)
+    spec = ModelSpec(name, width=width)
+    layers = build_layers(spec, input_shape, classes, seed=0)
     shapes = cut_shapes(layers, input_shape, classes, name)
-    costs = measure_layer_costs(layers, input_shape, micro_batch_size)
+    profile = profile_stages(lambda: build_layers(spec, input_shape, classes, seed=0), shapes,
+                             classes, TrainConfig(model=spec, micro_batch_size=micro_batch_size))
 
     def numel(shape: tuple[int, ...]) -> int:
         total = micro_batch_size
@@ -220,7 +230,9 @@ def profile_layer_costs(name: str, micro_batch_size: int, width: float = 1.0) ->
 
     params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     return {
-        "layer_cost_s": costs,
+        "layer_cost_s": list(profile.layer_cost_s),
+        "stage_overhead_s": profile.stage_overhead_s,
+        "head_overhead_s": profile.head_overhead_s,
         "activation_bytes": [4 * numel(s) for s in shapes[1:]],
         "layer_memory_bytes": [4 * 3 * p + 4 * numel(s) for p, s in zip(params, shapes[:-1])],
     }

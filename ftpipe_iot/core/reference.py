@@ -6,44 +6,57 @@ what this produces (to float tolerance).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 
 from ftpipe_iot.core.data import Dataset
 from ftpipe_iot.core.models import build_layers
+from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.core.schedule import SyncSchedule
-from ftpipe_iot.core.stage import make_optimizer, micro_batch_loss
+from ftpipe_iot.core.stage import freeze, make_optimizer, micro_batch_loss, train_mode
 from ftpipe_iot.protocol.plan import TrainConfig
 
 
-def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int = 1
+def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int = 1,
+                    initial: Mapping[int, Mapping[str, np.ndarray]] | None = None
                     ) -> list[dict[str, np.ndarray]]:
     """Train ``steps`` synchronous steps in one process; return each layer's state as numpy.
 
     Runs with ``threads`` intra-op threads (devices use one by default): CPU kernels split their
     reductions by thread count, so a different count gives last-bit differences that training
-    amplifies over a hundred steps.
+    amplifies over a hundred steps. ``initial`` (layer -> state) replaces the seed's weights,
+    as ``--init-from`` does.
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _train(config, data, steps)
+        return _train(config, data, steps, initial)
     finally:
         torch.set_num_threads(previous)
 
 
-def _train(config: TrainConfig, data: Dataset, steps: int) -> list[dict[str, np.ndarray]]:
+def _train(config: TrainConfig, data: Dataset, steps: int,
+           initial: Mapping[int, Mapping[str, np.ndarray]] | None
+           ) -> list[dict[str, np.ndarray]]:
     layers = build_layers(config.model, data.input_shape, data.num_classes, config.seed)
-    model = torch.nn.Sequential(*layers)
-    model.train()
+    for index, state in (initial or {}).items():
+        layers[index].load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in
+                                       state.items()})
+    freeze(layers, config.frozen_layers)
     optimizers = [make_optimizer(layer, config) for layer in layers]
     schedule = SyncSchedule(len(data.x_train), config.micro_batches, config.micro_batch_size,
                             config.seed)
     for step in range(steps):
+        train_mode(layers, config.frozen_layers)
         for mb in schedule.micro_batches_of(step):
-            x = torch.from_numpy(data.x_train[mb.sample_indices])
+            h = torch.from_numpy(data.x_train[mb.sample_indices])
             y = torch.from_numpy(data.y_train[mb.sample_indices])
-            micro_batch_loss(model(x), y, config.micro_batches).backward()
+            for index, layer in enumerate(layers):  # random draws keyed as in a stage
+                seed_layer(config.seed, step, mb.index, index)
+                h = layer(h)
+            micro_batch_loss(h, y, config.micro_batches).backward()
         for optimizer in optimizers:
             if optimizer is not None:
                 optimizer.step()

@@ -41,6 +41,30 @@ def export_layer(layer: nn.Module, optimizer: torch.optim.Optimizer | None, inde
     return LayerReplica(index, version, state, optim)
 
 
+def replica_misfit(replica: LayerReplica, layer: nn.Module) -> str | None:
+    """Why ``replica`` cannot be loaded into ``layer`` (names, shapes, dtypes of its state and
+    its optimizer slots), or None when it fits."""
+    expected = layer.state_dict()
+    if set(replica.state) != set(expected):
+        return f"layer {replica.layer}: state names {sorted(replica.state)} != {sorted(expected)}"
+    for name, value in replica.state.items():
+        want = expected[name]
+        if tuple(value.shape) != tuple(want.shape) or value.dtype.kind != \
+                np.dtype(str(want.dtype).removeprefix("torch.")).kind:
+            return (f"layer {replica.layer}: {name} is {value.dtype}{list(value.shape)}, the "
+                    f"layer has {want.dtype}{list(want.shape)}")
+    params = [p for p in layer.parameters() if p.requires_grad]
+    for key, slot in (replica.optim or {}).get("state", {}).items():
+        if not (isinstance(slot, dict) and str(key).isdigit() and int(key) < len(params)):
+            return f"layer {replica.layer}: optimizer state for unknown parameter {key!r}"
+        shape = tuple(params[int(key)].shape)
+        for name, value in slot.items():
+            if isinstance(value, np.ndarray) and value.ndim and tuple(value.shape) != shape:
+                return (f"layer {replica.layer}: optimizer {name} of shape "
+                        f"{list(value.shape)} for a parameter of shape {list(shape)}")
+    return None
+
+
 def import_layer(replica: LayerReplica, layer: nn.Module,
                  optimizer: torch.optim.Optimizer | None) -> None:
     """Load a replica into a freshly built layer and optimizer (exact copy of the state)."""

@@ -16,7 +16,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from ftpipe_iot.core.grouping import (
+    BatchNormRecorder,
+    OrderedGradients,
+    apply_gradients,
+    gradient_partial,
+    has_running_statistics,
+    partial_misfit,
+    trainable,
+)
 from ftpipe_iot.core.replicas import export_layer, import_layer
+from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.errors import StageInputError
 from ftpipe_iot.protocol.messages import LayerReplica
 from ftpipe_iot.protocol.plan import TrainConfig
@@ -37,6 +47,16 @@ class SendGradient:
     step: int
     micro_batch: int
     grad: np.ndarray
+
+
+@dataclass(frozen=True)
+class SendPartial:
+    """A group member's share of the step: its accumulated gradients and the BatchNorm
+    statistics of its micro-batches, for every member of the group (``core.grouping``)."""
+
+    step: int
+    grads: dict[str, np.ndarray]
+    batch_norm: dict[str, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -69,6 +89,8 @@ class StepDone:
     backward_s: float
     layer_forward_s: tuple[float, ...] = ()
     layer_backward_s: tuple[float, ...] = ()
+    typical_s: float = 0.0  # M x the median micro-batch's forward+backward: robust to hiccups
+    micro_batches: int = 0  # how many of the step's micro-batches this stage (member) computed
 
     @property
     def layer_times(self) -> tuple[tuple[float, float], ...]:
@@ -76,7 +98,8 @@ class StepDone:
         return tuple(zip(self.layer_forward_s, self.layer_backward_s))
 
 
-StageOutput = SendActivation | SendGradient | MicroBatchResult | MicroBatchDone | StepDone
+StageOutput = SendActivation | SendGradient | SendPartial | MicroBatchResult | MicroBatchDone \
+    | StepDone
 
 
 def _stamp(arrivals: dict[int, float], index: int) -> Callable[[torch.Tensor], None]:
@@ -95,6 +118,21 @@ def make_optimizer(layer: nn.Module, config: TrainConfig) -> torch.optim.Optimiz
     if config.optimizer is OptimizerName.ADAM:
         return torch.optim.Adam(params, lr=config.lr)
     return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
+
+
+def freeze(layers: Sequence[nn.Module], frozen: int, first_layer: int = 0) -> None:
+    """Layers with a global index below ``frozen`` get no gradients (so no optimizer state)."""
+    for offset, layer in enumerate(layers):
+        if first_layer + offset < frozen:
+            for param in layer.parameters():
+                param.requires_grad_(False)
+
+
+def train_mode(layers: Sequence[nn.Module], frozen: int, first_layer: int = 0) -> None:
+    """Training mode, but frozen layers in evaluation mode: a fixed layer's BatchNorm keeps its
+    running statistics and its Dropout is off, as fine-tuning expects."""
+    for offset, layer in enumerate(layers):
+        layer.train(first_layer + offset >= frozen)
 
 
 def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, micro_batches: int
@@ -119,6 +157,18 @@ class StageTimings:
     backward_s: float = 0.0
     layer_forward_s: list[float] = field(default_factory=list)
     layer_backward_s: list[float] = field(default_factory=list)
+    micro_batch_s: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def typical_s(self) -> float:
+        """The step's compute as if every micro-batch took the median one's time: a process
+        descheduled during one micro-batch (another process took the core) barely moves it."""
+        times = sorted(self.micro_batch_s.values())
+        if not times:
+            return self.forward_s + self.backward_s
+        middle = len(times) // 2
+        median = times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) / 2
+        return median * len(times)
 
     def per_layer(self, n_layers: int) -> None:
         if len(self.layer_forward_s) != n_layers:
@@ -129,7 +179,12 @@ class StageTimings:
 @dataclass
 class Stage:
     """Compute state of stage ``index`` of ``n_stages`` holding ``layers`` (global ids from
-    ``first_layer``). ``expected_shape`` is the per-sample input shape the stage accepts."""
+    ``first_layer``). ``expected_shape`` is the per-sample input shape the stage accepts.
+
+    A member ``member`` of a group of ``group_size`` computes only its micro-batches of a step
+    (how many: ``expected`` with the step's first forward); when they are done it sends its
+    partial and applies the optimizer once every member's partial is in (``offer_partial``).
+    """
 
     index: int
     n_stages: int
@@ -140,18 +195,37 @@ class Stage:
     num_classes: int
     compute_hook: Callable[[float], None] | None = None
     start_step: int = 0
+    group_size: int = 1
+    member: int = 0
     module: nn.Sequential = field(init=False)
     optimizers: list[torch.optim.Optimizer | None] = field(init=False)
     pending: dict[tuple[int, int], _Pending] = field(init=False, default_factory=dict)
     backward_done: dict[int, set[int]] = field(init=False, default_factory=dict)
     completed_steps: set[int] = field(init=False, default_factory=set)
     timings: StageTimings = field(init=False, default_factory=StageTimings)
+    expected: dict[int, int] = field(init=False, default_factory=dict)
+    partials: dict[int, dict[int, SendPartial]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.module = nn.Sequential(*self.layers)
+        frozen = self.config.frozen_layers
+        freeze(self.layers, frozen, self.first_layer)
+        # Gradients stop at the first trainable stage: a stage after only fixed layers sends
+        # none back, and a stage of only fixed layers does no backward at all.
+        self.sends_gradients = not self.is_first and self.first_layer > frozen
+        self.all_frozen = self.first_layer + len(self.layers) <= frozen
         self.optimizers = [make_optimizer(layer, self.config) for layer in self.layers]
         if self.start_step > 0:
             self.completed_steps = {self.start_step - 1}
+        self.named = trainable(self.layers, self.first_layer)
+        self.gradients = OrderedGradients([p for _, p in self.named], self.group_size > 1)
+        self.recorder = BatchNormRecorder(self.layers, self.first_layer) \
+            if self.group_size > 1 else None
+        # BatchNorm's running statistics are updated in forward order: a stage alone feeds its
+        # micro-batches to its layers in index order (a group replays them instead).
+        self._in_order = self.group_size == 1 and has_running_statistics(self.layers)
+        self._early: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+        self._next_forward: dict[int, int] = {}
 
     @property
     def is_first(self) -> bool:
@@ -173,7 +247,8 @@ class Stage:
     @property
     def at_step_boundary(self) -> bool:
         """No micro-batch of the current step is half done (weights equal ``version``)."""
-        return not self.pending and not self.backward_done
+        return not self.pending and not self.backward_done and not self.partials \
+            and not any(self._early.values())
 
     def export(self) -> list[LayerReplica]:
         """Replicas of every layer at the current version (call at a step boundary)."""
@@ -213,23 +288,51 @@ class Stage:
             self.compute_hook(time.thread_time() - cpu_start)
         return result, time.perf_counter() - start
 
-    def forward(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray, train: bool
-                ) -> list[StageOutput]:
-        """Forward one micro-batch; the last stage also computes the loss and starts backward."""
+    def forward(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray, train: bool,
+                expected: int | None = None) -> list[StageOutput]:
+        """Forward one micro-batch; the last stage also computes the loss and starts backward.
+        ``expected``: how many of the step's micro-batches this member computes (all of them
+        without a group)."""
         self._check_input(x, y)
         if not train:
             return self._evaluate(step, micro_batch, x, y)
         key = (step, micro_batch)
         if key in self.pending or micro_batch in self.backward_done.get(step, set()) \
-                or step in self.completed_steps:
+                or step in self.completed_steps or micro_batch in self._early.get(step, {}):
             raise StageInputError(DropReason.DUPLICATE, f"micro-batch {key} was already processed")
-        self.module.train()
+        if step not in self.expected:
+            self.expected[step] = expected or self.config.micro_batches
+            if self.recorder is not None:
+                self.recorder.step_started()
+        if not self._in_order:
+            return self._forward_one(step, micro_batch, x, y)
+        early = self._early.setdefault(step, {})
+        early[micro_batch] = (x, y)
+        out: list[StageOutput] = []
+        while self._next_forward.setdefault(step, 0) in early:
+            index = self._next_forward[step]
+            out += self._forward_one(step, index, *early.pop(index))
+            self._next_forward[step] = index + 1
+        return out
+
+    def _forward_one(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray
+                     ) -> list[StageOutput]:
+        key = (step, micro_batch)
+        train_mode(self.layers, self.config.frozen_layers, self.first_layer)
         inputs = torch.from_numpy(np.array(x, dtype=np.float32, copy=True))
-        if not self.is_first:
+        if self.sends_gradients:
             inputs.requires_grad_(True)
+        if self.all_frozen:
+            return self._forward_frozen(step, micro_batch, inputs, y)
         arrivals: dict[int, float] = {}
-        outputs, elapsed = self._timed(lambda: self._forward_layers(inputs, arrivals))
+        if self.recorder is not None:
+            self.recorder.micro_batch = micro_batch
+        outputs, elapsed = self._timed(
+            lambda: self._forward_layers(inputs, arrivals, step, micro_batch))
+        if self.recorder is not None:
+            self.recorder.micro_batch = -1
         self.timings.forward_s += elapsed
+        self.timings.micro_batch_s[micro_batch] = elapsed
         if not self.is_last:
             self.pending[key] = _Pending(inputs, outputs, arrivals)
             return [SendActivation(step, micro_batch, outputs.detach().numpy(), y, True)]
@@ -242,14 +345,31 @@ class Stage:
         self.pending[key] = _Pending(inputs, loss, arrivals)
         return [result, *self._backward(step, micro_batch, None)]
 
-    def _forward_layers(self, inputs: torch.Tensor, arrivals: dict[int, float]
-                        ) -> torch.Tensor:
+    def _forward_frozen(self, step: int, micro_batch: int, inputs: torch.Tensor, y: np.ndarray
+                        ) -> list[StageOutput]:
+        """A stage of fixed layers: forward only; the micro-batch is done once it is sent on."""
+        with torch.no_grad():
+            outputs, elapsed = self._timed(
+                lambda: self._forward_layers(inputs, {}, step, micro_batch))
+        self.timings.forward_s += elapsed
+        self.timings.micro_batch_s[micro_batch] = elapsed
+        out: list[StageOutput] = [SendActivation(step, micro_batch, outputs.numpy(), y, True)]
+        done = self.backward_done.setdefault(step, set())
+        done.add(micro_batch)
+        if len(done) == self.expected.get(step, self.config.micro_batches):
+            out.append(self._optimizer_step(step))
+        return out
+
+    def _forward_layers(self, inputs: torch.Tensor, arrivals: dict[int, float], step: int,
+                        micro_batch: int) -> torch.Tensor:
         """``nn.Sequential``'s loop, timing each layer; a gradient hook on each output stamps
         when backward reaches it, which times each layer's backward too. Hooks return None, so
-        the arithmetic is exactly the unhooked one."""
+        the arithmetic is exactly the unhooked one. Each layer draws its random numbers from a
+        generator keyed by (seed, step, micro-batch, layer) (``core.rng``)."""
         self.timings.per_layer(len(self.layers))
         h = inputs
         for index, layer in enumerate(self.layers):
+            seed_layer(self.config.seed, step, micro_batch, self.first_layer + index)
             start = time.perf_counter()
             h = layer(h)
             self.timings.layer_forward_s[index] += time.perf_counter() - start
@@ -278,24 +398,62 @@ class Stage:
             np.array(grad, dtype=np.float32, copy=True))
 
         def run() -> torch.Tensor:
+            self.gradients.before(step, micro_batch)
             pending.outputs.backward(grad_tensor)
+            self.gradients.after(step, micro_batch)
             pending.grad_arrivals[-1] = time.perf_counter()  # end of this backward
             return pending.outputs
 
         _, elapsed = self._timed(run)
         self.timings.backward_s += elapsed
+        self.timings.micro_batch_s[micro_batch] = \
+            self.timings.micro_batch_s.get(micro_batch, 0.0) + elapsed
         self._account_backward(pending.grad_arrivals)
         out: list[StageOutput] = []
-        if not self.is_first:
+        if self.sends_gradients:
             assert pending.inputs.grad is not None
             out.append(SendGradient(step, micro_batch, pending.inputs.grad.numpy()))
-        else:
+        else:  # the first stage, or the first trainable one: this micro-batch is done
             out.append(MicroBatchDone(step, micro_batch))
         done = self.backward_done.setdefault(step, set())
         done.add(micro_batch)
-        if len(done) == self.config.micro_batches:
-            out.append(self._optimizer_step(step))
+        if len(done) == self.expected.get(step, self.config.micro_batches):
+            out.extend(self._local_done(step))
         return out
+
+    def _local_done(self, step: int) -> list[StageOutput]:
+        """This member's micro-batches of ``step`` are done."""
+        if self.group_size == 1:
+            self.gradients.finish(step)
+            return [self._optimizer_step(step)]
+        assert self.recorder is not None
+        own = SendPartial(step, gradient_partial(self.named, self.gradients.each(step)),
+                          self.recorder.partial())
+        return [own, *self.offer_partial(step, self.member, own)]
+
+    def offer_partial(self, step: int, member: int, partial: SendPartial) -> list[StageOutput]:
+        """A group member's partial (this member's own included); once all are in, the stage
+        applies the summed gradients and replays the BatchNorm statistics."""
+        if step in self.completed_steps or step < self.last_completed_step:
+            raise StageInputError(DropReason.DUPLICATE, f"partial of finished step {step}")
+        if not 0 <= member < self.group_size:
+            raise StageInputError(DropReason.UNEXPECTED, f"partial of member {member}")
+        misfit = partial_misfit(self.named, partial.grads)
+        if misfit is not None:
+            raise StageInputError(DropReason.BAD_SHAPE, misfit)
+        have = self.partials.setdefault(step, {})
+        if member in have:
+            raise StageInputError(DropReason.DUPLICATE, f"second partial of member {member}")
+        have[member] = partial
+        if len(have) < self.group_size or self.member not in have:
+            return []
+        merged_grads = {k: v for p in have.values() for k, v in p.grads.items()}
+        apply_gradients(self.named, merged_grads, self.config.micro_batches)
+        assert self.recorder is not None
+        self.recorder.replay({k: v for p in have.values() for k, v in p.batch_norm.items()},
+                             self.config.micro_batches)
+        del self.partials[step]
+        return [self._optimizer_step(step)]
 
     def _account_backward(self, arrivals: dict[int, float]) -> None:
         """Layer i's backward runs from the gradient reaching its output until it reaches the
@@ -315,11 +473,14 @@ class Stage:
             if optimizer is not None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        del self.backward_done[step]
+        self.backward_done.pop(step, None)
+        self._early.pop(step, None)
+        self._next_forward.pop(step, None)
         self.completed_steps = {s for s in self.completed_steps if s > step - 16} | {step}
+        count = self.expected.pop(step, self.config.micro_batches)
         done = StepDone(step, self.timings.forward_s, self.timings.backward_s,
                         tuple(self.timings.layer_forward_s),
-                        tuple(self.timings.layer_backward_s))
+                        tuple(self.timings.layer_backward_s), self.timings.typical_s, count)
         self.timings = StageTimings()
         return done
 

@@ -19,17 +19,20 @@ from prometheus_client import CollectorRegistry
 from ftpipe_iot import __version__
 from ftpipe_iot.core.loader import StageLoader
 from ftpipe_iot.core.models import build_layers, cut_shapes
-from ftpipe_iot.core.replicas import ReplicaStore
+from ftpipe_iot.core.replicas import replica_misfit
 from ftpipe_iot.core.stage import (
     MicroBatchDone,
     MicroBatchResult,
     SendActivation,
     SendGradient,
+    SendPartial,
     Stage,
     StageOutput,
     StepDone,
 )
+from ftpipe_iot.device.copies import LayerCopies
 from ftpipe_iot.device.link import LinkMeter
+from ftpipe_iot.device.trust import PlanGate, Verdict
 from ftpipe_iot.errors import ModelError, StageInputError
 from ftpipe_iot.observability.metrics import DeviceMetrics
 from ftpipe_iot.planning.profiles import DeviceProfile
@@ -37,8 +40,10 @@ from ftpipe_iot.protocol.messages import (
     Activation,
     Capabilities,
     Command,
+    ControllerState,
     DeviceStatus,
     Gradient,
+    GroupPartial,
     Heartbeat,
     Inbound,
     LayerReplica,
@@ -85,12 +90,15 @@ def device_will(name: str, job: str) -> Will:
 
 @dataclass(frozen=True)
 class DeviceOptions:
-    """Tunables of the agent."""
+    """Tunables of the agent. ``controller`` is the sender name plans must come from;
+    ``allowed_model_modules`` the modules a plan's user model may be imported from."""
 
     heartbeat_interval_s: float = 1.0
     missing_request_s: float = 3.0
+    controller: str = "controller"
+    allowed_model_modules: tuple[str, ...] = ()
     # False when the network itself enforces the profile's link cap (a tbf-capped namespace,
-    # docs/design.md §12): the cap is still declared to the controller, but not slept for.
+    # docs/design.md §13): the cap is still declared to the controller, but not slept for.
     emulate_link: bool = True
 
 
@@ -113,18 +121,19 @@ class DeviceAgent:
         self.clock = clock
         self.sleep = sleep
         self.plan: Plan | None = None
+        self.gate = PlanGate(job, options.controller, frozenset(options.allowed_model_modules))
         self.stage: Stage | None = None
         self.loader: StageLoader | None = None
         self.stopped = threading.Event()
-        self.own_replicas: dict[int, LayerReplica] = {}
-        self.neighbour = ReplicaStore(num_layers=1 << 16, keep=2)
-        self._neighbour_layers: set[int] = set()
-        self._weight_subscriptions: set[int] = set()
-        self._subscribed_stage: int | None = None
+        self.copies = LayerCopies(transport, self.topics)
+        self._subscribed: list[str] = []
+        # (step, micro-batch) -> the route and counts it came with, to address its outputs
+        self._routes: dict[tuple[int, int], Activation] = {}
         self._started = clock()
         self._next_heartbeat = 0.0
         self._last_step = -1
         self._last_step_done: StepDone | None = None
+        self._prepared: tuple[list, list[tuple[int, ...]]] | None = None
         self.link = LinkMeter()
         self._loader_since = 0.0
         self._current_step = 0  # step of the data being computed (profiles schedule by step)
@@ -135,6 +144,7 @@ class DeviceAgent:
         """Connect, announce (retained status), and listen for the plan and commands."""
         self.transport.connect()
         self._announce()
+        self.transport.subscribe(self.topics.state)
         self.transport.subscribe(self.topics.plan)
         self.transport.subscribe(self.topics.cmd(self.name))
         log.info("device %s online for job %s", self.name, self.job)
@@ -184,9 +194,9 @@ class DeviceAgent:
         if incoming.topic == RECONNECTED_TOPIC:
             self._announce()  # our Last Will may have fired while we were away
             return
-        if self.loader is not None and incoming.topic.startswith(self.topics.weights("")):
+        if self.loader is not None and incoming.topic.startswith(f"{self.topics.base}/weights/"):
             # Replicas are still arriving (slowly on a slow link): asking for the missing ones
-            # again now would only queue more copies in front of them (docs/design.md §12).
+            # again now would only queue more copies in front of them (docs/design.md §13).
             self._loader_since = self.clock()
         inbound = self.messenger.receive(incoming)
         if inbound is None:
@@ -194,10 +204,14 @@ class DeviceAgent:
         message = inbound.message
         try:
             if isinstance(message, PlanMessage):
-                self._on_plan(message.plan)
+                self._on_plan(inbound.sender, message.plan)
+            elif isinstance(message, ControllerState):
+                held = self.gate.announce(inbound.sender, inbound.plan_version)
+                if held is not None:
+                    self._take_plan(held)
             elif isinstance(message, Command):
                 self._on_command(inbound, message)
-            elif isinstance(message, (Activation, Gradient)):
+            elif isinstance(message, (Activation, Gradient, GroupPartial)):
                 self._on_data(inbound, message)
             elif isinstance(message, LayerReplica):
                 self._on_weights(inbound, message)
@@ -207,82 +221,75 @@ class DeviceAgent:
         except StageInputError as exc:
             self.messenger.drops.drop(exc.reason, str(exc))
 
-    def _on_plan(self, plan: Plan) -> None:
-        if plan.job != self.job:
-            self.messenger.drops.drop(DropReason.WRONG_JOB, f"plan for job {plan.job!r}")
-            return
-        if self.plan is not None and plan.version <= self.plan.version:
-            return
-        local = self._local_replicas(plan.resume_step)
+    def _on_plan(self, sender: str, plan: Plan) -> None:
+        decision = self.gate.offer(sender, plan)
+        if decision.verdict is Verdict.TAKE:
+            self._take_plan(plan)
+        elif decision.verdict is Verdict.HOLD:
+            log.info("%s", decision.reason)
+        elif decision.verdict is Verdict.REFUSE:
+            self.messenger.drops.drop(DropReason.UNTRUSTED_PLAN, decision.reason)
+            if sender == self.gate.controller and plan.job == self.job:
+                # The real controller asked for something this device will not do: say why.
+                self._report(DeviceError(decision.reason), plan_version=plan.version)
+
+    def _take_plan(self, plan: Plan) -> None:
+        """Run ``plan``: build and check its stage's model first, so a plan that cannot run
+        leaves the current stage as it is."""
+        assignment = plan.stage_of(self.name)
+        prepared = None
+        if assignment is not None:
+            try:
+                prepared = self._prepare(plan)
+            except ModelError as exc:
+                log.error("cannot build stage for plan %d: %s", plan.version, exc)
+                self._report(DeviceError(str(exc)), plan_version=plan.version)
+                return
+        local = self.copies.local(plan.resume_step, self.stage)
+        self.gate.taken(plan)
         self.plan = plan
         self._drop_stage()
-        self.messenger.options = WireOptions(
-            compress=plan.train.compress, wire_dtype=plan.train.wire_dtype,
-            max_message_bytes=self.messenger.options.max_message_bytes)
-        assignment = plan.stage_of(self.name)
-        self._follow_neighbour(plan)
+        self._prepared = prepared
+        self.messenger.options = WireOptions(compress=plan.train.compress,
+                                             wire_dtype=plan.train.wire_dtype)
+        self.messenger.job_limit = plan.max_message_bytes
+        self.copies.follow(plan, self.name)
         if assignment is None:
             log.info("plan %d: no stage for %s (standing by)", plan.version, self.name)
             return
         layers = range(assignment.start, assignment.end)
-        if plan.resume_step == 0:
-            self._build_stage({})
+        if plan.resume_step == 0 and not plan.init_weights:
+            self._build_stage({})  # the seed's initial weights: every device builds the same
             return
         self.loader = StageLoader(layers, plan.resume_step, local)
         self._loader_since = self.clock()
         for layer in self.loader.missing:
-            self._subscribe_weights(layer)
+            self.copies.subscribe(layer)
         log.info("plan %d: %s loads layers [%d, %d) at version %d (%d local, %d to fetch)",
                  plan.version, self.name, assignment.start, assignment.end, plan.resume_step,
                  len(layers) - len(self.loader.missing), len(self.loader.missing))
         self._maybe_finish_loading()
 
-    def _local_replicas(self, version: int) -> dict[int, LayerReplica]:
-        """Copies of layers at ``version`` this device already has: live, own, neighbour's."""
-        local: dict[int, LayerReplica] = {}
-        if self.stage is not None and self.stage.at_step_boundary and \
-                self.stage.version == version:
-            local.update({r.layer: r for r in self.stage.export()})
-        for layer, replica in self.own_replicas.items():
-            if replica.version == version:
-                local.setdefault(layer, replica)
-        for layer in self._neighbour_layers:
-            replica = self.neighbour.get(layer, version)
-            if replica is not None:
-                local.setdefault(layer, replica)
-        return local
-
-    def _follow_neighbour(self, plan: Plan) -> None:
-        """Keep in-memory copies of the previous stage's layers (FTPipeHD's neighbour replica)."""
-        assignment = plan.stage_of(self.name)
-        wanted: set[int] = set()
-        if assignment is not None and assignment.stage > 0:
-            previous = plan.stages[assignment.stage - 1]
-            wanted = set(range(previous.start, previous.end))
-        for layer in self._neighbour_layers - wanted:
-            self._unsubscribe_weights(layer)
-        for layer in wanted:
-            self._subscribe_weights(layer)
-        self._neighbour_layers = wanted
-
-    def _subscribe_weights(self, layer: int) -> None:
-        if layer not in self._weight_subscriptions:
-            self.transport.subscribe(self.topics.weights_of_layer(layer))
-            self._weight_subscriptions.add(layer)
-
-    def _unsubscribe_weights(self, layer: int) -> None:
-        if layer in self._weight_subscriptions:
-            self.transport.unsubscribe(self.topics.weights_of_layer(layer))
-            self._weight_subscriptions.discard(layer)
+    def _prepare(self, plan: Plan) -> tuple[list, list[tuple[int, ...]]]:
+        """The plan's layers (built from its seed) and cut shapes; raises ModelError."""
+        layers = build_layers(plan.train.model, plan.input_shape, plan.num_classes,
+                              plan.train.seed)
+        return layers, cut_shapes(layers, plan.input_shape, plan.num_classes,
+                                  plan.train.model.name)
 
     def _on_weights(self, inbound: Inbound, replica: LayerReplica) -> None:
         if self.plan is None or inbound.plan_version < self.plan.since:
             self.messenger.drops.drop(DropReason.STALE_RUN,
                                       f"replica of plan {inbound.plan_version}")
             return
-        if replica.layer in self._neighbour_layers:
-            self.neighbour.add(replica)
-        if self.loader is not None and self.loader.offer(replica):
+        self.copies.seen(replica)
+        if self.loader is None or replica.layer not in self.loader.missing:
+            return
+        assert self._prepared is not None
+        misfit = replica_misfit(replica, self._prepared[0][replica.layer])
+        if misfit is not None:
+            self.messenger.drops.drop(DropReason.BAD_SHAPE, misfit)
+        elif self.loader.offer(replica):
             self._maybe_finish_loading()
 
     def _maybe_finish_loading(self) -> None:
@@ -290,28 +297,22 @@ class DeviceAgent:
             return
         replicas = self.loader.replicas()
         self.loader = None
-        for layer in list(self._weight_subscriptions - self._neighbour_layers):
-            self._unsubscribe_weights(layer)
+        self.copies.loading_done()
         self._build_stage(replicas)
 
     def _build_stage(self, replicas: dict[int, LayerReplica]) -> None:
-        plan = self.plan
-        assert plan is not None
+        plan, prepared = self.plan, self._prepared
+        assert plan is not None and prepared is not None
         assignment = plan.stage_of(self.name)
         assert assignment is not None
-        try:
-            layers = build_layers(plan.train.model, plan.input_shape, plan.num_classes,
-                                  plan.train.seed)
-            shapes = cut_shapes(layers, plan.input_shape, plan.num_classes, plan.train.model.name)
-        except ModelError as exc:
-            self._report(DeviceError(str(exc)))
-            log.error("cannot build stage for plan %d: %s", plan.version, exc)
-            return
+        layers, shapes = prepared
         stage = Stage(index=assignment.stage, n_stages=plan.n_stages,
                       layers=layers[assignment.start:assignment.end],
                       first_layer=assignment.start, config=plan.train,
                       expected_shape=shapes[assignment.start], num_classes=plan.num_classes,
-                      compute_hook=self._emulate_compute, start_step=plan.resume_step)
+                      compute_hook=self._emulate_compute, start_step=plan.resume_step,
+                      group_size=len(assignment.members),
+                      member=assignment.member_index(self.name) or 0)
         if replicas:
             stage.load(replicas)
         self._set_stage(stage)
@@ -324,17 +325,24 @@ class DeviceAgent:
         self.loader = None
         self._set_stage(None)
 
+    def _stage_topics(self, stage: Stage) -> list[str]:
+        topics = [self.topics.stage_act(stage.index, self.name),
+                  self.topics.stage_grad(stage.index, self.name)]
+        if stage.group_size > 1:
+            topics.append(self.topics.stage_reduce(stage.index))
+        return topics
+
     def _set_stage(self, stage: Stage | None) -> None:
-        if self._subscribed_stage is not None:
-            self.transport.unsubscribe(self.topics.stage_act(self._subscribed_stage))
-            self.transport.unsubscribe(self.topics.stage_grad(self._subscribed_stage))
-            self._subscribed_stage = None
+        for topic in self._subscribed:
+            self.transport.unsubscribe(topic)
+        self._subscribed = []
+        self._routes = {}
         self.stage = stage
         self.metrics.stage.set(-1 if stage is None else stage.index)
         if stage is not None:
-            self.transport.subscribe(self.topics.stage_act(stage.index))
-            self.transport.subscribe(self.topics.stage_grad(stage.index))
-            self._subscribed_stage = stage.index
+            self._subscribed = self._stage_topics(stage)
+            for topic in self._subscribed:
+                self.transport.subscribe(topic)
 
     def _on_command(self, inbound: Inbound, command: Command) -> None:
         if command.op is CommandOp.SHUTDOWN:
@@ -361,7 +369,7 @@ class DeviceAgent:
         replicas = self.stage.export()
         for replica in replicas:
             total += self._publish_replica(replica)
-            self.own_replicas[replica.layer] = replica
+            self.copies.own[replica.layer] = replica
         self.metrics.replication_bytes.inc(total)
         first = self.stage.first_layer
         self._report(Replicated(self.stage.version, (first, first + len(replicas)), total,
@@ -373,11 +381,11 @@ class DeviceAgent:
 
     def _resend_layers(self, version: int, layers: tuple[int, ...]) -> None:
         for layer in layers:
-            replica = self.own_replicas.get(layer)
+            replica = self.copies.own.get(layer)
             if replica is not None and replica.version == version:
                 self._publish_replica(replica)
 
-    def _on_data(self, inbound: Inbound, message: Activation | Gradient) -> None:
+    def _on_data(self, inbound: Inbound, message: Activation | Gradient | GroupPartial) -> None:
         if self.plan is None or (self.stage is None and self.loader is None):
             self.messenger.drops.drop(DropReason.NO_STAGE,
                                       f"{inbound.kind.value} before a plan")
@@ -394,15 +402,25 @@ class DeviceAgent:
             self.messenger.drops.drop(DropReason.NOT_READY,
                                       "data before the stage finished loading")
             return
-        self.link.observe(inbound.timestamp, message.nbytes, time.time())
-        self._current_step = inbound.step
-        if isinstance(message, Activation):
-            outputs = self.stage.forward(inbound.step, inbound.micro_batch, message.x, message.y,
-                                         message.train)
+        key = (inbound.step, inbound.micro_batch)
+        stage = self.stage
+        if isinstance(message, GroupPartial):
+            if message.stage != stage.index or message.member == stage.member:
+                return  # our own partial, echoed back: already counted
+            outputs = stage.offer_partial(inbound.step, message.member, SendPartial(
+                inbound.step, message.grads, message.batch_norm))
+        elif isinstance(message, Activation):
+            self.link.observe(inbound.timestamp, message.nbytes, time.time())
+            self._current_step = inbound.step
+            outputs = stage.forward(inbound.step, inbound.micro_batch, message.x, message.y,
+                                    message.train, message.count(stage.index, stage.member))
+            self._routes[key] = message
             if message.train:
                 self.metrics.samples.inc(len(message.y))
         else:
-            outputs = self.stage.backward(inbound.step, inbound.micro_batch, message.g)
+            self.link.observe(inbound.timestamp, message.nbytes, time.time())
+            self._current_step = inbound.step
+            outputs = stage.backward(inbound.step, inbound.micro_batch, message.g)
         for output in outputs:
             self._emit(output)
 
@@ -423,21 +441,39 @@ class DeviceAgent:
     # -- outputs --------------------------------------------------------------------------------
     def _emit(self, output: StageOutput) -> None:
         assert self.stage is not None and self.plan is not None
-        version = self.plan.version
+        version, index = self.plan.version, self.stage.index
         if isinstance(output, SendActivation):
-            sent = self.messenger.send(self.topics.stage_act(self.stage.index + 1),
-                                       Activation(output.x, output.y, output.train), version,
-                                       output.step, output.micro_batch)
+            came = self._routes.get((output.step, output.micro_batch))
+            route = came.route if came else ()
+            counts = came.counts if came else ()
+            if not output.train:
+                self._routes.pop((output.step, output.micro_batch), None)
+            member = route[index + 1] if index + 1 < len(route) else 0
+            device = self.plan.stages[index + 1].members[member].device
+            sent = self.messenger.send(self.topics.stage_act(index + 1, device),
+                                       Activation(output.x, output.y, output.train, route,
+                                                  counts), version, output.step,
+                                       output.micro_batch)
             self._emulate_link(sent)
         elif isinstance(output, SendGradient):
-            sent = self.messenger.send(self.topics.stage_grad(self.stage.index - 1),
+            came = self._routes.pop((output.step, output.micro_batch), None)
+            member = came.member(index - 1) if came else 0
+            device = self.plan.stages[index - 1].members[member].device
+            sent = self.messenger.send(self.topics.stage_grad(index - 1, device),
                                        Gradient(output.grad), version, output.step,
                                        output.micro_batch)
             self._emulate_link(sent)
+        elif isinstance(output, SendPartial):
+            self.messenger.send(self.topics.stage_reduce(index),
+                                GroupPartial(index, self.stage.member, output.grads,
+                                             output.batch_norm), version, output.step)
         elif isinstance(output, MicroBatchResult):
+            if not output.train:
+                self._routes.pop((output.step, output.micro_batch), None)
             self._report(MicroBatchLoss(output.loss, output.correct, output.count, output.train),
                          output.step, output.micro_batch)
         elif isinstance(output, MicroBatchDone):
+            self._routes.pop((output.step, output.micro_batch), None)
             self._report(MicroBatchFinished(), output.step, output.micro_batch)
         elif isinstance(output, StepDone):
             self._on_step_done(output)
@@ -450,13 +486,17 @@ class DeviceAgent:
         self._last_step = output.step
         self._last_step_done = output
         self._report(StageStepDone(self.stage.index, output.forward_s, output.backward_s,
-                                   output.layer_times), output.step)
+                                   output.layer_times, output.typical_s, output.micro_batches),
+                     output.step)
         every = self.plan.train.replicate_every
-        if every and (output.step + 1) % every == 0:
+        # After the reduction every member holds the same state: the leader replicates it.
+        if every and (output.step + 1) % every == 0 and self.stage.member == 0:
             self._replicate()
 
-    def _report(self, body: ResultBody, step: int = -1, micro_batch: int = -1) -> None:
-        version = self.plan.version if self.plan is not None else 0
+    def _report(self, body: ResultBody, step: int = -1, micro_batch: int = -1,
+                plan_version: int | None = None) -> None:
+        version = plan_version if plan_version is not None else \
+            self.plan.version if self.plan is not None else 0
         self.messenger.send(self.topics.results, Result(body), version, step, micro_batch)
 
     def tick(self, heartbeat: bool = True) -> None:

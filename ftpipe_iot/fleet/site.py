@@ -1,4 +1,4 @@
-"""Site brokers: a Mosquitto per site, bridged to the central broker (docs/design.md §12).
+"""Site brokers: a Mosquitto per site, bridged to the central broker (docs/design.md §13).
 
 Devices connect to their site's broker; the controller connects to the central one. The site
 broker holds one bridge connection to the central broker that forwards only what must cross:
@@ -64,10 +64,11 @@ def bridge_topics(job: str = ANY_JOB) -> tuple[BridgeTopic, ...]:
     base = f"{ROOT}/{job}"
     return (
         BridgeTopic(f"{base}/ctrl/#", Direction.IN, 1,
-                    "the plan, the controller's state (and its Last Will) and commands: the "
-                    "controller is central"),
-        BridgeTopic(f"{base}/stage/0/act", Direction.IN, 1,
-                    "the controller feeds stage 0 (inputs and labels, training and evaluation)"),
+                    "the plan, the controller's state (and its Last Will), commands, and its "
+                    "message-size probe at start: the controller is central"),
+        BridgeTopic(f"{base}/stage/0/act/+", Direction.IN, 1,
+                    "the controller feeds stage 0's members (inputs and labels, training and "
+                    "evaluation)"),
         BridgeTopic(f"{base}/results", Direction.OUT, 1,
                     "losses, micro-batch and step completions, replication reports"),
         BridgeTopic(f"{base}/weights/#", Direction.BOTH, 1,
@@ -84,9 +85,11 @@ def local_topics(job: str = ANY_JOB) -> tuple[LocalTopic, ...]:
     """Topics that do not cross the bridge."""
     base = f"{ROOT}/{job}"
     return (
-        LocalTopic(f"{base}/stage/<k>/act, k > 0",
+        LocalTopic(f"{base}/stage/<k>/act/+, k > 0",
                    "activations between stages of the same site"),
-        LocalTopic(f"{base}/stage/+/grad", "gradients between stages of the same site"),
+        LocalTopic(f"{base}/stage/+/grad/+", "gradients between stages of the same site"),
+        LocalTopic(f"{base}/stage/+/reduce",
+                   "gradient partials between members of a stage group on the same site"),
         LocalTopic(f"{base}/events", "the controller's events are for observers of the central "
                                      "broker; no device reads them"),
     )
@@ -173,7 +176,7 @@ def bridge_state_topic(name: str) -> str:
 
 
 def topic_map_markdown(job: str = ANY_JOB) -> str:
-    """The topic map as a Markdown table (docs/design.md §12 shows its output)."""
+    """The topic map as a Markdown table (docs/design.md §13 shows its output)."""
     rows = ["| topic | crosses | QoS | why |", "| --- | --- | --- | --- |"]
     arrows = {Direction.IN: "central → site", Direction.OUT: "site → central",
               Direction.BOTH: "both ways"}

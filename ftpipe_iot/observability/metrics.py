@@ -122,6 +122,7 @@ class DeviceFigures:
     capacity_factor: float = math.nan
     link_bytes_per_s: float = math.nan
     stage: int = -1
+    share: float = math.nan
 
 
 class FleetFigures:
@@ -138,11 +139,12 @@ class FleetFigures:
             for name, value in values.items():
                 setattr(figures, name, value)
 
-    def assign(self, stages: Mapping[str, int], known: Iterable[str]) -> None:
-        """Stage of every device in the new plan; -1 for the other ``known`` devices."""
+    def assign(self, places: Mapping[str, tuple[int, float]], known: Iterable[str]) -> None:
+        """(stage, share) of every device in the plan; stage -1 for the other ``known``."""
         with self._lock:
-            for device in {*known, *stages}:
-                self._devices.setdefault(device, DeviceFigures()).stage = stages.get(device, -1)
+            for device in {*known, *places}:
+                figures = self._devices.setdefault(device, DeviceFigures())
+                figures.stage, figures.share = places.get(device, (-1, math.nan))
 
     def snapshot(self) -> dict[str, DeviceFigures]:
         with self._lock:
@@ -159,6 +161,8 @@ _DEVICE_GAUGES = (
      "pipeline messages (array bytes over one-way latency), smoothed", "link_bytes_per_s"),
     ("ftpipe_device_stage_assigned", "Stage a device holds in the current plan (-1 = none)",
      "stage"),
+    ("ftpipe_device_share", "A device's share of its stage group's micro-batches (1 = alone)",
+     "share"),
     ("ftpipe_device_last_heartbeat_timestamp_seconds", "Unix time of the last heartbeat",
      "heartbeat_unix_s"),
 )

@@ -233,6 +233,38 @@ def _title(report: RunReport) -> str:
     return ", ".join(parts)
 
 
+def _shares(events: list[dict[str, Any]]) -> dict[str, tuple[list[float], list[float]]]:
+    """Each device's share of its stage group over time, from the plan and share events; empty
+    when no stage was ever held by more than one device."""
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    grouped = False
+    for event in events:
+        if event.get("type") not in (EventType.PLAN_CHANGED.value,
+                                     EventType.SHARES_CHANGED.value):
+            continue
+        t, stages = event.get("t"), event.get("stages")
+        if not isinstance(t, (int, float)) or not isinstance(stages, list):
+            continue
+        present = set()
+        for stage in stages:
+            members = stage.get("devices") if isinstance(stage, dict) else None
+            if not isinstance(members, list):
+                continue
+            grouped = grouped or len(members) > 1
+            for member in members:
+                if isinstance(member, dict) and isinstance(member.get("share"), (int, float)):
+                    name = f"{member.get('device')} (stage {stage.get('stage')})"
+                    times, values = series.setdefault(name, ([], []))
+                    times.append(float(t))
+                    values.append(float(member["share"]))
+                    present.add(name)
+        for name, (times, values) in series.items():
+            if name not in present and values and values[-1] != 0.0:
+                times.append(float(t))
+                values.append(0.0)
+    return series if grouped else {}
+
+
 def plot_report(summary: dict[str, Any], path: Path, report: RunReport | None = None) -> Path:
     """Draw throughput, training loss and test accuracy over time into a PNG at ``path``."""
     import matplotlib
@@ -252,10 +284,20 @@ def plot_report(summary: dict[str, Any], path: Path, report: RunReport | None = 
     acc_t, acc = _series(evals, "test_accuracy")
     end_t = max([0.0, *rate_t, *acc_t, *(float(e.get("t", 0.0)) for e in events)])
 
-    fig, axes = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True,
-                             gridspec_kw={"height_ratios": [1.2, 1.2, 1.0]})
+    shares = _shares(events)
+    fig, axes = plt.subplots(4 if shares else 3, 1, figsize=(10, 11 if shares else 8.5),
+                             sharex=True, gridspec_kw={
+                                 "height_ratios": [1.2, 1.2, 1.0, 1.0][:4 if shares else 3]})
     try:
-        ax_rate, ax_loss, ax_acc = axes
+        ax_rate, ax_loss, ax_acc = axes[:3]
+        if shares:
+            ax_share = axes[3]
+            for name, (times, values) in sorted(shares.items()):
+                ax_share.step([*times, end_t], [*values, values[-1]], where="post",
+                              linewidth=1.2, label=name)
+            ax_share.set_ylabel("share of its group")
+            ax_share.set_ylim(0, 1.15)
+            ax_share.legend(loc="lower right", fontsize=7, ncol=4)
         ax_rate.plot(*_break_gaps(rate_t, rate), color="#1f77b4", linewidth=1.4, label="throughput")
         ax_rate.set_ylabel("samples / s")
         ax_rate.set_ylim(bottom=0)
@@ -281,7 +323,7 @@ def plot_report(summary: dict[str, Any], path: Path, report: RunReport | None = 
                         ha="center", va="center", color="#7f7f7f")
         ax_acc.set_ylim(0, 1.05)
         ax_acc.set_ylabel("test accuracy")
-        ax_acc.set_xlabel("seconds since the controller started")
+        axes[-1].set_xlabel("seconds since the controller started")
         ax_acc.set_xlim(0, max(end_t * 1.02, 1.0))
         for ax in axes:
             ax.grid(True, alpha=0.3)

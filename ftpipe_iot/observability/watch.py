@@ -145,6 +145,8 @@ class JobWatcher:
             job.plan_version = inbound.plan_version
         elif inbound.job == job.job and isinstance(message, Event):
             job.events.append(SeenEvent(message, inbound.timestamp, inbound.step))
+            if message.type is EventType.SHARES_CHANGED and message.stages:
+                job.stages = message.stages
         elif isinstance(message, DeviceStatus):
             view = self.devices.setdefault(inbound.sender, DeviceView(inbound.sender))
             view.state = message.state.value
@@ -180,15 +182,15 @@ class JobWatcher:
 def fleet_table(watcher: JobWatcher, now: float | None = None) -> dict:
     """The fleet as ``ftpipe-iot status`` shows it: one row per device seen on the broker."""
     now = time.time() if now is None else now
-    stage_of = {s.device: s for s in watcher.job.stages}
+    stage_of = {m.device: (s, m.share) for s in watcher.job.stages for m in s.members}
     rows = []
     for name in sorted(watcher.devices):
         view = watcher.devices[name]
-        stage = stage_of.get(name)
+        stage, share = stage_of.get(name, (None, None))
         rows.append({
             "device": name, "state": view.state, "job": view.job,
             "stage": stage.stage if stage else None,
-            "layers": [stage.start, stage.end] if stage else None,
+            "layers": [stage.start, stage.end] if stage else None, "share": share,
             "capacity": watcher.job.capacities.get(name),
             "heartbeat_age_s": None if view.last_heartbeat is None
             else round(now - view.last_heartbeat, 1),

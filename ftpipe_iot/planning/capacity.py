@@ -1,10 +1,12 @@
 """Capacity estimates (pure): how much slower than the reference profile each device runs.
 
 A device's factor is its measured compute time per micro-batch for its own layers divided by
-the reference cost of those layers. The estimate is the median of the last ``window`` steps: one
-noisy step (another process grabbed the core) does not move layers around, while a real change of
-speed is fully seen after ``window // 2 + 1`` steps, which an exponential average would smear
-over many more.
+the reference cost of a stage holding those layers (``LayerCosts.stage_cost_s``). The estimate
+is the median of the last ``window`` steps: one noisy step (another process grabbed the core)
+does not move layers around, while a real change of speed is fully seen after
+``window // 2 + 1`` steps, which an exponential average would smear over many more. A device's
+history restarts when its layers change (what is left of the reference profile's error differs
+from layers to layers); the old estimate stands in until the new layers are measured.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from ftpipe_iot.planning.solver import LayerCosts
 
 
 @dataclass
@@ -22,28 +26,49 @@ class CapacityEstimator:
     window: int = 3
     floor: float = 0.05
     history: dict[str, list[float]] = field(default_factory=dict)
+    # Layers each device's history was measured on: the reference profile is off by a different
+    # amount for different layers, so a factor measured on other layers is not comparable.
+    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # The estimate on the previous layers: used until the new layers have been measured.
+    prior: dict[str, float] = field(default_factory=dict)
+    stage_overhead_s: float = 0.0
+    head_overhead_s: float = 0.0
+
+    @classmethod
+    def for_costs(cls, costs: LayerCosts) -> CapacityEstimator:
+        """An estimator against a stage cost model (per-layer costs and overheads)."""
+        return cls(list(costs.layer_cost_s), stage_overhead_s=costs.stage_overhead_s,
+                   head_overhead_s=costs.head_overhead_s)
 
     def observe(self, device: str, start: int, end: int, compute_s: float,
                 micro_batches: int) -> float | None:
         """Fold in one step's measured compute seconds of layers [start, end); returns the new
         factor (None when the layers have no measurable reference cost)."""
-        reference = sum(self.reference_cost_s[start:end])
+        head = self.head_overhead_s if end == len(self.reference_cost_s) else 0.0
+        reference = sum(self.reference_cost_s[start:end]) + self.stage_overhead_s + head
         if reference <= 0 or micro_batches < 1 or compute_s < 0:
             return None
         measured = max(compute_s / micro_batches / reference, self.floor)
+        if self.ranges.get(device) != (start, end):
+            if device in self.history:
+                self.prior[device] = self.factor(device)
+            self.ranges[device] = (start, end)
+            self.history.pop(device, None)
         recent = [*self.history.get(device, []), measured][-self.window:]
         self.history[device] = recent
         return self.factor(device)
 
     def factor(self, device: str) -> float:
         recent = self.history.get(device)
-        return statistics.median(recent) if recent else 1.0
+        return statistics.median(recent) if recent else self.prior.get(device, 1.0)
 
-    def bounds(self, device: str, recent: int = 2) -> tuple[float, float]:
-        """Lowest and highest of the last ``recent`` measurements: a decision that holds for
-        both ends is not an artefact of one noisy step."""
-        values = self.history.get(device, [])[-recent:]
-        return (min(values), max(values)) if values else (1.0, 1.0)
+    def bounds(self, device: str) -> tuple[float, float]:
+        """Lowest and highest of the measurements in the window: a decision that holds for
+        both ends is not an artefact of noisy steps."""
+        values = self.history.get(device, [])
+        if not values:
+            return (self.factor(device),) * 2
+        return min(values), max(values)
 
     @property
     def factors(self) -> dict[str, float]:
@@ -55,3 +80,5 @@ class CapacityEstimator:
 
     def forget(self, device: str) -> None:
         self.history.pop(device, None)
+        self.ranges.pop(device, None)
+        self.prior.pop(device, None)

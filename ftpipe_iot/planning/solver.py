@@ -18,7 +18,8 @@ for it):
 
 Cost model of a stage ``[start, end)`` on device ``d`` (``L`` layers in total)::
 
-    compute_s = d.factor * sum(layer_cost_s[start:end])
+    compute_s = d.factor * (sum(layer_cost_s[start:end]) + stage_overhead_s
+                            + (head_overhead_s if end == L else 0))
     moved     = 2 * (activation_bytes[start - 1] if start > 0 else 0)     # act in + grad out
               + 2 * (activation_bytes[end - 1]   if end < L  else 0)      # act out + grad in
     comm_s    = moved / d.bandwidth_bytes_per_s
@@ -82,8 +83,15 @@ class LayerCosts:
     activation_bytes: tuple[float, ...]
     layer_memory_bytes: tuple[float, ...]
     micro_batch_size: int | None = None
+    stage_overhead_s: float = 0.0  # every stage, per micro-batch (docs/design.md §7)
+    head_overhead_s: float = 0.0   # the last stage's loss, per micro-batch
 
     def __post_init__(self) -> None:
+        for name in ("stage_overhead_s", "head_overhead_s"):
+            value = _check_number(getattr(self, name), name)
+            if value < 0:
+                raise PartitionError(f"{name} must be >= 0, got {value}")
+            object.__setattr__(self, name, value)
         n = len(self.layer_cost_s)
         if n == 0:
             raise PartitionError("a model needs at least one layer")
@@ -106,6 +114,11 @@ class LayerCosts:
         """Number of layers."""
         return len(self.layer_cost_s)
 
+    def stage_cost_s(self, start: int, end: int) -> float:
+        """Reference compute of a stage over layers ``[start, end)``, per micro-batch."""
+        head = self.head_overhead_s if end == self.n_layers else 0.0
+        return math.fsum(self.layer_cost_s[start:end]) + self.stage_overhead_s + head
+
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> LayerCosts:
         """Build from ``{"layer_cost_s": [...], "activation_bytes": [...],
@@ -114,7 +127,8 @@ class LayerCosts:
         if not isinstance(data, Mapping):
             raise PartitionError(f"layer costs must be a JSON object, got {type(data).__name__}")
         required = ("layer_cost_s", "activation_bytes", "layer_memory_bytes")
-        unknown = set(data) - set(required) - {"micro_batch_size"}
+        optional = {"micro_batch_size", "stage_overhead_s", "head_overhead_s"}
+        unknown = set(data) - set(required) - optional
         if unknown:
             raise PartitionError(f"unknown keys in layer costs: {sorted(unknown)}")
         missing = [k for k in required if k not in data]
@@ -126,7 +140,9 @@ class LayerCosts:
             if not isinstance(value, (list, tuple)):
                 raise PartitionError(f"{key} must be a list, got {type(value).__name__}")
             lists[key] = tuple(value)
-        return cls(**lists, micro_batch_size=data.get("micro_batch_size"))  # type: ignore[arg-type]
+        return cls(**lists, micro_batch_size=data.get("micro_batch_size"),  # type: ignore[arg-type]
+                   stage_overhead_s=data.get("stage_overhead_s", 0.0),  # type: ignore[arg-type]
+                   head_overhead_s=data.get("head_overhead_s", 0.0))  # type: ignore[arg-type]
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> LayerCosts:
@@ -261,7 +277,7 @@ def stage_for(costs: LayerCosts, device: DeviceSpec, start: int, end: int) -> St
     memory = math.fsum(costs.layer_memory_bytes[start:end])
     return Stage(
         device=device.name, start=start, end=end,
-        compute_s=device.factor * math.fsum(costs.layer_cost_s[start:end]),
+        compute_s=device.factor * costs.stage_cost_s(start, end),
         comm_s=moved / device.bandwidth_bytes_per_s,
         memory_bytes=memory, fits_memory=memory <= device.memory_bytes * (1 + _MEM_TOL),
     )
@@ -319,7 +335,8 @@ def _stage_tables(costs: LayerCosts, devices: Sequence[DeviceSpec]) -> np.ndarra
     # and as its output (e = i). The model input (i = 0) and the loss (i = n) cross no cut.
     cut = np.concatenate([[0.0], act[:-1], [0.0]])
     s_idx, e_idx = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
-    span = prefix[None, :] - prefix[:, None]
+    span = prefix[None, :] - prefix[:, None] + costs.stage_overhead_s
+    span[:, n] += costs.head_overhead_s
     memory = mem_prefix[None, :] - mem_prefix[:, None]
     moved = 2.0 * (cut[:, None] + cut[None, :])
     tables = np.empty((len(devices), n + 1, n + 1))

@@ -44,10 +44,12 @@ class BodyReader:
     def optional_int(self, key: str, low: int | None = None) -> int | None:
         return None if self.raw.get(key) is None else self.int(key, low=low)
 
-    def float(self, key: str, default: Any = REQUIRED, low: float | None = None) -> float:
+    def float(self, key: str, default: Any = REQUIRED, low: float | None = None,
+              finite: bool = True) -> float:
         value = self._get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-                or not math.isfinite(float(value)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise self.fail(key, "a number", value)
+        if finite and not math.isfinite(float(value)):
             raise self.fail(key, "a finite number", value)
         if low is not None and value < low:
             raise self.fail(key, f"a number >= {low}", value)

@@ -161,24 +161,51 @@ class Event:
 # -- pipeline data ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Activation:
-    """Activations (or the raw inputs, into stage 0) and labels of one micro-batch."""
+    """Activations (or the raw inputs, into stage 0) and labels of one micro-batch, with its
+    route (the group member of every stage that computes it) and, for training, the step's
+    micro-batch counts per stage and member (``core.routing``). No route: member 0 throughout;
+    no counts: one member computes all of the step's micro-batches."""
 
     KIND: ClassVar[MessageKind] = MessageKind.ACTIVATION
     x: np.ndarray
     y: np.ndarray
     train: bool
+    route: tuple[int, ...] = ()
+    counts: tuple[tuple[int, ...], ...] = ()
 
     @property
     def nbytes(self) -> int:
         return int(self.x.nbytes + self.y.nbytes)
 
+    def member(self, stage: int) -> int:
+        return self.route[stage] if stage < len(self.route) else 0
+
+    def count(self, stage: int, member: int) -> int | None:
+        if stage < len(self.counts) and member < len(self.counts[stage]):
+            return self.counts[stage][member]
+        return None
+
     def to_body(self) -> dict[str, Any]:
-        return {"x": self.x, "y": self.y, "train": self.train}
+        body: dict[str, Any] = {"x": self.x, "y": self.y, "train": self.train}
+        if self.route:
+            body["route"] = list(self.route)
+        if self.counts:
+            body["counts"] = [list(c) for c in self.counts]
+        return body
 
     @classmethod
     def from_body(cls, raw: object) -> Activation:
         f = BodyReader(raw, "activation")
-        return cls(f.array("x"), f.array("y"), f.bool("train"))
+        counts = f.raw.get("counts") or []
+        if not isinstance(counts, list) or not all(
+                isinstance(c, list) and c and all(isinstance(n, int) and not isinstance(n, bool)
+                                                  and n >= 1 for n in c) for c in counts):
+            raise f.fail("counts", "a list of positive micro-batch counts per stage", counts)
+        route = f.int_list("route", [])
+        if any(m < 0 for m in route):
+            raise f.fail("route", "member indices >= 0", route)
+        return cls(f.array("x"), f.array("y"), f.bool("train"), route,
+                   tuple(tuple(c) for c in counts))
 
 
 @dataclass(frozen=True)
@@ -238,6 +265,35 @@ class LayerReplica:
             raise f.fail("optim", "an optimizer state map", type(optim).__name__)
         return cls(f.int("layer", low=0), f.int("version", low=0), dict(state),
                    None if optim is None else dict(optim))
+
+
+@dataclass(frozen=True)
+class GroupPartial:
+    """A group member's share of a step, for the other members of its stage: the gradients it
+    accumulated and the BatchNorm statistics of its micro-batches (``core.grouping``)."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.REDUCE
+    stage: int
+    member: int
+    grads: dict[str, np.ndarray]
+    batch_norm: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def to_body(self) -> dict[str, Any]:
+        return {"stage": self.stage, "member": self.member, "grads": self.grads,
+                "batch_norm": self.batch_norm}
+
+    @classmethod
+    def from_body(cls, raw: object) -> GroupPartial:
+        f = BodyReader(raw, "partial")
+        arrays = {}
+        for key in ("grads", "batch_norm"):
+            value = f._get(key, REQUIRED if key == "grads" else {})
+            if not isinstance(value, Mapping) or not all(
+                    isinstance(k, str) and isinstance(v, np.ndarray) for k, v in value.items()):
+                raise f.fail(key, "a map of names to arrays", type(value).__name__)
+            arrays[key] = dict(value)
+        return cls(f.int("stage", low=0), f.int("member", low=0), arrays["grads"],
+                   arrays["batch_norm"])
 
 
 # -- devices -> controller ----------------------------------------------------------------------
@@ -318,10 +374,10 @@ class Heartbeat:
 
 
 Message = PlanMessage | Command | ControllerState | Event | Activation | Gradient | LayerReplica \
-    | DeviceStatus | Heartbeat | Result
+    | GroupPartial | DeviceStatus | Heartbeat | Result
 _BY_KIND: dict[MessageKind, Any] = {
     cls.KIND: cls for cls in (PlanMessage, Command, ControllerState, Event, Activation, Gradient,
-                              LayerReplica, DeviceStatus, Heartbeat, Result)
+                              LayerReplica, GroupPartial, DeviceStatus, Heartbeat, Result)
 }
 
 

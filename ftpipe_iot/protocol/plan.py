@@ -7,6 +7,7 @@ carries the plan version it belongs to and anything of an older plan is dropped.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,13 +36,15 @@ class TrainConfig:
     wire_dtype: WireDtype = WireDtype.NATIVE
     compress: bool = True
     replicate_every: int = 10
+    frozen_layers: int = 0  # layers [0, frozen_layers) stay fixed (eval mode, no gradients)
 
     def __post_init__(self) -> None:
         checks = [
             (self.micro_batches >= 1, f"micro_batches must be >= 1, got {self.micro_batches}"),
             (self.micro_batch_size >= 1,
              f"micro_batch_size must be >= 1, got {self.micro_batch_size}"),
-            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (math.isfinite(self.lr) and self.lr > 0,
+             f"lr must be a finite number > 0, got {self.lr}"),
             (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
             (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
             (self.max_steps is None or self.max_steps >= 1,
@@ -49,6 +52,7 @@ class TrainConfig:
             (self.max_in_flight >= 1, f"max_in_flight must be >= 1, got {self.max_in_flight}"),
             (self.eval_batch_size >= 1,
              f"eval_batch_size must be >= 1, got {self.eval_batch_size}"),
+            (self.frozen_layers >= 0, f"frozen_layers must be >= 0, got {self.frozen_layers}"),
             (self.replicate_every >= 0,
              f"replicate_every must be >= 0 (0 = only at plan changes), got "
              f"{self.replicate_every}"),
@@ -102,30 +106,75 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class StageAssignment:
-    """One stage: which device runs layers [start, end)."""
+class Member:
+    """One device of a stage's group and its share of the step's micro-batches."""
 
-    stage: int
     device: str
-    start: int
-    end: int
+    share: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stage": self.stage, "device": self.device, "start": self.start, "end": self.end}
+        return {"device": self.device, "share": self.share}
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """One stage: the group of devices (one or more, each holding all of layers [start, end))
+    and each member's share of a step's micro-batches. The first member is the group's leader:
+    it replicates the group's layers."""
+
+    stage: int
+    start: int
+    end: int
+    members: tuple[Member, ...]
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            raise PlanError(f"stage {self.stage} has no device")
+        if any(not m.share > 0 for m in self.members):
+            raise PlanError(f"stage {self.stage}: every member needs a share > 0")
+        if abs(sum(m.share for m in self.members) - 1.0) > 1e-6:
+            raise PlanError(f"stage {self.stage}: shares sum to "
+                            f"{sum(m.share for m in self.members)}, not 1")
+
+    @classmethod
+    def single(cls, stage: int, device: str, start: int, end: int) -> StageAssignment:
+        """A stage held by one device."""
+        return cls(stage, start, end, (Member(device),))
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(m.device for m in self.members)
+
+    @property
+    def leader(self) -> str:
+        return self.members[0].device
+
+    def member_index(self, device: str) -> int | None:
+        return next((i for i, m in enumerate(self.members) if m.device == device), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "start": self.start, "end": self.end,
+                "devices": [m.to_dict() for m in self.members]}
 
     @classmethod
     def from_dict(cls, raw: object) -> StageAssignment:
         if not isinstance(raw, dict):
             raise PlanError(f"a stage must be a map, got {type(raw).__name__}")
         try:
-            values = {key: raw[key] for key in ("stage", "device", "start", "end")}
+            numbers = {key: raw[key] for key in ("stage", "start", "end")}
+            members = raw["devices"]
         except KeyError as exc:
             raise PlanError(f"a stage misses {exc}") from exc
-        if not isinstance(values["device"], str) or not all(
-                isinstance(values[k], int) and not isinstance(values[k], bool)
-                for k in ("stage", "start", "end")):
-            raise PlanError(f"bad stage {raw!r}: device is a name, stage/start/end integers")
-        return cls(**values)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers.values()):
+            raise PlanError(f"bad stage {raw!r}: stage/start/end must be integers")
+        if not isinstance(members, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("device"), str)
+                and isinstance(m.get("share", 1.0), (int, float))
+                and not isinstance(m.get("share", 1.0), bool) for m in members):
+            raise PlanError(f"bad stage {raw!r}: devices must be a list of "
+                            "{device, share} maps")
+        return cls(numbers["stage"], numbers["start"], numbers["end"],
+                   tuple(Member(m["device"], float(m.get("share", 1.0))) for m in members))
 
 
 @dataclass(frozen=True)
@@ -136,6 +185,8 @@ class Plan:
     weights built from the seed; otherwise each device loads its layers at that version.
     ``since`` is the version of this job run's first plan: replicas tagged with an older plan
     version are left-overs of an earlier run under the same job name and are never loaded.
+    ``max_message_bytes`` is the job's frame size, checked against the broker by the
+    controller: every process chunks at most this much, whatever its own setting.
     """
 
     version: int
@@ -147,8 +198,15 @@ class Plan:
     num_classes: int
     resume_step: int = 0
     since: int = 0
+    max_message_bytes: int = 256 * 1024
+    init_weights: bool = False  # version 0 is the controller's --init-from, not the seed
 
     def __post_init__(self) -> None:
+        if self.train.frozen_layers >= self.num_layers:
+            raise PlanError(f"frozen_layers {self.train.frozen_layers} leaves nothing of the "
+                            f"{self.num_layers} layers to train")
+        if self.max_message_bytes < 1024:
+            raise PlanError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if not self.stages:
             raise PlanError("a plan needs at least one stage")
         expected = 0
@@ -161,24 +219,31 @@ class Plan:
             expected = stage.end
         if expected != self.num_layers:
             raise PlanError(f"stages cover {expected} layers, the model has {self.num_layers}")
-        devices = [s.device for s in self.stages]
+        devices = self.devices
         if len(set(devices)) != len(devices):
-            raise PlanError(f"a device may hold only one stage: {devices}")
+            raise PlanError(f"a device may hold only one place in a plan: {list(devices)}")
 
     @property
     def n_stages(self) -> int:
         return len(self.stages)
 
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Every device of the plan, stage by stage, members in order."""
+        return tuple(d for stage in self.stages for d in stage.devices)
+
     def stage_of(self, device: str) -> StageAssignment | None:
         for stage in self.stages:
-            if stage.device == device:
+            if device in stage.devices:
                 return stage
         return None
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, "job": self.job, "num_layers": self.num_layers,
                 "input_shape": list(self.input_shape), "num_classes": self.num_classes,
-                "resume_step": self.resume_step, "since": self.since, "train": self.train.to_dict(),
+                "resume_step": self.resume_step, "since": self.since,
+                "max_message_bytes": self.max_message_bytes, "init_weights": self.init_weights,
+                "train": self.train.to_dict(),
                 "stages": [s.to_dict() for s in self.stages]}
 
     @classmethod
@@ -190,7 +255,9 @@ class Plan:
                        num_layers=int(raw["num_layers"]),
                        input_shape=tuple(int(d) for d in raw["input_shape"]),
                        num_classes=int(raw["num_classes"]), resume_step=int(raw["resume_step"]),
-                       since=int(raw.get("since", 0)))
+                       since=int(raw.get("since", 0)),
+                       max_message_bytes=int(raw.get("max_message_bytes", 256 * 1024)),
+                       init_weights=bool(raw.get("init_weights", False)))
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError) as exc:

@@ -42,7 +42,9 @@ class MicroBatchLoss:
     @classmethod
     def parse(cls, f: BodyReader) -> MicroBatchLoss:
         train = f.enum("type", ResultType) is ResultType.LOSS
-        return cls(f.float("loss", low=0), f.int("correct", low=0), f.int("count", low=0), train)
+        # A loss may be NaN or infinite: a diverging job reports it, the controller stops.
+        return cls(f.float("loss", finite=False), f.int("correct", low=0), f.int("count", low=0),
+                   train)
 
 
 @dataclass(frozen=True)
@@ -61,13 +63,16 @@ class MicroBatchFinished:
 
 @dataclass(frozen=True)
 class StageStepDone:
-    """A stage applied its optimizer for the step in the envelope, with its compute times."""
+    """A stage applied its optimizer for the step in the envelope, with its compute times:
+    totals, per layer, and ``typical_s`` (M x the median micro-batch, what capacity reads)."""
 
     TYPE: ClassVar[ResultType] = ResultType.STEP_DONE
     stage: int
     forward_s: float
     backward_s: float
     layer_times: tuple[tuple[float, float], ...] = ()
+    typical_s: float = 0.0
+    micro_batches: int = 0  # how many of the step's micro-batches this member computed
 
     @property
     def compute_s(self) -> float:
@@ -75,12 +80,14 @@ class StageStepDone:
 
     def fields(self) -> dict[str, Any]:
         return {"stage": self.stage, "forward_s": self.forward_s, "backward_s": self.backward_s,
-                "layer_times": [list(t) for t in self.layer_times]}
+                "layer_times": [list(t) for t in self.layer_times], "typical_s": self.typical_s,
+                "micro_batches": self.micro_batches}
 
     @classmethod
     def parse(cls, f: BodyReader) -> StageStepDone:
         return cls(f.int("stage", low=0), f.float("forward_s", low=0),
-                   f.float("backward_s", low=0), f.pairs("layer_times"))
+                   f.float("backward_s", low=0), f.pairs("layer_times"),
+                   f.float("typical_s", 0.0, low=0), f.int("micro_batches", 0, low=0))
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,12 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class DataSpec:
-    """Which data to load: ``digits``, ``synthetic`` (with shape/classes/size) or ``npz:PATH``."""
+    """Which data to load: ``digits``, ``synthetic`` (with shape/classes/size) or ``npz:PATH``.
+    ``classes`` None means 10 for synthetic data and the largest label + 1 for an npz file."""
 
     name: str = "digits"
     shape: tuple[int, ...] = (3, 32, 32)
-    classes: int = 10
+    classes: int | None = None
     samples: int = 2048
     test_fraction: float = 0.2
 
@@ -46,7 +47,7 @@ class DataSpec:
             )
         if not 0.0 < self.test_fraction < 1.0:
             raise DataError(f"test_fraction must be between 0 and 1, got {self.test_fraction}")
-        if self.classes < 2:
+        if self.classes is not None and self.classes < 2:
             raise DataError(f"need at least 2 classes, got {self.classes}")
         if self.samples < 4:
             raise DataError(f"need at least 4 samples, got {self.samples}")

@@ -46,6 +46,11 @@ class Topics:
     def state(self) -> str:
         return f"{self.base}/ctrl/state"
 
+    @property
+    def probe(self) -> str:
+        """The controller's own echo topic: how large a message the broker passes."""
+        return f"{self.base}/ctrl/probe"
+
     def cmd(self, device: str) -> str:
         return f"{self.base}/ctrl/cmd/{device}"
 
@@ -53,12 +58,16 @@ class Topics:
     def events(self) -> str:
         return f"{self.base}/events"
 
-    # pipeline data
-    def stage_act(self, stage: int) -> str:
-        return f"{self.base}/stage/{stage}/act"
+    # pipeline data: one topic per member, so a group's micro-batches reach only their member
+    def stage_act(self, stage: int, device: str) -> str:
+        return f"{self.base}/stage/{stage}/act/{device}"
 
-    def stage_grad(self, stage: int) -> str:
-        return f"{self.base}/stage/{stage}/grad"
+    def stage_grad(self, stage: int, device: str) -> str:
+        return f"{self.base}/stage/{stage}/grad/{device}"
+
+    def stage_reduce(self, stage: int) -> str:
+        """A stage group's gradient partials (every member publishes, every member listens)."""
+        return f"{self.base}/stage/{stage}/reduce"
 
     @property
     def results(self) -> str:

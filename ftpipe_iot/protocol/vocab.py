@@ -19,6 +19,7 @@ class MessageKind(str, Enum):
     GRADIENT = "grad"
     RESULT = "result"
     WEIGHTS = "weights"
+    REDUCE = "reduce"
     STATUS = "status"
     HEARTBEAT = "hb"
     EVENT = "event"
@@ -97,6 +98,7 @@ class EventType(str, Enum):
     FAILURE_DETECTED = "failure_detected"
     RECOVERY_DONE = "recovery_done"
     REPARTITIONED = "repartitioned"
+    SHARES_CHANGED = "shares_changed"
     JOB_DONE = "job_done"
     JOB_FAILED = "job_failed"
 
@@ -124,6 +126,7 @@ class DropReason(str, Enum):
     # the body
     BAD_BODY = "bad_body"
     BAD_PLAN = "bad_plan"
+    UNTRUSTED_PLAN = "untrusted_plan"
     UNEXPECTED_KIND = "unexpected_kind"
     # where it belongs
     WRONG_JOB = "wrong_job"

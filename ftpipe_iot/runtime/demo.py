@@ -1,8 +1,10 @@
 """The demo: a broker, a controller and N device agents as separate OS processes on this machine.
 
-The children are started and stopped through ``runtime.supervise`` (own sessions, die with their
-parent); the demo stops all of them on Ctrl-C, SIGTERM or the failure of any one: no orphans, no
-leftover broker.
+The demo supervises them as systemd would: a device that dies is the controller's business (it
+recovers without it; ``restart_devices`` starts it again), a controller killed by a signal is
+restarted with ``--resume``, a dead broker of the demo's own is restarted. Only Ctrl-C (or
+SIGTERM) or the job failing ends the demo early; either way every process it started is stopped
+(``runtime.supervise``): no orphans, no leftover broker.
 """
 
 from __future__ import annotations
@@ -29,6 +31,24 @@ from ftpipe_iot.transport.config import BrokerConfig, parse_protocol
 
 log = logging.getLogger(__name__)
 
+# Restarts of one kind of process after which the demo gives up (a crash loop is not recovery).
+_MAX_RESTARTS = 10
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _last_error(log_text: str) -> str | None:
+    """The reason a CLI process gave for exiting: its last ``Error:`` line."""
+    lines = [line.strip() for line in log_text.splitlines() if line.startswith("Error:")]
+    return lines[-1].removeprefix("Error:").strip() if lines else None
+
 
 @dataclass
 class DemoOptions:
@@ -51,6 +71,8 @@ class DemoOptions:
     timeout_s: float = 900.0
     metrics_port_base: int = 0
     faults: list[Fault] = field(default_factory=list)
+    restart_devices: bool = False
+    max_message_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.metrics_port_base and not 1024 <= self.metrics_port_base <= 65535 - self.devices:
@@ -76,17 +98,26 @@ class Demo:
         self.children = ProcessGroup(self.work_dir)
         self.common: list[str] = []
         self.summary_path = self.work_dir / "summary.json"
+        self.model_path = self.work_dir / "model.pt"
         self.train_path = options.train.save(self.work_dir / "train.json")
         self.watcher: JobWatcher | None = None
         self.pending_faults = list(options.faults)
         self.injected: list[dict] = []
         self.expected_exit: set[str] = set()
         self.hung: set[str] = set()
+        self.gone: dict[str, str] = {}  # device -> why it exited (not restarted)
+        self.restarts = {"controller": 0, "devices": 0, "broker": 0}
         self._next_device = options.devices
 
     def _spawn_device(self, index: int) -> None:
-        name = f"dev{index}"
-        self.children.start(name, "device", "--name", name, *self.common,
+        self._spawn_named_device(f"dev{index}")
+
+    def _spawn_named_device(self, name: str) -> None:
+        index = int(name.removeprefix("dev"))
+        model = self.options.train.model.name
+        # The user asked for this model: let the demo's own devices import it.
+        allow = ["--allow-model-module", model.partition(":")[0]] if ":" in model else []
+        self.children.start(name, "device", "--name", name, *self.common, *allow,
                             *self._metrics_args(index + 1), *self.options.device_args)
 
     def _spawn_controller(self, resume: bool = False) -> None:
@@ -94,6 +125,7 @@ class Demo:
         self.children.start("controller", "controller", *self.common, "--devices",
                             str(self.options.devices), "--stop-devices",
                             "--summary-json", str(self.summary_path),
+                            "--save-model", str(self.model_path),
                             *(["--resume"] if resume else ["--train-config", str(self.train_path)]),
                             *self._metrics_args(0), *self.options.controller_args, log=False)
 
@@ -108,23 +140,27 @@ class Demo:
         signal.signal(signal.SIGTERM, interrupt)
         try:
             broker_url, kind = self._start_broker()
+            protocol = parse_protocol("3.1.1" if kind is BrokerKind.EMBEDDED else "auto")
+            # Connecting the watcher first checks the broker: an unreachable one or a bad URL
+            # is said plainly before any process starts.
+            self.watcher = JobWatcher(BrokerConfig.from_url(broker_url, protocol=protocol),
+                                      self.options.job).start()
             self.common = ["--job", self.options.job, "--broker", broker_url]
             if kind is BrokerKind.EMBEDDED:
                 self.common += ["--mqtt-protocol", "3.1.1"]
-            if self.options.faults:
-                protocol = parse_protocol("3.1.1" if kind is BrokerKind.EMBEDDED else "auto")
-                self.watcher = JobWatcher(BrokerConfig.from_url(broker_url, protocol=protocol),
-                                          self.options.job).start()
+            if self.options.max_message_bytes:
+                self.common += ["--max-message-bytes", str(self.options.max_message_bytes)]
             for index in range(self.options.devices):
                 self._spawn_device(index)
             self._spawn_controller()
             self._supervise(started)
             summary = json.loads(self.summary_path.read_text())
-            if self.options.faults:
-                summary.update(self._fault_figures(summary))
+            summary.update(self._fleet_figures(summary))
             summary["broker"] = kind.value
             summary["wall_s"] = round(time.monotonic() - started, 3)
             summary["work_dir"] = str(self.work_dir)
+            if self.model_path.exists():
+                summary["model"] = str(self.model_path)
             try:
                 paths = write_report(summary, self.work_dir)
             except (ReportError, OSError) as exc:
@@ -154,26 +190,71 @@ class Demo:
         assert self.broker.kind is not None
         return self.broker.url, self.broker.kind
 
+    def _say(self, text: str) -> None:
+        log.warning("%s", text)
+        print(text, file=sys.stderr, flush=True)
+
     def _supervise(self, started: float) -> None:
-        while True:
+        while not self._controller_finished():
             self._inject_due()
-            code = self.children.procs["controller"].poll()
-            if code is not None and "controller" not in self.expected_exit:
-                if code != 0:
-                    raise DemoError(f"controller exited with code {code}")
-                self._wait_devices()
-                return
-            for name, proc in self.children.procs.items():
-                if name != "controller" and name not in self.expected_exit and \
-                        proc.poll() not in (None, 0):
-                    raise DemoError(f"{name} exited with code {proc.returncode}; "
-                                    f"its log: {self.children.log_path(name)}")
-            if self.broker is not None and self.broker.proc is not None and \
-                    self.broker.proc.poll() is not None:
-                raise DemoError(f"broker exited with code {self.broker.proc.returncode}")
+            self._check_devices()
+            self._check_broker()
             if time.monotonic() - started > self.options.timeout_s:
                 raise DemoError(f"demo did not finish within {self.options.timeout_s:.0f}s")
             time.sleep(0.1)
+        self._wait_devices()
+
+    def _controller_finished(self) -> bool:
+        code = self.children.procs["controller"].poll()
+        if code is None or "controller" in self.expected_exit:
+            return False
+        if code == 0:
+            return True
+        if code < 0 and self.restarts["controller"] < _MAX_RESTARTS:
+            self.restarts["controller"] += 1
+            self._say(f"controller {_exit_text(code)}: restarting it with --resume")
+            self._spawn_controller(resume=True)
+            return False
+        raise DemoError(self._controller_failure(code))
+
+    def _controller_failure(self, code: int) -> str:
+        try:
+            error = json.loads(self.summary_path.read_text()).get("error")
+        except (OSError, ValueError):
+            error = None
+        return f"the job failed: {error}" if error else f"controller {_exit_text(code)}"
+
+    def _check_devices(self) -> None:
+        for name, proc in list(self.children.procs.items()):
+            code = proc.poll()
+            if name == "controller" or name in self.gone or code in (None, 0):
+                continue
+            reason = _last_error(self.children.log(name))
+            why = _exit_text(code) + (f" ({reason})" if reason else "")
+            if self.options.restart_devices and self.restarts["devices"] < _MAX_RESTARTS:
+                self.restarts["devices"] += 1
+                self._say(f"{name} {why}: restarting it")
+                self._spawn_named_device(name)
+                continue
+            self.gone[name] = why
+            if name not in self.expected_exit:
+                self._say(f"{name} {why}; the controller goes on without it")
+        running = [n for n, p in self.children.procs.items()
+                   if n != "controller" and n not in self.gone]
+        if not running:
+            last = next(reversed(self.gone.items()))
+            raise DemoError(f"every device has exited; {last[0]} {last[1]}")
+
+    def _check_broker(self) -> None:
+        broker = self.broker
+        if broker is None or broker.proc is None or broker.proc.poll() is None:
+            return
+        if self.restarts["broker"] >= _MAX_RESTARTS:
+            raise DemoError(f"the broker exited with code {broker.proc.returncode} "
+                            f"{self.restarts['broker']} times")
+        self.restarts["broker"] += 1
+        self._say(f"broker exited with code {broker.proc.returncode}: restarting it")
+        broker.restart()
 
     # -- fault injection --------------------------------------------------------------------------
     def _inject_due(self) -> None:
@@ -218,8 +299,10 @@ class Demo:
         self.injected.append({"fault": str(fault), "action": fault.action.value,
                               "device": name, "at": at})
 
-    def _fault_figures(self, summary: dict) -> dict:
-        """Detection delay of each device fault, measured from the moment it was injected."""
+    def _fleet_figures(self, summary: dict) -> dict:
+        """Failures and recoveries counted from the events topic (a resumed controller only
+        knows its own part of the job), restarts, and the detection delay of each injected
+        device fault, measured from the moment it was injected."""
         assert self.watcher is not None
         detections = self.watcher.events_of(EventType.FAILURE_DETECTED)
         detect = []
@@ -230,9 +313,9 @@ class Demo:
                      if e.timestamp >= fault["at"] and fault["device"] in (e.event.devices or ())]
             if later:
                 detect.append(round(min(later), 3))
-        # Counted from the events topic: a resumed controller only knows its own part of the job.
         recovered = self.watcher.events_of(EventType.RECOVERY_DONE)
-        return {"faults": [f["fault"] for f in self.injected],
+        return {"faults": [f["fault"] for f in self.injected], "restarts": dict(self.restarts),
+                "exited": dict(self.gone),
                 "failures_detected": len(detections), "recoveries": len(recovered),
                 "recover_s": [round(e.event.recover_s, 3) for e in recovered
                               if e.event.recover_s is not None],

@@ -3,7 +3,6 @@ controller. The CLI calls these; tests and the demo start them as separate OS pr
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import sys
@@ -15,7 +14,8 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from ftpipe_iot.control.controller import Controller, ControllerConfig, controller_will
+from ftpipe_iot.control.config import ControllerConfig, controller_will
+from ftpipe_iot.control.controller import Controller
 from ftpipe_iot.control.summary import RunSummary
 from ftpipe_iot.device.agent import DeviceAgent, DeviceOptions, device_will
 from ftpipe_iot.observability.metrics import serve_metrics
@@ -98,5 +98,5 @@ def run_controller(job: str, broker: BrokerConfig, config: ControllerConfig,
         transport.close()
     if summary_path is not None:
         summary_path.parent.mkdir(parents=True, exist_ok=True)
-        summary_path.write_text(json.dumps(summary.to_dict(), indent=2))
+        summary_path.write_text(summary.to_json(indent=2))
     return summary

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import queue
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,6 +37,11 @@ class Transport(Protocol):
     received messages are only put on ``inbox``; a worker thread takes them from there."""
 
     inbox: queue.Queue[Incoming]
+
+    @property
+    def max_payload_bytes(self) -> int:
+        """The largest payload this transport may publish (configuration and, where the broker
+        announces one, its maximum packet size)."""
 
     def connect(self, timeout_s: float = 10.0) -> None:
         """Connect (and keep reconnecting in the background); raise TransportError on refusal."""
@@ -81,3 +88,58 @@ def serve(inbox: queue.Queue[Incoming], handle: Callable[[Incoming], None],
             except queue.Empty:
                 incoming = None
         tick()
+
+
+def largest_deliverable(transport: Transport, topic: str, upper: int, timeout_s: float = 1.0,
+                        lower: int = 1024, resolution: int = 256) -> int:
+    """The largest payload of at most ``upper`` bytes the broker delivers back on ``topic``.
+
+    Brokers cap message sizes (Mosquitto's ``message_size_limit``, EMQX 1 MiB, AWS IoT 128 KiB)
+    and most drop what is larger without a word, so a sender cannot tell. Probes at QoS 0 (an
+    oversized QoS 0 message is dropped, a QoS 1 one may get the client disconnected and resent
+    forever), ``upper`` first, then a bisection. Call it right after ``connect`` and before any
+    other subscription: it takes the probes' echoes from the inbox.
+    """
+    transport.subscribe(topic, qos=0)
+    others: list[Incoming] = []
+    probe = itertools.count()
+
+    def delivered(size: int) -> bool:
+        tag = next(probe).to_bytes(8, "big")
+        transport.publish(topic, tag + bytes(max(0, size - len(tag))), qos=0)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                incoming = transport.inbox.get(timeout=left)
+            except queue.Empty:
+                break
+            if incoming.topic == topic:
+                if incoming.payload[:8] == tag:
+                    return True
+            else:
+                others.append(incoming)
+        return False
+
+    try:
+        if delivered(upper):
+            return upper
+        good, bad = lower, upper
+        if not delivered(good):
+            return 0
+        while bad - good > resolution:
+            middle = (good + bad) // 2
+            good, bad = (middle, bad) if delivered(middle) else (good, middle)
+        return good
+    finally:
+        transport.unsubscribe(topic)
+        for incoming in others:
+            transport.inbox.put(incoming)
+
+
+def message_size_problem(transport: Transport, probe_topic: str, wanted: int) -> str | None:
+    """None when the broker passes messages of ``wanted`` bytes, else the sentence to say."""
+    passed = largest_deliverable(transport, probe_topic, wanted)
+    if passed >= wanted:
+        return None
+    return (f"messages of {wanted} bytes exceed the broker's limit of about {passed} bytes; set "
+            f"--max-message-bytes {passed} or lower (or raise the broker's message size limit)")

@@ -97,12 +97,15 @@ def parse_protocol(value: str) -> MqttProtocol:
 
 @dataclass(frozen=True)
 class Bundle:
-    """What a provisioned identity (device or controller) needs to connect: name, job, broker."""
+    """What a provisioned identity (device or controller) needs to connect: name, job, broker;
+    for a device also the modules user models may be imported from (``allow_model_modules``:
+    the device's own decision, never a message's)."""
 
     name: str
     job: str = "default"
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     profile: str | None = None
+    allow_model_modules: tuple[str, ...] = ()
 
 
 def load_bundle(path: str | Path) -> Bundle:
@@ -126,12 +129,17 @@ def load_bundle(path: str | Path) -> Bundle:
             broker_raw[key] = str((path.parent / broker_raw[key]).resolve())
     if "protocol" in broker_raw:
         broker_raw["protocol"] = parse_protocol(str(broker_raw["protocol"]))
+    modules = raw.get("allow_model_modules", [])
+    if not isinstance(modules, list) or not all(isinstance(m, str) and m for m in modules):
+        raise ConfigError(f"config {path}: allow_model_modules must be a list of module names")
     return Bundle(name=str(raw["name"]), job=str(raw.get("job", "default")),
-                  broker=BrokerConfig(**broker_raw), profile=raw.get("profile"))
+                  broker=BrokerConfig(**broker_raw), profile=raw.get("profile"),
+                  allow_model_modules=tuple(modules))
 
 
 def bundle_to_dict(bundle: Bundle) -> dict[str, object]:
     """Serialise a bundle to the JSON shape ``load_bundle`` reads."""
     data = asdict(bundle)
     data["broker"]["protocol"] = bundle.broker.protocol.value
+    data["allow_model_modules"] = list(bundle.allow_model_modules)
     return data

@@ -15,8 +15,11 @@ class MemoryBroker:
     retained: dict[str, bytes] = field(default_factory=dict)
     clients: list[MemoryTransport] = field(default_factory=list)
     published: list[tuple[str, bytes]] = field(default_factory=list)
+    max_payload: int | None = None  # larger messages are dropped silently, as brokers do
 
     def route(self, topic: str, payload: bytes, retain: bool) -> None:
+        if self.max_payload is not None and len(payload) > self.max_payload:
+            return
         self.published.append((topic, payload))
         if retain:
             if payload:
@@ -27,16 +30,19 @@ class MemoryBroker:
             if client.connected and any(topic_matches(p, topic) for p in client.subscriptions):
                 client.inbox.put(Incoming(topic, payload, False))
 
-    def transport(self, client_id: str, will: Will | None = None) -> MemoryTransport:
-        return MemoryTransport(self, client_id, will)
+    def transport(self, client_id: str, will: Will | None = None,
+                  max_payload_bytes: int = 256 * 1024) -> MemoryTransport:
+        return MemoryTransport(self, client_id, will, max_payload_bytes)
 
 
 class MemoryTransport:
     """Transport backed by a MemoryBroker; ``crash()`` simulates a lost connection (fires the
     Will)."""
 
-    def __init__(self, broker: MemoryBroker, client_id: str, will: Will | None = None) -> None:
+    def __init__(self, broker: MemoryBroker, client_id: str, will: Will | None = None,
+                 max_payload_bytes: int = 256 * 1024) -> None:
         self.broker = broker
+        self.max_payload_bytes = max_payload_bytes
         self.client_id = client_id
         self.will = will
         self.inbox: queue.Queue[Incoming] = queue.Queue()

@@ -29,19 +29,35 @@ class Messenger:
         self.name = name
         self.job = job
         self.metrics = metrics
-        self.options = options
+        self.options = options  # compression and wire dtype; the frame size is decided below
+        self.job_limit: int | None = None  # the job's message size (from the plan), if any
         self.drops = DropLog(metrics, logger)
         # Max body: generous but bounded (a crafted chunk header cannot ask for unbounded memory).
         self.reassembler = Reassembler(max_body_bytes=1024 * 1024 * 1024)
         self._seq = itertools.count(1)
 
+    @property
+    def max_message_bytes(self) -> int:
+        """Largest frame this process sends: what its transport may publish (its configured
+        ``--max-message-bytes``, lowered to the broker's announced maximum packet size), and at
+        most the job's size, so every process of a job chunks alike."""
+        limit = self.transport.max_payload_bytes
+        return limit if self.job_limit is None else min(limit, self.job_limit)
+
+    def _wire_options(self, compress: bool | None = None) -> WireOptions:
+        size = self.max_message_bytes
+        options = self.options
+        if compress is None and options.max_message_bytes == size:
+            return options
+        return WireOptions(compress=options.compress if compress is None else compress,
+                           wire_dtype=options.wire_dtype, max_message_bytes=size)
+
     def send(self, topic: str, message: Message, plan_version: int = 0, step: int = -1,
-             micro_batch: int = -1, qos: int = 1, retain: bool = False,
-             options: WireOptions | None = None) -> int:
+             micro_batch: int = -1, qos: int = 1, retain: bool = False) -> int:
         """Encode and publish; returns the bytes sent."""
         env = envelope(message, self.job, self.name, plan_version, step, micro_batch,
                        next(self._seq))
-        frames = encode(env, options or self.options)
+        frames = encode(env, self._wire_options())
         if retain and len(frames) > 1:
             raise ConfigError(f"retained message on {topic} needs {len(frames)} chunks; retained "
                              "payloads must fit one message")
@@ -67,9 +83,9 @@ class Messenger:
         """
         env = envelope(replica, self.job, self.name, plan_version, replica.version,
                        seq=next(self._seq))
-        options = WireOptions(compress=False, max_message_bytes=self.options.max_message_bytes)
         base = topics.weights(replica.layer)
-        frames = [(f"{base}/{index}", frame) for index, frame in enumerate(encode(env, options))]
+        frames = [(f"{base}/{index}", frame)
+                  for index, frame in enumerate(encode(env, self._wire_options(compress=False)))]
         return self._publish(frames, replica.KIND, qos=1, retain=True)
 
     def receive(self, incoming: Incoming) -> Inbound | None:

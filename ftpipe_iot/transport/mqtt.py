@@ -27,6 +27,8 @@ _UNSUPPORTED_PROTOCOL = (1, 132)  # v3 "unacceptable protocol version", v5 "unsu
 _UNSUPPORTED = "unsupported protocol version"
 # Some 3.1.1-only brokers (RabbitMQ before 3.13) hang up on an MQTT 5 CONNECT without any CONNACK.
 _HUNG_UP = "the broker closed the connection before its CONNACK"
+# Bytes of a PUBLISH packet besides its payload: fixed header, topic, packet id, properties.
+_PUBLISH_HEADROOM = 1024
 
 
 def _reason_value(code: object) -> int:
@@ -81,6 +83,7 @@ class MqttTransport:
         # The most recent QoS>0 publishes, so close() can flush them first (older ones are long
         # settled; a bounded deque keeps publish O(1) at hundreds of chunk frames per second).
         self._unacked: deque[mqtt.MQTTMessageInfo] = deque(maxlen=256)
+        self._server_max_packet: int | None = None
 
     # -- connection ---------------------------------------------------------------------------
     def _make_client(self, protocol: MqttProtocol) -> mqtt.Client:
@@ -158,6 +161,8 @@ class MqttTransport:
                 # Before the first success a refusal is final: stop retrying.
                 client.disconnect()
             return
+        # MQTT 5 brokers may announce the largest packet they accept (Mosquitto's max_packet_size).
+        self._server_max_packet = getattr(properties, "MaximumPacketSize", None)
         if self._ever_connected:
             self.reconnects += 1
             log.info("%s reconnected to %s", self.client_id, self.config.url)
@@ -184,6 +189,15 @@ class MqttTransport:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def max_payload_bytes(self) -> int:
+        """``max_message_bytes`` of the config, lowered to the broker's announced maximum packet
+        size less room for the PUBLISH header (topic, packet id, properties)."""
+        limit = self.config.max_message_bytes
+        if self._server_max_packet:
+            limit = min(limit, int(self._server_max_packet) - _PUBLISH_HEADROOM)
+        return limit
 
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
         if self._client is None:

@@ -1,0 +1,1 @@
+"""The trained model in users' hands: standard checkpoints, deployment exports, evaluation."""

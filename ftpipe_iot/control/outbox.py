@@ -1,0 +1,50 @@
+"""Everything a controller publishes, on its job's topics, tagged with the plan in force."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ftpipe_iot.protocol.messages import (
+    Activation,
+    Command,
+    ControllerState,
+    Event,
+    LayerReplica,
+    PlanMessage,
+)
+from ftpipe_iot.protocol.plan import Plan
+from ftpipe_iot.protocol.topics import Topics
+from ftpipe_iot.transport.messenger import Messenger
+
+
+class JobOutbox:
+    """The controller's publishes; ``plan_version`` follows the last plan sent."""
+
+    def __init__(self, messenger: Messenger, topics: Topics) -> None:
+        self.messenger = messenger
+        self.topics = topics
+        self.plan_version = 0
+
+    def plan(self, plan: Plan) -> None:
+        """The new plan, retained (devices and a resumed controller read it from the broker)."""
+        self.plan_version = plan.version
+        self.messenger.send(self.topics.plan, PlanMessage(plan), plan.version, retain=True)
+
+    def state(self, state: ControllerState, step: int) -> None:
+        self.messenger.send(self.topics.state, state, self.plan_version, step, retain=True)
+
+    def event(self, event: Event, step: int) -> None:
+        self.messenger.send(self.topics.events, event, self.plan_version, step)
+
+    def command(self, device: str, command: Command) -> None:
+        self.messenger.send(self.topics.cmd(device), command, self.plan_version)
+
+    def batch(self, batch: Activation, step: int, index: int, device: str) -> None:
+        """A micro-batch of data into stage 0's member ``device``."""
+        self.messenger.send(self.topics.stage_act(0, device), batch, self.plan_version, step,
+                            index)
+
+    def replicas(self, replicas: Iterable[LayerReplica]) -> None:
+        """The controller's own copies of layers, retained on their weights topics."""
+        for replica in replicas:
+            self.messenger.send_replica(self.topics, self.plan_version, replica)

@@ -1,0 +1,108 @@
+"""Stage groups: several devices hold one stage, each computes whole micro-batches by its share,
+the group reduces its gradients (and BatchNorm statistics) and every member applies the same
+update. Fleet training stays equal (allclose) to single-process training."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import MemoryJob, max_weight_diff
+
+from ftpipe_iot.control.config import ControllerConfig
+from ftpipe_iot.control.replan import retuned
+from ftpipe_iot.core.reference import train_reference
+from ftpipe_iot.core.routing import (
+    StepRoutes,
+    apportion,
+    counts_from_shares,
+    interleave,
+)
+from ftpipe_iot.errors import PlanError
+from ftpipe_iot.planning.capacity import CapacityEstimator
+from ftpipe_iot.planning.solver import LayerCosts
+from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
+from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
+from ftpipe_iot.protocol.vocab import ControllerPhase
+
+
+def _group(stage: int, start: int, end: int, *devices: str, shares=None) -> StageAssignment:
+    shares = shares or [1 / len(devices)] * len(devices)
+    return StageAssignment(stage, start, end,
+                           tuple(Member(d, s) for d, s in zip(devices, shares)))
+
+
+def test_counts_follow_shares_and_every_member_gets_one():
+    assert counts_from_shares([0.5, 0.5], 4) == (2, 2)
+    assert counts_from_shares([0.7, 0.2, 0.1], 5) == (3, 1, 1)
+    assert sum(counts_from_shares([0.9, 0.05, 0.05], 8)) == 8
+    with pytest.raises(PlanError, match="at least 3 micro-batches"):
+        counts_from_shares([1, 1, 1], 2)
+    assert apportion(6, [1.0, 2.0]) == (4, 2)
+    assert apportion(3, [1.0, 100.0]) == (2, 1)  # the slow member still gets one
+
+
+def test_routes_interleave_members_over_the_step():
+    assert interleave((2, 2)) == (0, 1, 0, 1)
+    assert sorted(interleave((3, 1))) == [0, 0, 0, 1]
+    routes = StepRoutes.for_counts(((2, 2), (4,)))
+    assert [routes.route(m) for m in range(4)] == [(0, 0), (1, 0), (0, 0), (1, 0)]
+
+
+def _run(train: TrainConfig, stages: tuple[StageAssignment, ...]) -> MemoryJob:
+    devices = sorted({d for s in stages for d in s.devices})
+    job = MemoryJob(ControllerConfig(train=train, devices=len(devices), assignment=stages),
+                    devices=len(devices))
+    job.start()
+    assert job.run() is ControllerPhase.DONE
+    return job
+
+
+@pytest.mark.parametrize("members", [2, 3])
+def test_a_group_trains_like_one_process(members):
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=6, micro_batch_size=8,
+                        max_steps=10, lr=0.05, replicate_every=5)
+    names = [f"d{i}" for i in range(members)]
+    shares = [0.5, 0.5] if members == 2 else [0.5, 0.3, 0.2]
+    job = _run(train, (_group(0, 0, 3, *names, shares=shares),
+                       StageAssignment.single(1, f"d{members}", 3, 6)))
+    gathered = [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    reference = train_reference(train, job.controller.data, steps=10)
+    assert max_weight_diff(gathered, reference) < 1e-5
+    assert max_weight_diff(gathered, train_reference(train, job.controller.data, 0)) > 1e-3
+    # every member ended with the identical layers (the leader's replica is what was gathered)
+    group = [d for d in job.devices if d.name in names]
+    first = [r.state for r in group[0].stage.export()]
+    for other in group[1:]:
+        assert max_weight_diff([r.state for r in other.stage.export()], first) == 0.0
+    summary = job.controller.summary
+    final = summary.stages[0]["devices"]
+    assert [d["device"] for d in final] == names
+    assert sum(d["share"] for d in final) == pytest.approx(1.0)
+    # shares may have been retuned on measured speeds: never by a plan change
+    assert sum(e["type"] == "plan_changed" for e in summary.events) == 1
+
+
+def test_batchnorm_statistics_of_a_group_match_one_process():
+    train = TrainConfig(model=ModelSpec("mobilenetv2", width=0.25),
+                        data=DataSpec("synthetic", shape=(3, 32, 32), samples=96),
+                        micro_batches=4, micro_batch_size=4, max_steps=3, lr=0.01)
+    job = _run(train, (_group(0, 0, 10, "d0", "d1"), _group(1, 10, 22, "d2", "d3")))
+    gathered = [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    reference = train_reference(train, job.controller.data, steps=3)
+    assert any("running_mean" in k for layer in gathered for k in layer)
+    assert max_weight_diff(gathered, reference) < 1e-4
+
+
+def test_shares_follow_measured_speeds_without_moving_layers():
+    costs = LayerCosts.from_dict({"layer_cost_s": [0.01] * 6, "activation_bytes": [0] * 6,
+                                  "layer_memory_bytes": [0] * 6})
+    stages = (_group(0, 0, 3, "a", "b", shares=[0.5, 0.5]), StageAssignment.single(1, "c", 3, 6))
+    capacity = CapacityEstimator([0.01] * 6)
+    for device, start, end, factor, count in (("a", 0, 3, 1.0, 4), ("b", 0, 3, 4.0, 4),
+                                              ("c", 3, 6, 1.0, 8)):
+        capacity.observe(device, start, end, factor * 0.03 * count, count)
+    counts, retuned_stages = retuned(stages, ((4, 4), (8,)), capacity, costs, 8, 0.05)
+    assert counts == ((7, 1), (8,))  # b is 4x slower: max(7 * 1, 1 * 4) beats max(4, 16)
+    assert [m.share for m in retuned_stages[0].members] == [0.875, 0.125]
+    assert retuned_stages[1] == stages[1]
+    # already balanced: nothing to gain, nothing changes
+    assert retuned(retuned_stages, counts, capacity, costs, 8, 0.05) is None
