@@ -120,7 +120,8 @@ class LinkWindow:
 def predicted_and_measured(summary: dict, window: dict, costs: dict, profiles: dict) -> dict:
     """The solver's view of the final plan next to what the window measured, stage by stage."""
     specs = [load_profile(profiles[n]).device_spec(name=n) for n in NAMES]
-    assignment = [(s["device"], s["start"], s["end"]) for s in summary["stages"]]
+    # One device per stage here (no stage groups): the stage's only member.
+    assignment = [(s["devices"][0]["device"], s["start"], s["end"]) for s in summary["stages"]]
     plan = evaluate_partition(assignment, LayerCosts.from_dict(costs), specs)
     # The controller's own view: the capacity factors it measured during the run.
     measured_specs = [replace(spec, factor=window["capacities"].get(spec.name, spec.factor))

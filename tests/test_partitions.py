@@ -90,7 +90,7 @@ def lab_job(netlab, processes, tmp_path, request):
 
 
 def _stages(watcher) -> set[str]:
-    return {s.device for s in watcher.job.stages}
+    return {d for s in watcher.job.stages for d in s.devices}
 
 
 def test_a_cut_longer_than_the_keepalive_fires_the_will_and_the_device_comes_back(lab_job):
@@ -129,4 +129,5 @@ def test_a_cut_shorter_than_the_keepalive_loses_nothing_and_recovers_nothing(lab
     assert step_at_cut < summary["steps"]  # the cut fell inside the run
     assert summary["failures_detected"] == 0 and summary["recoveries"] == 0
     assert "lost its broker connection" not in job.processes.log("dev1")
-    assert sorted(s["device"] for s in summary["stages"]) == ["dev0", "dev1", "dev2"]
+    assert sorted(d["device"] for s in summary["stages"] for d in s["devices"]) == \
+        ["dev0", "dev1", "dev2"]
