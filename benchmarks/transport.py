@@ -9,7 +9,7 @@ tensors of ``tensor`` bytes; the project chunks them to ``message`` bytes, and b
 the same number of messages of the same size. Throughput is tensor bytes over the time from the
 first to the last tensor received (complete and decoded, for the project).
 
-    python benchmarks/transport.py [--count 40] [--out benchmarks/results/transport.json]
+    python benchmarks/transport.py [--count 150] [--out benchmarks/results/transport.json]
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ def main() -> None:
     parser.add_argument("--tensor", type=int, default=4 * MIB)
     parser.add_argument("--message", type=int, default=256 * KIB)
     parser.add_argument("--qos", type=int, default=1)
-    parser.add_argument("--count", type=int, default=40)
+    parser.add_argument("--count", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ready", type=Path, default=None)
     parser.add_argument("--out", type=Path,
