@@ -26,6 +26,31 @@ def say(text: str) -> None:
 
 
 @dataclass
+class Placement:
+    """Where a job's processes run: the broker URL each dials and its network namespace
+    (ftpipe_iot/runtime/netns.py); by default everything on this host's loopback."""
+
+    controller_url: str
+    watch: BrokerConfig
+    controller_netns: str | None = None
+    device_urls: dict[str, str] = field(default_factory=dict)
+    device_netns: dict[str, str] = field(default_factory=dict)
+    device_args: list[str] = field(default_factory=list)
+
+    @classmethod
+    def loopback(cls, broker: BrokerProcess) -> Placement:
+        return cls(broker.url, BrokerConfig(port=broker.port))
+
+    def watcher(self, job: str) -> JobWatcher:
+        """A watcher of ``job`` that reaches the broker from where the controller runs."""
+        if self.controller_netns is None:
+            return JobWatcher(self.watch, job).start()
+        from ftpipe_iot.runtime.netns import call_in
+
+        return call_in(self.controller_netns, lambda: JobWatcher(self.watch, job).start())
+
+
+@dataclass
 class JobSpec:
     """One benchmark run: device names with optional profiles, and controller arguments."""
 
@@ -36,23 +61,27 @@ class JobSpec:
 
 
 def run_job(spec: JobSpec, broker: BrokerProcess,
-            during: Callable[[JobWatcher, dict[str, subprocess.Popen]], None] | None = None
-            ) -> dict:
-    """Run a job to completion; ``during`` may inject faults while it runs. Returns the summary
-    (with ``watch_events`` and ``watch_progress`` as seen by an outside observer)."""
+            during: Callable[[JobWatcher, dict[str, subprocess.Popen]], None] | None = None,
+            placement: Placement | None = None) -> dict:
+    """Run a job to completion; ``during`` may inject faults (or take measurements) while it
+    runs. Returns the summary (with ``watch_events`` and ``watch_progress`` as seen by an
+    outside observer)."""
+    place = placement or Placement.loopback(broker)
     work = Path(tempfile.mkdtemp(prefix=f"bench-{spec.job}-"))
     group = ProcessGroup(work)
     procs = group.procs
-    watcher = JobWatcher(BrokerConfig(port=broker.port), spec.job).start()
+    watcher = place.watcher(spec.job)
     try:
         for name, profile in spec.devices:
             extra = ["--profile", str(profile)] if profile else []
             group.start(name, "device", "--name", name, "--job", spec.job, "--broker",
-                        broker.url, *extra)
+                        place.device_urls.get(name, place.controller_url), *extra,
+                        *place.device_args, netns=place.device_netns.get(name))
         summary_path = work / "summary.json"
-        group.start("controller", "controller", "--job", spec.job, "--broker", broker.url,
-                    "--devices", str(len(spec.devices)), "--stop-devices", "--summary-json",
-                    str(summary_path), "--log-level", "WARNING", *spec.controller_args)
+        group.start("controller", "controller", "--job", spec.job, "--broker",
+                    place.controller_url, "--devices", str(len(spec.devices)),
+                    "--stop-devices", "--summary-json", str(summary_path), "--log-level",
+                    "WARNING", *spec.controller_args, netns=place.controller_netns)
         started = time.monotonic()
         last_report = 0.0
         if during is not None:
@@ -91,3 +120,24 @@ def rate_between(summary: dict, batch: int, lo: int, hi: int) -> float:
     if lo not in times or hi not in times or hi <= lo:
         return 0.0
     return (hi - lo) * batch / (times[hi] - times[lo])
+
+
+def save_figure(fig, path: Path) -> None:
+    """Lay out, write and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(results: dict, out: Path, plot: Callable[[Path], None] | None = None) -> None:
+    """Write a benchmark's JSON to ``out`` (and its PNG next to it, drawn by ``plot``), then
+    print the JSON on stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if plot is not None:
+        png = out.with_suffix(".png")
+        plot(png)
+        results["plot"] = str(png)
+    out.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results))

@@ -119,3 +119,8 @@ class TrainingDiverged(FtpipeError, ArithmeticError):
 
 class DemoError(FtpipeError, RuntimeError):
     """The demo could not run to the end; the message names the process and the reason."""
+
+
+class NetworkLabError(FtpipeError, RuntimeError):
+    """Network namespaces, veth links or tbf caps could not be set up (needs CAP_NET_ADMIN and
+    iproute2); the message names the command and its error."""

@@ -52,3 +52,19 @@ def processes(tmp_path):
         yield procs
     finally:
         procs.stop_all()
+
+
+@pytest.fixture
+def netlab(request):
+    """A network lab (hub + capped veth links, runtime/netns.py), removed after the test; skips
+    with the reason when this host cannot make one (no CAP_NET_ADMIN, no iproute2)."""
+    from ftpipe_iot.runtime.netns import NetLab, unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    lab = NetLab(tag=request.node.name[5:17].replace("_", ""))
+    try:
+        yield lab
+    finally:
+        lab.close()

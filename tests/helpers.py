@@ -69,12 +69,13 @@ def max_weight_diff(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray
 class Processes(ProcessGroup):
     """``python -m ftpipe_iot ...`` children of a test (stdout piped), logs in ``log_dir``."""
 
-    def start(self, name: str, *args: str, **_: object):
-        return super().start(name, *args, stdout=subprocess.PIPE)
+    def start(self, name: str, *args: str, netns: str | None = None, **_: object):
+        return super().start(name, *args, stdout=subprocess.PIPE, netns=netns)
 
-    def device(self, name: str, job: str, broker_url: str, *extra: str):
+    def device(self, name: str, job: str, broker_url: str, *extra: str,
+               netns: str | None = None):
         return self.start(name, "device", "--name", name, "--job", job, "--broker", broker_url,
-                          "--heartbeat-interval", "0.2", *extra)
+                          "--heartbeat-interval", "0.2", *extra, netns=netns)
 
     def wait(self, name: str, timeout_s: float) -> int:
         try:

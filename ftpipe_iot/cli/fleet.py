@@ -6,6 +6,7 @@ Only parses arguments and calls ``ftpipe_iot.fleet``; library errors are printed
 
 from __future__ import annotations
 
+import getpass
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -13,13 +14,13 @@ from typing import Any, TypeVar
 
 import click
 
-from ftpipe_iot.cli.options import CliGroup
+from ftpipe_iot.cli.options import CliGroup, broker_settings, connection_options
 from ftpipe_iot.fleet import bundle as bundle_mod
 from ftpipe_iot.fleet import fleet as fleet_ops
 from ftpipe_iot.fleet.check import check_connection
 from ftpipe_iot.fleet.errors import FleetError
 from ftpipe_iot.fleet.model import BrokerSettings, Role
-from ftpipe_iot.transport.config import load_bundle
+from ftpipe_iot.transport.config import BrokerConfig, load_bundle
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -127,6 +128,46 @@ def add_operator_cmd(name: str, fleet_dir: Path, reload: bool) -> None:
     _add(fleet_dir, name, Role.OPERATOR, None, None, bundle_mod.InstallOptions(), reload)
 
 
+@fleet.command("site")
+@click.argument("name")
+@_dir_option
+@click.option("--central", default=None, metavar="mqtt://HOST:PORT",
+              help="Bridge to this plain central broker instead of the fleet's TLS broker (no "
+                   "fleet directory needed; anonymous devices: for labs and tests).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="With --central: where to write the config [default: ./site-NAME].")
+@click.option("--port", type=click.IntRange(1, 65535), default=1883, show_default=True,
+              help="The site broker's listener for its devices.")
+@click.option("--bind", default="0.0.0.0", show_default=True, help="Listener bind address.")
+@click.option("--job", default=None, help="Job whose topics cross [default: the fleet's job; "
+                                          "with --central every job].")
+@click.option("--bridge-protocol", type=click.Choice(["5", "3.1.1"]), default="5",
+              show_default=True, help="MQTT version of the bridge connection.")
+@_reload_option
+def site_cmd(name: str, fleet_dir: Path, central: str | None, out: Path | None, port: int,
+             bind: str, job: str | None, bridge_protocol: str, reload: bool) -> None:
+    """Write the config of site broker NAME, bridged to the central broker (only what must
+    cross crosses: docs/design.md §13)."""
+    from ftpipe_iot.fleet import site
+
+    protocol = "mqttv50" if bridge_protocol == "5" else "mqttv311"
+    if central is None:
+        config = fleet_ops.add_site(fleet_dir, name, port, bind, job, protocol)
+        _report_reload(fleet_dir, reload, f"site {name!r} can bridge")
+    else:
+        target = BrokerConfig.from_url(central)
+        out = out or Path(f"site-{name}")
+        (out / "data").mkdir(parents=True, exist_ok=True)
+        settings = site.SiteSettings(name=name, central_host=target.host,
+                                     central_port=target.port, port=port, bind=bind,
+                                     job=job or site.ANY_JOB, bridge_protocol=protocol,
+                                     run_as_user=getpass.getuser())
+        config = out / fleet_ops.SITE_CONFIG
+        config.write_text(site.render_site_config(settings, out / "data"))
+    click.echo(f"site broker config written to {config}")
+    click.echo(f"start it on the site with: mosquitto -c {config}")
+
+
 @fleet.command("remove-device")
 @click.argument("name")
 @_dir_option
@@ -193,6 +234,29 @@ def check_cmd(config_file: Path, timeout: float) -> None:
     bundle = load_bundle(config_file)
     check_connection(bundle, timeout_s=timeout)
     click.echo(f"ok: {bundle.name} connected to {bundle.broker.url}")
+
+
+@fleet.command("probe")
+@connection_options
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def probe_cmd(broker_url: str, config_file: str | None, mqtt_protocol: str,
+              max_message_bytes: int, keepalive: int, as_json: bool) -> None:
+    """Check what a broker does with ftpipe-iot's traffic: chunked QoS 1 messages, retained
+    messages (exact and wildcard subscriptions), Last Will, shared subscriptions and the largest
+    payload it passes (docs/brokers.md). Uses test topics under ftpipe-probe/ only."""
+    from ftpipe_iot.transport.probe import probe
+
+    config, _, _ = broker_settings(broker_url, config_file, mqtt_protocol, max_message_bytes,
+                                   keepalive, None)
+    report = probe(config).to_dict()
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    for key, value in report.items():
+        if key != "notes":
+            click.echo(f"{key:22} {value}")
+    for note in report["notes"]:
+        click.echo(f"note: {note}")
 
 
 COMMANDS: list[click.Command] = [fleet]

@@ -58,6 +58,9 @@ def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
               show_default=True, help="seconds between heartbeats")
 @click.option("--profile", "profile_file", type=click.Path(dir_okay=False), default=None,
               help="device profile (devices/profiles/*.json) emulating a slower device")
+@click.option("--real-link", is_flag=True,
+              help="the network enforces the profile's link cap (e.g. a tbf-capped namespace): "
+                   "declare it, do not sleep for it")
 @click.option("--controller-name", default="controller", show_default=True,
               help="sender name the job's plans must carry")
 @click.option("--allow-model-module", "allowed_modules", multiple=True, metavar="MODULE",
@@ -66,10 +69,10 @@ def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
 @connection_options
 @process_options
 def device(name: str | None, job: str | None, heartbeat_interval: float,
-           profile_file: str | None, controller_name: str, allowed_modules: tuple[str, ...],
-           broker_url: str, config_file: str | None, mqtt_protocol: str,
-           max_message_bytes: int, keepalive: int, metrics_port: int, threads: int,
-           log_level: str) -> None:
+           profile_file: str | None, real_link: bool, controller_name: str,
+           allowed_modules: tuple[str, ...], broker_url: str, config_file: str | None,
+           mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
+           threads: int, log_level: str) -> None:
     """Run a device agent: announce, take a stage from the plan, compute, report."""
     from ftpipe_iot.device.agent import DeviceOptions
     from ftpipe_iot.planning.profiles import load_profile
@@ -82,7 +85,8 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
     profile = load_profile(profile_file) if profile_file else None
     options = DeviceOptions(heartbeat_interval_s=heartbeat_interval, controller=controller_name,
                             allowed_model_modules=(*bundle.allow_model_modules,
-                                                   *allowed_modules))
+                                                   *allowed_modules),
+                            emulate_link=not real_link)
     sys.exit(run_device(name, bundle.job, bundle.broker,
                         ProcessOptions(metrics_port, threads, log_level), options, profile))
 

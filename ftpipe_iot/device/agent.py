@@ -100,6 +100,9 @@ class DeviceOptions:
     missing_request_s: float = 3.0
     controller: str = "controller"
     allowed_model_modules: tuple[str, ...] = ()
+    # False when the network itself enforces the profile's link cap (a tbf-capped namespace,
+    # docs/design.md §13): the cap is still declared to the controller, but not slept for.
+    emulate_link: bool = True
 
 
 class DeviceAgent:
@@ -199,6 +202,10 @@ class DeviceAgent:
         if incoming.topic == RECONNECTED_TOPIC:
             self._announce()  # our Last Will may have fired while we were away
             return
+        if self.loader is not None and incoming.topic.startswith(f"{self.topics.base}/weights/"):
+            # Replicas are still arriving (slowly on a slow link): asking for the missing ones
+            # again now would only queue more copies in front of them (docs/design.md §13).
+            self._loader_since = self.clock()
         inbound = self.messenger.receive(incoming)
         if inbound is None:
             return
@@ -533,7 +540,7 @@ class DeviceAgent:
                 self.sleep(delay)
 
     def _emulate_link(self, n_bytes: int) -> None:
-        if self.profile is not None:
+        if self.profile is not None and self.options.emulate_link:
             delay = self.profile.transfer_delay_s(n_bytes)
             if delay > 0:
                 self.sleep(delay)

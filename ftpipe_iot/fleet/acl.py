@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ftpipe_iot.fleet.model import Identity, Role
+from ftpipe_iot.fleet.site import Direction, bridge_topics
 from ftpipe_iot.protocol.topics import ROOT, Topics
 
 
@@ -76,6 +77,12 @@ def role_rules(role: Role, job: str) -> list[Rule]:
             Rule(Access.READ, Topics.ALL_STATUS),
             Rule(Access.READ, Topics.ALL_HEARTBEATS),
         ]
+    if role is Role.SITE:
+        # The bridge reads what comes in and writes what goes out (fleet/site.py's topic map);
+        # it relays the statuses and heartbeats of every device of its site.
+        access = {Direction.IN: Access.READ, Direction.OUT: Access.WRITE,
+                  Direction.BOTH: Access.READWRITE}
+        return [Rule(access[t.direction], t.pattern) for t in bridge_topics(job)]
     # Operator: observe everything (including broker statistics), write nothing of its own.
     return [Rule(Access.READ, "#"), Rule(Access.READ, "$SYS/#")]
 

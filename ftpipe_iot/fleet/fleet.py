@@ -21,7 +21,7 @@ import signal
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ftpipe_iot.fleet import acl, brokerconf, bundle, ca, passwd
+from ftpipe_iot.fleet import acl, brokerconf, bundle, ca, passwd, site
 from ftpipe_iot.fleet.errors import FleetError
 from ftpipe_iot.fleet.model import (
     BrokerSettings,
@@ -145,6 +145,38 @@ def add_identity(fleet_dir: Path, name: str, role: Role = Role.DEVICE, job: str 
     _write_acl(paths, state)
     save_state(fleet_dir, state)
     return Provisioned(identity, config)
+
+
+SITE_CONFIG = "mosquitto-site.conf"
+
+
+def add_site(fleet_dir: Path, name: str, port: int = 1883, bind: str = "0.0.0.0",
+             job: str | None = None, bridge_protocol: str = "mqttv50") -> Path:
+    """Provision site ``name`` (role ``site`` at the central broker) and write its broker
+    config into its bundle: the bridge dials the central broker over TLS with the site's client
+    certificate and password; devices of the site log in with the fleet's passwords and ACL,
+    copied into the bundle (run again after adding devices). Returns the config's path."""
+    provisioned = add_identity(fleet_dir, name, Role.SITE, job)
+    state = load_state(fleet_dir)
+    paths = FleetPaths(Path(fleet_dir))
+    directory = provisioned.config.parent
+    for source in (paths.broker.password_file, paths.broker.acl_file):
+        shutil.copyfile(source, directory / source.name)
+    settings = site.SiteSettings(
+        name=name, central_host=state.broker.public_host, central_port=state.broker.port,
+        port=port, bind=bind, job=provisioned.identity.job, bridge_protocol=bridge_protocol,
+        max_message_bytes=state.broker.max_message_bytes,
+        run_as_user=state.broker.run_as_user,
+        tls=site.BridgeTls(directory / bundle.CA_FILE, directory / bundle.CERT_FILE,
+                           directory / bundle.KEY_FILE),
+        username=name, password=(directory / bundle.PASSWORD_FILE).read_text().strip(),
+        password_file=directory / paths.broker.password_file.name,
+        acl_file=directory / paths.broker.acl_file.name)
+    (directory / "data").mkdir(exist_ok=True)
+    config = directory / SITE_CONFIG
+    # 0600: the bridge's password is inline (Mosquitto reads no password file for bridges).
+    passwd.write_private(config, site.render_site_config(settings, directory / "data"))
+    return config
 
 
 def remove_identity(fleet_dir: Path, name: str) -> Identity:

@@ -25,6 +25,7 @@ class Role(str, Enum):
     DEVICE = "device"          # runs stages: own status/hb, stage/weights/results of its job
     CONTROLLER = "controller"  # the only writer of ftpipe/<job>/ctrl/#
     OPERATOR = "operator"      # read-only observer; the only identity that can read '#'
+    SITE = "site"              # a site broker's bridge: what fleet/site.py lets cross
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import lz4.frame
 import msgpack
 import msgpack_numpy
 import numpy as np
+import xxhash
 
 from ftpipe_iot.errors import (
     BadChecksum,
@@ -35,17 +36,20 @@ PROTOCOL_VERSION = 1
 COMPRESS_MIN_BYTES = 512
 # Keep compression only when it saves at least this fraction (dense fp32 does not compress).
 COMPRESS_MIN_GAIN = 0.10
+# A body above this size is compressed only when an evenly spread sample of it compresses: lz4
+# over megabytes of dense fp32 costs more than a whole hop through the broker, for nothing.
+COMPRESS_PROBE_ABOVE = 256 * 1024
+_PROBE_WINDOWS, _PROBE_WINDOW_BYTES = 4, 16 * 1024
 _DIGEST_BYTES = 16
+# Checksum of a chunked message (the chunk field "ha"). xxh3-128 runs at memory speed; BLAKE2b
+# (the field's absence, as written by earlier builds) is still accepted from old senders.
+_DIGEST_XXH3 = "xxh3-128"
 
 
-
-
-
-
-
-
-
-
+def _digest(payload: bytes, algorithm: str | None) -> bytes:
+    if algorithm == _DIGEST_XXH3:
+        return xxhash.xxh3_128_digest(payload)
+    return hashlib.blake2b(payload, digest_size=_DIGEST_BYTES).digest()
 @dataclass
 class Envelope:
     """One logical message. ``body`` is a dict of plain values and numpy arrays."""
@@ -124,10 +128,20 @@ def _from_wire_dtype(value: Any) -> Any:
     return value
 
 
+def _sample_compresses(raw: bytes) -> bool:
+    """Whether a few windows spread over ``raw`` lose at least half the required gain."""
+    view = memoryview(raw)
+    stride = (len(raw) - _PROBE_WINDOW_BYTES) // (_PROBE_WINDOWS - 1)
+    windows = [view[i * stride:i * stride + _PROBE_WINDOW_BYTES] for i in range(_PROBE_WINDOWS)]
+    packed = sum(len(lz4.frame.compress(w)) for w in windows)
+    return packed <= _PROBE_WINDOWS * _PROBE_WINDOW_BYTES * (1.0 - COMPRESS_MIN_GAIN / 2)
+
+
 def _pack_body(body: dict[str, Any], options: WireOptions) -> tuple[bytes, bool]:
     raw = msgpack.packb(_to_wire_dtype(body, options.wire_dtype), default=_encode_hook,
                         use_bin_type=True)
-    if options.compress and len(raw) >= COMPRESS_MIN_BYTES:
+    if options.compress and len(raw) >= COMPRESS_MIN_BYTES and (
+            len(raw) <= COMPRESS_PROBE_ABOVE or _sample_compresses(raw)):
         packed = lz4.frame.compress(raw)
         if len(packed) <= len(raw) * (1.0 - COMPRESS_MIN_GAIN):
             return packed, True
@@ -166,19 +180,20 @@ def _frame(env: Envelope, payload: bytes, compressed: bool, kind: MessageKind) -
 def encode(env: Envelope, options: WireOptions = WireOptions()) -> list[bytes]:
     """Encode an envelope into one or more MQTT payloads (more than one when chunked)."""
     payload, compressed = _pack_body(env.body, options)
-    single = _frame(env, payload, compressed, env.kind)
-    if len(single) <= options.max_message_bytes:
-        return [single]
+    if len(payload) < options.max_message_bytes:  # else the single frame cannot fit: skip it
+        single = _frame(env, payload, compressed, env.kind)
+        if len(single) <= options.max_message_bytes:
+            return [single]
     # Leave room for the chunk's own envelope fields.
     room = options.max_message_bytes - 512
-    digest = hashlib.blake2b(payload, digest_size=_DIGEST_BYTES).digest()
+    digest = _digest(payload, _DIGEST_XXH3)
     count = (len(payload) + room - 1) // room
+    view = memoryview(payload)
     frames = []
     for index in range(count):
-        piece = payload[index * room:(index + 1) * room]
         chunk_body = msgpack.packb({
             "of": env.kind.value, "i": index, "n": count, "len": len(payload), "h": digest,
-            "z": compressed, "d": piece,
+            "ha": _DIGEST_XXH3, "z": compressed, "d": view[index * room:(index + 1) * room],
         }, use_bin_type=True)
         frames.append(_frame(env, chunk_body, False, MessageKind.CHUNK))
     return frames
@@ -235,6 +250,7 @@ class _Partial:
     count: int
     length: int
     digest: bytes
+    algorithm: str | None
     compressed: bool
     pieces: dict[int, bytes] = field(default_factory=dict)
     size: int = 0
@@ -278,19 +294,23 @@ class Reassembler:
             chunk = msgpack.unpackb(header.payload, raw=False)
             of, index, count = MessageKind(chunk["of"]), int(chunk["i"]), int(chunk["n"])
             length, digest, piece = int(chunk["len"]), bytes(chunk["h"]), bytes(chunk["d"])
-            compressed = bool(chunk["z"])
+            compressed, algorithm = bool(chunk["z"]), chunk.get("ha")
         except Exception as exc:
             raise MalformedFrame(f"bad chunk header: {type(exc).__name__}: {exc}") from exc
         if not (0 <= index < count) or length > self._max_body or length < 0:
             raise MalformedFrame(f"chunk {index}/{count} of length {length} is out of range")
+        if algorithm not in (None, _DIGEST_XXH3):
+            raise MalformedFrame(f"unknown chunk checksum {algorithm!r}")
         now = self._clock()
         self._expire(now)
         key = (header.env.sender, header.env.seq)
         partial = self._partials.get(key)
         if partial is None:
-            partial = _Partial(header.env, of, count, length, digest, compressed, started=now)
+            partial = _Partial(header.env, of, count, length, digest, algorithm, compressed,
+                               started=now)
             self._partials[key] = partial
-        elif (partial.count, partial.length, partial.digest) != (count, length, digest):
+        elif (partial.count, partial.length, partial.digest, partial.algorithm) != (
+                count, length, digest, algorithm):
             del self._partials[key]
             raise MalformedFrame("chunks of one message disagree on count/length/checksum")
         if index not in partial.pieces:
@@ -303,9 +323,8 @@ class Reassembler:
             return None
         del self._partials[key]
         payload = b"".join(partial.pieces[i] for i in range(partial.count))
-        if len(payload) != partial.length or hashlib.blake2b(
-            payload, digest_size=_DIGEST_BYTES
-        ).digest() != partial.digest:
+        if len(payload) != partial.length or \
+                _digest(payload, partial.algorithm) != partial.digest:
             raise BadChecksum("reassembled message fails its checksum")
         env = partial.env
         env.kind = partial.kind

@@ -124,6 +124,7 @@ class BrokerProcess:
     bind: str = "127.0.0.1"
     max_message_bytes: int = 256 * 1024
     config_text: str | None = None
+    netns: str | None = None  # run inside this network namespace (runtime/netns.py)
     proc: subprocess.Popen | None = field(default=None, init=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, init=False)
 
@@ -163,10 +164,18 @@ class BrokerProcess:
                         "nothing on disk); install mosquitto for real runs", reason)
             cmd = [sys.executable, "-m", "ftpipe_iot.runtime.embedded_broker", "--port",
                    str(self.port), "--bind", self.bind]
+        from ftpipe_iot.runtime.supervise import child_setup
+
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+                                     stderr=subprocess.PIPE, start_new_session=True,
+                                     preexec_fn=child_setup(self.netns))
         try:
-            wait_for_port(self.bind, self.port, timeout_s, self.proc)
+            if self.netns is None:
+                wait_for_port(self.bind, self.port, timeout_s, self.proc)
+            else:
+                from ftpipe_iot.runtime.netns import call_in
+
+                call_in(self.netns, wait_for_port, self.bind, self.port, timeout_s, self.proc)
         except BrokerError as exc:
             err = self._stderr_tail()
             self.stop()

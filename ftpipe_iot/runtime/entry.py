@@ -24,6 +24,7 @@ from ftpipe_iot.planning.profiles import DeviceProfile
 from ftpipe_iot.protocol.topics import check_name
 from ftpipe_iot.transport.config import BrokerConfig
 from ftpipe_iot.transport.mqtt import MqttTransport
+from ftpipe_iot.transport.tuning import tune_for_large_messages
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ def setup_process(options: ProcessOptions) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if options.threads > 0:
         torch.set_num_threads(options.threads)
+    tune_for_large_messages()
 
 
 def _on_signals(handler: Callable[[], None]) -> None:

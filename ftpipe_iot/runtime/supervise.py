@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
@@ -28,13 +28,27 @@ def _die_with_parent() -> None:
         pass  # not Linux: the supervisor's own cleanup still applies
 
 
+def child_setup(netns: str | None = None) -> Callable[[], None]:
+    """What a child runs before exec: die with the parent and, if given, enter the network
+    namespace ``netns`` (runtime/netns.py)."""
+    def setup() -> None:
+        _die_with_parent()
+        if netns is not None:
+            from ftpipe_iot.runtime.netns import enter
+
+            enter(netns)
+    return setup
+
+
 def spawn_cli(args: list[str], stderr: IO | int | None = None,
-              stdout: IO | int | None = subprocess.DEVNULL) -> subprocess.Popen:
-    """``python -m ftpipe_iot ARGS`` in its own session, tied to this process's life."""
+              stdout: IO | int | None = subprocess.DEVNULL,
+              netns: str | None = None) -> subprocess.Popen:
+    """``python -m ftpipe_iot ARGS`` in its own session, tied to this process's life, inside
+    the network namespace ``netns`` when given."""
     return subprocess.Popen([sys.executable, "-m", "ftpipe_iot", *args],
                             stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
                             text=stdout == subprocess.PIPE, start_new_session=True,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=child_setup(netns))
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> bool:
@@ -73,14 +87,15 @@ class ProcessGroup:
         self._logs: dict[str, IO] = {}
 
     def start(self, name: str, *args: str, stdout: IO | int | None = subprocess.DEVNULL,
-              log: bool = True) -> subprocess.Popen:
-        """Start (or restart, under the same name) one child; ``log=False`` keeps its stderr
-        on this process's stderr (for a child whose output the user should see)."""
+              log: bool = True, netns: str | None = None) -> subprocess.Popen:
+        """Start (or restart, under the same name) one child, in network namespace ``netns``
+        when given; ``log=False`` keeps its stderr on this process's stderr (for a child whose
+        output the user should see)."""
         self._close_log(name)
         stderr = None
         if log:
             stderr = self._logs[name] = open(self.log_path(name), "w")  # noqa: SIM115
-        proc = spawn_cli(list(args), stderr=stderr, stdout=stdout)
+        proc = spawn_cli(list(args), stderr=stderr, stdout=stdout, netns=netns)
         self.procs[name] = proc
         return proc
 

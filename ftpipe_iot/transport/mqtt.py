@@ -12,6 +12,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import deque
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.reasoncodes import ReasonCode
@@ -22,9 +23,12 @@ from ftpipe_iot.transport.config import BrokerConfig, MqttProtocol
 
 log = logging.getLogger(__name__)
 
-_UNSUPPORTED_PROTOCOL = (1, 132)
+_UNSUPPORTED_PROTOCOL = (1, 132)  # v3 "unacceptable protocol version", v5 "unsupported protocol"
+_UNSUPPORTED = "unsupported protocol version"
+# Some 3.1.1-only brokers (RabbitMQ before 3.13) hang up on an MQTT 5 CONNECT without any CONNACK.
+_HUNG_UP = "the broker closed the connection before its CONNACK"
 # Bytes of a PUBLISH packet besides its payload: fixed header, topic, packet id, properties.
-_PUBLISH_HEADROOM = 1024  # v3 "unacceptable protocol version", v5 "unsupported protocol"
+_PUBLISH_HEADROOM = 1024
 
 
 def _reason_value(code: object) -> int:
@@ -76,7 +80,9 @@ class MqttTransport:
         self.reconnects = 0
         self._ever_connected = False
         self._closing = False
-        self._unacked: list[mqtt.MQTTMessageInfo] = []
+        # The most recent QoS>0 publishes, so close() can flush them first (older ones are long
+        # settled; a bounded deque keeps publish O(1) at hundreds of chunk frames per second).
+        self._unacked: deque[mqtt.MQTTMessageInfo] = deque(maxlen=256)
         self._server_max_packet: int | None = None
 
     # -- connection ---------------------------------------------------------------------------
@@ -127,7 +133,7 @@ class MqttTransport:
             client.loop_stop()
             client.disconnect()
             last_error = self._refused or f"no CONNACK within {timeout_s}s"
-            if not refused_or_up or self._refused != "unsupported protocol version":
+            if not refused_or_up or self._refused not in (_UNSUPPORTED, _HUNG_UP):
                 break
             log.info("broker does not speak MQTT %s; trying the next version", protocol.value)
         raise TransportError(f"broker at {self.config.url} refused the connection: {last_error}")
@@ -148,7 +154,7 @@ class MqttTransport:
         value = _reason_value(reason_code)
         if value != 0:
             if value in _UNSUPPORTED_PROTOCOL:
-                self._refused = "unsupported protocol version"
+                self._refused = _UNSUPPORTED
             else:
                 self._refused = _REFUSALS.get(value, f"reason code {reason_code}")
             if not self._ever_connected:
@@ -169,6 +175,8 @@ class MqttTransport:
         self._connected.set()
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        if not self._ever_connected and self._refused is None:
+            self._refused = _HUNG_UP
         if self._connected.is_set() and not self._closing:
             log.warning("%s lost its broker connection (%s); reconnecting", self.client_id,
                         reason_code)
@@ -196,8 +204,6 @@ class MqttTransport:
             raise TransportError("publish before connect")
         info = self._client.publish(topic, payload, qos=qos, retain=retain)
         if qos > 0:
-            # Remember recent QoS>0 publishes so close() can flush them first.
-            self._unacked = [i for i in self._unacked[-256:] if not _settled(i)]
             self._unacked.append(info)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
@@ -220,6 +226,8 @@ class MqttTransport:
             return
         deadline = time.monotonic() + flush_timeout_s
         for info in self._unacked:
+            if _settled(info):
+                continue
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._connected.is_set():
                 break
