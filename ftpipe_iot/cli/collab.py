@@ -162,3 +162,64 @@ def run_controller(choices: CollabChoices, train: TrainConfig, job: str, broker:
         click.echo(json.dumps(summary.to_dict(with_history=False)))
     if summary.error:
         raise click.ClickException(summary.error)
+
+
+def plan_collaborative(model: str | None, costs_file: Path | None, devices: list, servers: list,
+                       batch: int, aggregate_every: int, split_point: int | None, private: bool,
+                       as_json: bool) -> None:
+    """``ftpipe-iot plan --mode collaborative``: the candidates and the choice."""
+    from ftpipe_iot.collab.profile import plan_offline
+
+    if model is None or costs_file is not None:
+        raise click.UsageError("--mode collaborative profiles a model on this machine: give "
+                               "--model NAME (forward and backward are needed apart, which a "
+                               "--costs file does not have)")
+    if not servers:
+        raise click.UsageError("--mode collaborative needs at least one --server-profile")
+    choice = plan_offline(model, devices, servers, batch, aggregate_every, split_point,
+                          private=private)
+    if as_json:
+        click.echo(json.dumps({"model": model, "batch_size": batch,
+                               "aggregate_every": aggregate_every, **choice.to_dict()},
+                              indent=2))
+        return
+    rows = [("split", "device layers", "cut B/sample", "N", "PiPar N", "iteration_ms",
+             "server_busy_ms", "server_idle")]
+    for c in choice.candidates:
+        rows.append((str(c.split_point), f"[0,{c.split_point})+[{c.head_start},..)",
+                     str(c.cut_bytes), str(c.micro_batches), str(c.rule_micro_batches),
+                     f"{c.iteration_s * 1e3:.2f}", f"{c.server_busy_s * 1e3:.2f}",
+                     f"{c.server_idle_fraction:.0%}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    chosen = choice.chosen
+    click.echo(f"collaborative plan for model {model}, mini-batch {batch}, {len(devices)} data "
+               f"devices, FedAvg every {aggregate_every} iterations")
+    for row in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    click.echo(f"choice: split point {chosen.split_point} (devices hold [0,{chosen.split_point}) "
+               f"and [{chosen.head_start},..)), {chosen.micro_batches} micro-batches of "
+               f"{batch // chosen.micro_batches}, server {choice.server}: predicted "
+               f"{chosen.iteration_s * 1e3:.2f} ms per iteration")
+    click.echo(f"fedavg baseline (whole model on every device): predicted "
+               f"{choice.fedavg_iteration_s * 1e3:.2f} ms per iteration; predicted speed-up of "
+               f"the collaborative mode: {choice.fedavg_iteration_s / chosen.iteration_s:.2f}x")
+
+
+def print_status(status: dict) -> None:
+    """The collaborative part of ``ftpipe-iot status``: round, split, per-device rounds, epsilon
+    and idle fraction, the server's idle fraction."""
+    idle = status.get("server_idle_fraction")
+    split = (f"devices [0,{status['split_point']})+[{status['head_start']},..), server "
+             f"{status['server']}, {status['micro_batches']} micro-batches"
+             if status["mode"] == CollabMode.COLLABORATIVE.value else "whole model on devices")
+    click.echo(f"{status['mode']}: round {status['round']}/{status['rounds']}, iteration "
+               f"{status['iteration']}/{status['iterations']}, {split}"
+               + (f", server idle {idle:.0%}" if idle is not None else ""))
+    click.echo(f"{'data device':<16}{'state':<10}{'rounds':>7}{'missed':>7}{'iteration':>10}"
+               f"{'samples':>8}{'epsilon':>9}{'idle':>6}")
+    for m in status["members"]:
+        eps = "-" if m["epsilon"] is None else f"{m['epsilon']:.2f}"
+        member_idle = "-" if m["idle_fraction"] is None else f"{m['idle_fraction']:.0%}"
+        click.echo(f"{m['device']:<16}{m['state']:<10}{m['rounds_done']:>7}"
+                   f"{m['rounds_missed']:>7}{m['iteration']:>10}{m['samples']:>8}{eps:>9}"
+                   f"{member_idle:>6}")

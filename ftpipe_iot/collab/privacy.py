@@ -22,6 +22,7 @@ which would silence the process's own logging set up after it, and it costs a se
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Sequence
 
@@ -64,6 +65,10 @@ class DevicePrivacy:
         from opacus.optimizers import DPOptimizer
 
         settings.check_samples(device, samples)
+        # Opacus' hooks on the first layer see an input that needs no gradient and torch warns
+        # at every backward; per-sample gradients of the parameters are unaffected.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing",
+                                category=UserWarning)
         self.settings = settings
         self.micro_batches = micro_batches
         self.sample_rate = min(1.0, micro_batch_size * micro_batches / samples)
@@ -99,4 +104,8 @@ class DevicePrivacy:
         """Epsilon spent so far at the configured delta (0 before the first step)."""
         if self.steps == 0:
             return 0.0
-        return float(self.accountant.get_epsilon(delta=self.settings.delta))
+        with warnings.catch_warnings():
+            # "optimal order is the smallest alpha": the bound is looser than it could be
+            # at very small epsilon, never optimistic.
+            warnings.simplefilter("ignore", UserWarning)
+            return float(self.accountant.get_epsilon(delta=self.settings.delta))

@@ -8,6 +8,7 @@ then multiplies them, as the emulation does while training.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -15,7 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ftpipe_iot.collab.planner import ModelFacts
+from ftpipe_iot.collab.planner import Choice, Machine, ModelFacts, choose
+from ftpipe_iot.planning.profiles import DeviceProfile, fleet_device_specs
 from ftpipe_iot.protocol.collab import LayerTimes
 
 
@@ -71,3 +73,35 @@ def model_facts(layers: Sequence[nn.Module], cut_shapes: Sequence[tuple[int, ...
     layer's parameters."""
     return ModelFacts(tuple(4 * int(np.prod(s)) for s in cut_shapes[1:]),
                       tuple(4 * sum(p.numel() for p in layer.parameters()) for layer in layers))
+
+
+def scaled(times: LayerTimes, factor: float) -> LayerTimes:
+    """The same measurements on a device ``factor`` times slower."""
+    def rows(pair: tuple[tuple[float, ...], tuple[float, ...]]
+             ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        return (tuple(t * factor for t in pair[0]), tuple(t * factor for t in pair[1]))
+
+    return LayerTimes(times.sizes, rows(times.forward_s), rows(times.backward_s))
+
+
+def plan_offline(model: str, devices: Sequence[DeviceProfile], servers: Sequence[DeviceProfile],
+                 batch: int, aggregate_every: int, split_point: int | None = None,
+                 micro_batches: int | None = None, private: bool = False,
+                 latency_s: float = 0.002) -> Choice:
+    """``ftpipe-iot plan --mode collaborative``: profile a built-in model on this machine, scale
+    the times by each profile's factor and choose as the coordinator would."""
+    from ftpipe_iot.core.models import build_layers, cut_shapes
+    from ftpipe_iot.protocol.specs import ModelSpec
+
+    input_shape = (3, 32, 32) if model == "mobilenetv2" else (1, 8, 8)
+    layers = build_layers(ModelSpec(model), input_shape, 10, seed=0)
+    facts = model_facts(layers, cut_shapes(layers, input_shape, 10, model))
+    base = measure_layer_times(layers, input_shape, profile_sizes(batch))
+
+    def machines(profiles: Sequence[DeviceProfile]) -> list[Machine]:
+        specs = fleet_device_specs(profiles)
+        return [Machine(spec.name, scaled(base, spec.factor), p.uplink or math.inf,
+                        p.downlink or math.inf) for spec, p in zip(specs, profiles)]
+
+    return choose(machines(devices), machines(servers), facts, batch, aggregate_every,
+                  latency_s, split_point, micro_batches, private)

@@ -40,6 +40,7 @@ class CollabFigures:
     privacy: dict[str, float] | None = None
     members: dict[str, dict[str, Any]] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
+    round_log: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -84,7 +85,8 @@ class CollabRecorder:
         self._started = clock()
         self._training_since: float | None = None
         self._samples = 0
-        self._round_loss = (0.0, 0)
+        self._losses: list[float] = []
+        self._fleet_done = 0
         self._round_started = 0.0
 
     @property
@@ -114,21 +116,26 @@ class CollabRecorder:
         self._event(Event(EventType.TRAINING_STARTED, steps=total_iterations))
 
     def iteration(self, device: str, loss: float, count: int, done: int) -> None:
-        """A device finished an iteration; ``done`` is the fleet's progress in iterations."""
+        """A device finished an iteration; ``done`` is the fleet's progress in iterations (every
+        participant has finished that many): the history gets a row when it moves."""
         self._samples += count
-        total, n = self._round_loss
-        self._round_loss = (total + loss, n + 1)
+        self._losses.append(loss)
         self.metrics.samples.inc(count)
         self.metrics.loss.set(loss)
-        self.summary.final_loss = loss
         rate = self._samples / self.train_s if self.train_s > 0 else 0.0
         self.metrics.samples_per_second.set(rate)
-        self.progress.step(done, loss, rate)
+        if done > self._fleet_done:
+            self._fleet_done = done
+            mean = sum(self._losses) / len(self._losses)
+            self._losses = []
+            self.summary.final_loss = mean
+            self.summary.history.append({"step": done - 1, "t": self.elapsed_s, "loss": mean,
+                                         "samples_per_s": rate})
+            self.progress.step(done, mean, rate)
 
     def round_completed(self, index: int, end_iteration: int, included: tuple[str, ...],
                         members: dict[str, Member], aggregation_s: float) -> None:
         now = self._clock()
-        total, n = self._round_loss
         span = now - self._round_started
         self.summary.steps = end_iteration
         self.summary.collab.rounds = index + 1
@@ -139,12 +146,10 @@ class CollabRecorder:
         for name, member in members.items():
             self.metrics.members.update(name, rounds_done=member.rounds_done,
                                         rounds_missed=member.rounds_missed)
-        self.summary.history.append({
-            "step": end_iteration, "round": index, "t": now - self._started,
-            "loss": total / n if n else None,
-            "samples_per_s": self._samples / self.train_s if self.train_s > 0 else 0.0,
-            "round_s": span, "devices": list(included)})
-        self._round_loss, self._round_started = (0.0, 0), now
+        self.summary.collab.round_log.append({
+            "round": index, "end_iteration": end_iteration, "t": now - self._started,
+            "round_s": span, "aggregation_s": aggregation_s, "devices": list(included)})
+        self._round_started = now
         self._event(Event(EventType.ROUND_COMPLETED, at_step=index, steps=end_iteration,
                           devices=included))
 
