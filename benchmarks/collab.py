@@ -57,12 +57,13 @@ class Setting:
     aggregate_every: int | None
     epochs: int
     target: float
+    lr: float = 0.01
 
 
 def _run(setting: Setting, mode: CollabMode, broker: BrokerProcess, work: Path,
          privacy: PrivacySettings | None = None) -> dict:
     train = TrainConfig(model=ModelSpec(setting.model), micro_batches=4, micro_batch_size=8,
-                        epochs=setting.epochs, lr=0.05, momentum=0.9, seed=0)
+                        epochs=setting.epochs, lr=setting.lr, momentum=0.9, seed=0)
     config = CollabConfig(mode=mode, train=train, devices=4,
                           aggregate_every=setting.aggregate_every, privacy=privacy,
                           heartbeat_timeout_s=30.0, wait_devices_s=180.0)
@@ -155,10 +156,10 @@ def _plot(results: list[dict], dp: dict | None, path: Path) -> None:
 
 SETTINGS = [
     Setting("wide-iid-epoch", SPLIT_FRIENDLY, "iid", None, 6, 0.90),
-    Setting("wide-dirichlet0.5-epoch", SPLIT_FRIENDLY, "dirichlet:0.5", None, 6, 0.85),
+    Setting("wide-dirichlet0.5-epoch", SPLIT_FRIENDLY, "dirichlet:0.5", None, 6, 0.90),
     Setting("wide-iid-k5", SPLIT_FRIENDLY, "iid", 5, 6, 0.90),
-    Setting("wide-dirichlet0.5-k5", SPLIT_FRIENDLY, "dirichlet:0.5", 5, 6, 0.85),
-    Setting("cnn-iid-epoch", "cnn", "iid", None, 8, 0.85),
+    Setting("wide-dirichlet0.5-k5", SPLIT_FRIENDLY, "dirichlet:0.5", 5, 6, 0.90),
+    Setting("cnn-iid-epoch", "cnn", "iid", None, 10, 0.85, lr=0.05),
 ]
 
 
@@ -179,7 +180,7 @@ def main() -> None:
         for setting in settings:
             row = {"name": setting.name, "model": setting.model,
                    "partition": setting.partition, "target": setting.target,
-                   "epochs": setting.epochs,
+                   "epochs": setting.epochs, "lr": setting.lr,
                    "aggregate_every": setting.aggregate_every or "one epoch"}
             for mode in (CollabMode.COLLABORATIVE, CollabMode.FEDAVG):
                 row[mode.value] = _run(setting, mode, broker, work)

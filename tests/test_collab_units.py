@@ -4,6 +4,7 @@ wire bodies. No broker."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -312,3 +313,25 @@ def test_malformed_collab_bodies_are_bad_bodies():
     bad.body["iterations"] = 0
     with pytest.raises(BadBody, match="iterations"):
         decode_message(bad)
+
+
+# -- command line --------------------------------------------------------------------------------
+
+
+def test_plan_collaborative_prints_every_split_point_and_the_choice():
+    from click.testing import CliRunner
+
+    from ftpipe_iot.cli import main
+
+    args = ["plan", "--mode", "collaborative", "--model", "cnn", "--profiles",
+            "devices/profiles/collab-rpi-zero.json", "devices/profiles/collab-rpi-zero.json",
+            "--server-profile", "devices/profiles/gateway.json", "--aggregate-every", "5"]
+    text = CliRunner().invoke(main, args, catch_exceptions=False).output
+    rows = [line.split() for line in text.splitlines() if line[:1].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(1, 10))  # cnn: split points 1..9
+    assert "choice: split point" in text and "fedavg baseline" in text
+    report = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)
+    best = min(c["iteration_s"] for c in report["candidates"])
+    assert report["chosen"]["iteration_s"] == best and report["server"] == "gateway"
+    refused = CliRunner().invoke(main, [*args[:3], "--costs", "setup.cfg", *args[5:]])
+    assert refused.exit_code != 0 and "--model NAME" in refused.output

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -15,6 +15,9 @@ from ftpipe_iot.cli.options import Decorator, _group, explicit
 from ftpipe_iot.protocol.collab import PrivacySettings
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.vocab import CollabMode
+
+if TYPE_CHECKING:
+    from ftpipe_iot.collab.config import CollabConfig
 
 _COLLAB: list[Decorator] = [
     click.option("--mode", type=click.Choice([m.value for m in CollabMode]), default="pipeline",
@@ -79,7 +82,8 @@ def collab_choices(ctx: click.Context, values: dict[str, Any]) -> CollabChoices:
                          raw["auto_micro_batches"], privacy)
 
 
-def collab_config(choices: CollabChoices, train: TrainConfig, devices: int, **settings: Any):
+def collab_config(choices: CollabChoices, train: TrainConfig, devices: int, **settings: Any
+                  ) -> CollabConfig:
     """The coordinator's config from the options."""
     from ftpipe_iot.collab.config import CollabConfig
 
@@ -155,9 +159,8 @@ def run_controller(choices: CollabChoices, train: TrainConfig, job: str, broker:
                            stall_timeout_s=max(stall_timeout, 4 * heartbeat_timeout),
                            stop_devices=stop_devices,
                            save_weights=Path(save_weights) if save_weights else None)
-    summary = run_coordinator(job, broker, config, process, default_progress(),
-                              client_id=client_id,
-                              summary_path=Path(summary_json) if summary_json else None)
+    summary = run_coordinator(config, job, broker, process, default_progress(),
+                              Path(summary_json) if summary_json else None, client_id)
     if as_json:
         click.echo(json.dumps(summary.to_dict(with_history=False)))
     if summary.error:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
+from torch import nn
 
 from ftpipe_iot.collab.emulation import ComputeMeter, Downlink, Uplink
 from ftpipe_iot.collab.metrics import CollabAgentMetrics
@@ -20,6 +21,7 @@ from ftpipe_iot.collab.profile import measure_layer_times, profile_sizes
 from ftpipe_iot.core.loader import StageLoader
 from ftpipe_iot.core.models import build_layers, cut_shapes
 from ftpipe_iot.core.replicas import ReplicaStore
+from ftpipe_iot.core.stage import make_optimizer
 from ftpipe_iot.device.agent import device_status
 from ftpipe_iot.errors import FtpipeError, StageInputError
 from ftpipe_iot.planning.profiles import DeviceProfile
@@ -85,6 +87,7 @@ class CollabAgent:
         self._next_report = 0.0
         self._reported_busy = 0.0
         self._future: list[tuple[Inbound, Message]] = []
+        self._beats: threading.Thread | None = None
         self.metrics.stage.set(-1)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -102,19 +105,34 @@ class CollabAgent:
                             retain=True)
 
     def stop(self) -> None:
+        """Flush the uplink, say offline, and end every thread of ours before disconnecting:
+        a thread still inside torch or paho when the interpreter exits can abort the process."""
         try:
             self.uplink.close()
             self.messenger.send(Topics.dev_status(self.name),
                                 device_status(self.topics.job, DeviceState.OFFLINE), retain=True)
         finally:
             self.stopped.set()
+            if self._beats is not None:
+                self._beats.join(2 * self.options.heartbeat_interval_s)
+            self.downlink.join()
             self.transport.close()
+
+    def serve_until_shutdown(self) -> None:
+        """The process's life: connect and announce, work until shut down, stop cleanly."""
+        self.start()
+        try:
+            self.run()
+        finally:
+            self.stop()
 
     def run(self) -> None:
         """Handle messages until shut down; between messages, do pending work (``work``)."""
-        threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
+        self._beats = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
+        self._beats.start()
         inbox = self.downlink.inbox
         while not self.stopped.is_set():
+            self.metrics.queue_depth.set(inbox.qsize())
             try:
                 incoming: Incoming | None = inbox.get(
                     timeout=0 if self.has_work() else self.options.poll_s)
@@ -154,13 +172,12 @@ class CollabAgent:
     # -- messages -------------------------------------------------------------------------------
     def handle(self, incoming: Incoming) -> None:
         """One message; bad input is dropped and counted, never raised."""
-        self.metrics.queue_depth.set(self.transport.inbox.qsize())
         if incoming.topic == RECONNECTED_TOPIC:
-            self._announce()
-            return
-        inbound = self.messenger.receive(incoming)
-        if inbound is None:
-            return
+            self._announce()  # our Last Will may have fired while we were away
+        elif (inbound := self.messenger.receive(incoming)) is not None:
+            self._route(inbound)
+
+    def _route(self, inbound: Inbound) -> None:
         message = inbound.message
         try:
             if isinstance(message, CollabJob):
@@ -215,6 +232,9 @@ class CollabAgent:
     def _profile(self, job: CollabJob) -> LayerTimes:
         layers = build_layers(job.train.model, job.input_shape, job.num_classes, job.train.seed)
         cut_shapes(layers, job.input_shape, job.num_classes, job.train.model.name)
+        # The first optimizer a process builds costs about a second (torch.optim imports and
+        # sets up its machinery): pay it now, before the job's clock runs, not in round 0.
+        make_optimizer(nn.Sequential(*layers), job.train)
         factor = self.profile.factor_at(0, 0) if self.profile else 1.0
         return measure_layer_times(layers, job.input_shape, profile_sizes(job.train.batch_size),
                                    factor)
@@ -253,21 +273,20 @@ class CollabAgent:
         assert self.plan is not None
         local = {layer: r for layer in self._weights
                  if (r := self.global_copies.get(layer, version)) is not None}
-        self._loader = StageLoader(sorted(self._weights), version, local)
-        self._finish_loading()
+        self._loader = loader = StageLoader(sorted(self._weights), version, local)
+        if loader.done:
+            self._loaded(loader)
 
     def _on_global(self, replica: LayerReplica) -> None:
         self.global_copies.add(replica)
-        if self._loader is not None and self._loader.offer(replica):
-            self._finish_loading()
+        loader = self._loader
+        if loader is not None and loader.offer(replica) and loader.done:
+            self._loaded(loader)
 
-    def _finish_loading(self) -> None:
-        if self._loader is None or not self._loader.done:
-            return
-        replicas = self._loader.replicas()
-        version = self._loader.version
+    def _loaded(self, loader: StageLoader) -> None:
         self._loader = None
-        self.on_global_loaded(version, {layer: r.state for layer, r in replicas.items()})
+        self.on_global_loaded(loader.version,
+                              {layer: r.state for layer, r in loader.replicas().items()})
 
     # -- sending --------------------------------------------------------------------------------
     def send_up(self, topic: str, message: Message, step: int = -1, micro_batch: int = -1

@@ -145,24 +145,28 @@ class Coordinator:
     def _collaborative(self) -> bool:
         return self.config.mode is CollabMode.COLLABORATIVE
 
+    @property
+    def finished(self) -> bool:
+        return self.phase in (Phase.DONE, Phase.FAILED)
+
     def run(self, poll_s: float = 0.02) -> CollabSummary:
+        """Run the job to its end or its failure; the retained state says which."""
         self.start()
         try:
-            serve(self.transport.inbox, self.handle, self.tick,
-                  lambda: self.phase in (Phase.DONE, Phase.FAILED), poll_s)
+            serve(self.transport.inbox, self.handle, self.tick, lambda: self.finished, poll_s)
         finally:
             self.recorder.progress.close()
-            self._publish_state(ControllerStatus.DONE if self.phase is Phase.DONE
-                                else ControllerStatus.FAILED)
+            ended = ControllerStatus.DONE if self.phase is Phase.DONE else ControllerStatus.FAILED
+            self._publish_state(ended)
         return self.summary
 
     def fail(self, reason: str) -> None:
-        if self.phase in (Phase.DONE, Phase.FAILED):
-            return
-        log.error("job %s failed: %s", self.job, reason)
-        self.recorder.members(self.members)
-        self.recorder.finish(self.messenger.drops.counts, reason)
-        self.phase = Phase.FAILED
+        """End the job with a reason the summary, the events and the progress lines give."""
+        if not self.finished:
+            log.error("job %s failed: %s", self.job, reason)
+            self.recorder.members(self.members)
+            self.recorder.finish(self.messenger.drops.counts, reason)
+            self.phase = Phase.FAILED
 
     # -- inbound --------------------------------------------------------------------------------
     def handle(self, incoming: Incoming) -> None:

@@ -13,6 +13,8 @@ import logging
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +69,19 @@ def coordinator_args(config: CollabConfig) -> list[str]:
     return args
 
 
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM stops the demo like Ctrl-C (KeyboardInterrupt), so the clean-up runs."""
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class CollabDemo:
     """Starts and supervises the demo's processes; ``run`` returns the summary."""
 
@@ -94,45 +109,42 @@ class CollabDemo:
 
     def run(self) -> dict:
         started = time.monotonic()
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-        def interrupt(signum: int, _frame: object) -> None:
-            raise KeyboardInterrupt
-
-        signal.signal(signal.SIGTERM, interrupt)
-        try:
-            shards, split = self._shards()
-            url, kind = self._start_broker()
-            common = ["--job", self.options.job, "--broker", url]
-            if kind is BrokerKind.EMBEDDED:
-                common += ["--mqtt-protocol", "3.1.1"]
-            self._start(shards, common)
-            self._supervise(started)
-            summary = json.loads(self.summary_path.read_text())
-            summary["collab"]["data_split"] = split
-            summary.update(broker=kind.value, wall_s=round(time.monotonic() - started, 3),
-                           work_dir=str(self.work_dir))
+        with _sigterm_interrupts():
             try:
-                paths = write_report(summary, self.work_dir)
-            except (ReportError, OSError) as exc:
-                log.warning("could not write the run report: %s", exc)
-                summary["report_error"] = str(exc)
-            else:
-                summary.update(report_json=str(paths.json), report_png=str(paths.png))
-            return summary
-        finally:
-            self.stop()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+                shards, split = self._shards()
+                url, kind = self._broker()
+                common = ["--job", self.options.job, "--broker", url]
+                if kind is BrokerKind.EMBEDDED:
+                    common += ["--mqtt-protocol", "3.1.1"]
+                self._start(shards, common)
+                self._supervise(started + self.options.timeout_s)
+            finally:
+                self.stop()
+        summary = json.loads(self.summary_path.read_text())
+        summary["collab"]["data_split"] = split
+        summary.update(broker=kind.value, wall_s=round(time.monotonic() - started, 3),
+                       work_dir=str(self.work_dir))
+        return {**summary, **self._report(summary)}
 
-    def _start_broker(self) -> tuple[str, BrokerKind]:
-        if self.options.broker_url:
-            return self.options.broker_url, BrokerKind.MOSQUITTO
-        self.broker = BrokerProcess(kind=BrokerKind.EMBEDDED if self.options.embedded else None,
-                                    data_dir=self.work_dir / "broker")
-        self.broker.start()
-        assert self.broker.kind is not None
-        return self.broker.url, self.broker.kind
+    def _report(self, summary: dict) -> dict[str, str]:
+        """Where the run report went, or why there is none (the result stands without it)."""
+        try:
+            paths = write_report(summary, self.work_dir)
+        except (ReportError, OSError) as exc:
+            log.warning("no run report: %s", exc)
+            return {"report_error": str(exc)}
+        return {"report_json": str(paths.json), "report_png": str(paths.png)}
+
+    def _broker(self) -> tuple[str, BrokerKind]:
+        """The broker to use: the one given, or one of our own (Mosquitto, else embedded)."""
+        if not self.options.broker_url:
+            self.broker = BrokerProcess(
+                kind=BrokerKind.EMBEDDED if self.options.embedded else None,
+                data_dir=self.work_dir / "broker")
+            self.broker.start()
+            assert self.broker.kind is not None
+            return self.broker.url, self.broker.kind
+        return self.options.broker_url, BrokerKind.MOSQUITTO
 
     def _start(self, shards: list[Path], common: list[str]) -> None:
         options, config = self.options, self.options.config
@@ -153,32 +165,34 @@ class CollabDemo:
                             "--summary-json", str(self.summary_path), *self._metrics(0),
                             *options.coordinator_args, log=False)
 
-    def _supervise(self, started: float) -> None:
-        while True:
-            code = self.children.procs["controller"].poll()
-            if code is not None:
-                if code != 0:
-                    raise DemoError(f"the coordinator exited with code {code}")
-                self._wait_devices()
-                return
-            for name, proc in self.children.procs.items():
-                if name != "controller" and proc.poll() not in (None, 0):
-                    raise DemoError(f"{name} exited with code {proc.returncode}; its log: "
-                                    f"{self.children.log_path(name)}")
-            if self.broker is not None and self.broker.proc is not None and \
-                    self.broker.proc.poll() is not None:
-                raise DemoError(f"broker exited with code {self.broker.proc.returncode}")
-            if time.monotonic() - started > self.options.timeout_s:
-                raise DemoError(f"demo did not finish within {self.options.timeout_s:.0f}s")
-            time.sleep(0.1)
-
-    def _wait_devices(self, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
+    def _failure(self) -> str | None:
+        """Why the run cannot go on: a device, the server or the broker exited."""
         for name, proc in self.children.procs.items():
+            if name != "controller" and proc.poll() not in (None, 0):
+                return f"{name} exited with code {proc.returncode}; its log: " \
+                       f"{self.children.log_path(name)}"
+        broker = self.broker.proc if self.broker is not None else None
+        if broker is not None and broker.poll() is not None:
+            return f"broker exited with code {broker.returncode}"
+        return None
+
+    def _supervise(self, deadline: float) -> None:
+        """Until the coordinator exits; then give the devices it shut down time to go."""
+        coordinator = self.children.procs["controller"]
+        while coordinator.poll() is None:
+            problem = self._failure()
+            if problem is None and time.monotonic() > deadline:
+                problem = f"demo did not finish within {self.options.timeout_s:.0f}s"
+            if problem is not None:
+                raise DemoError(problem)
+            time.sleep(0.1)
+        if coordinator.returncode != 0:
+            raise DemoError(f"the coordinator exited with code {coordinator.returncode}")
+        for name in self.children.procs:
             try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
+                self.children.wait(name, 10.0)
             except subprocess.TimeoutExpired:
-                log.warning("%s did not exit after shutdown; stopping it", name)
+                log.warning("%s did not exit after the job; stopping it", name)
 
     def stop(self) -> None:
         self.children.stop_all()

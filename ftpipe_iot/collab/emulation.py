@@ -96,8 +96,15 @@ class Downlink:
         self._network = network
         self._stopped = stopped
         self._sleep = sleep
+        self._thread: threading.Thread | None = None
         if bytes_per_s:
-            threading.Thread(target=self._run, name="downlink", daemon=True).start()
+            self._thread = threading.Thread(target=self._run, name="downlink", daemon=True)
+            self._thread.start()
+
+    def join(self, timeout_s: float = 2.0) -> None:
+        """Wait for the thread to see ``stopped`` (set it first)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
     def _run(self) -> None:
         assert self.bytes_per_s

@@ -4,8 +4,6 @@ Each wires a real MQTT transport, a metrics server and signals to the library ob
 
 from __future__ import annotations
 
-import json
-import threading
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -22,8 +20,18 @@ from ftpipe_iot.observability.progress import ProgressReporter
 from ftpipe_iot.planning.profiles import DeviceProfile
 from ftpipe_iot.protocol.topics import check_name
 from ftpipe_iot.runtime.entry import ProcessOptions, _on_signals, setup_process
+from ftpipe_iot.transport.base import Will
 from ftpipe_iot.transport.config import BrokerConfig
 from ftpipe_iot.transport.mqtt import MqttTransport
+
+
+def _connect(options: ProcessOptions, broker: BrokerConfig, client_id: str, will: Will
+             ) -> tuple[MqttTransport, CollectorRegistry]:
+    """Logging, threads and metrics of this process, and its (not yet connected) transport."""
+    setup_process(options)
+    registry = CollectorRegistry()
+    serve_metrics(registry, options.metrics_port)
+    return MqttTransport(broker, client_id=client_id, will=will), registry
 
 
 def run_collab_device(name: str, job: str, broker: BrokerConfig, options: ProcessOptions,
@@ -33,10 +41,7 @@ def run_collab_device(name: str, job: str, broker: BrokerConfig, options: Proces
     check_name("device", name)
     check_name("job", job)
     local = LocalData.load(data) if data is not None else None  # refuse bad data before connecting
-    setup_process(options)
-    registry = CollectorRegistry()
-    serve_metrics(registry, options.metrics_port)
-    transport = MqttTransport(broker, client_id=name, will=device_will(name, job))
+    transport, registry = _connect(options, broker, name, device_will(name, job))
     agent: CollabAgent
     if local is not None:
         agent = DataDevice(name, job, transport, registry, local, profile, agent_options)
@@ -44,38 +49,25 @@ def run_collab_device(name: str, job: str, broker: BrokerConfig, options: Proces
         assert server
         agent = ServerAgent(name, job, transport, registry, profile, agent_options)
     _on_signals(agent.stopped.set)
-    agent.start()
-    try:
-        agent.run()
-    finally:
-        agent.stop()
+    agent.serve_until_shutdown()
     return 0
 
 
-def run_coordinator(job: str, broker: BrokerConfig, config: CollabConfig,
+def run_coordinator(config: CollabConfig, job: str, broker: BrokerConfig,
                     options: ProcessOptions, progress: ProgressReporter,
-                    client_id: str | None = None, summary_path: Path | None = None
+                    summary_path: Path | None = None, client_id: str | None = None
                     ) -> CollabSummary:
-    """Run one collaborative or federated job to its end; write the summary JSON if asked."""
+    """The coordinator of one collaborative or federated job, to the job's end; the summary
+    goes to ``summary_path`` as JSON when given."""
     check_name("job", job)
-    setup_process(options)
-    registry = CollectorRegistry()
-    serve_metrics(registry, options.metrics_port)
-    transport = MqttTransport(broker, client_id=client_id or f"ftpipe-coordinator-{job}",
-                              will=coordinator_will(job))
+    transport, registry = _connect(options, broker, client_id or f"ftpipe-coordinator-{job}",
+                                   coordinator_will(job))
     coordinator = Coordinator(job, config, transport, registry, progress)
-    stop = threading.Event()
-
-    def interrupt() -> None:
-        stop.set()
-        coordinator.fail("interrupted")
-
-    _on_signals(interrupt)
+    _on_signals(lambda: coordinator.fail("interrupted"))
     try:
         summary = coordinator.run()
     finally:
         transport.close()
     if summary_path is not None:
-        summary_path.parent.mkdir(parents=True, exist_ok=True)
-        summary_path.write_text(json.dumps(summary.to_dict(), indent=2))
+        summary.save(summary_path)
     return summary

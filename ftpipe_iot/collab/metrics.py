@@ -9,15 +9,16 @@ idle fraction, read at scrape time like the pipeline's fleet figures.
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
-from ftpipe_iot.observability.metrics import ControllerMetrics, DeviceMetrics
+from ftpipe_iot.observability.metrics import (
+    ControllerMetrics,
+    DeviceMetrics,
+    FleetCollector,
+    FleetFigures,
+)
 
 
 class CollabAgentMetrics(DeviceMetrics):
@@ -44,39 +45,14 @@ class MemberFigures:
     idle_fraction: float = math.nan
 
 
-class MemberCollector(Collector):
-    """Per-device gauges (label ``device``) from the coordinator's figures at scrape time."""
-
-    _GAUGES = (
-        ("ftpipe_collab_device_rounds_done", "Rounds a data device contributed to", "rounds_done"),
-        ("ftpipe_collab_device_rounds_missed", "Rounds a data device was left out of (dropped "
-         "out, or joined late)", "rounds_missed"),
-        ("ftpipe_collab_device_dp_epsilon", "Epsilon a data device reported spending",
-         "epsilon"),
-        ("ftpipe_collab_device_idle_ratio", "Fraction of the training time a data device was "
-         "not computing", "idle_fraction"),
-    )
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._members: dict[str, MemberFigures] = {}
-
-    def update(self, device: str, **values: float) -> None:
-        with self._lock:
-            figures = self._members.setdefault(device, MemberFigures())
-            for name, value in values.items():
-                setattr(figures, name, value)
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        with self._lock:
-            members = {name: replace(f) for name, f in self._members.items()}
-        for name, documentation, attribute in self._GAUGES:
-            family = GaugeMetricFamily(name, documentation, labels=["device"])
-            for device in sorted(members):
-                value = float(getattr(members[device], attribute))
-                if not math.isnan(value):
-                    family.add_metric([device], value)
-            yield family
+_MEMBER_GAUGES = (
+    ("ftpipe_collab_device_rounds_done", "Rounds a data device contributed to", "rounds_done"),
+    ("ftpipe_collab_device_rounds_missed", "Rounds a data device was left out of (dropped out, "
+     "or joined late)", "rounds_missed"),
+    ("ftpipe_collab_device_dp_epsilon", "Epsilon a data device reported spending", "epsilon"),
+    ("ftpipe_collab_device_idle_ratio", "Fraction of the training time a data device was not "
+     "computing", "idle_fraction"),
+)
 
 
 class CoordinatorMetrics(ControllerMetrics):
@@ -92,5 +68,5 @@ class CoordinatorMetrics(ControllerMetrics):
                                 "Data devices that dropped out of a round", registry=registry)
         self.aggregation_seconds = Counter("ftpipe_collab_aggregation_seconds_total",
                                            "Seconds spent in FedAvg", registry=registry)
-        self.members = MemberCollector()
-        registry.register(self.members)
+        self.members = FleetFigures(MemberFigures)
+        registry.register(FleetCollector(self.members, _MEMBER_GAUGES))

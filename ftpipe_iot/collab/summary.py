@@ -8,13 +8,16 @@ epsilon, the server's idle fraction.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ftpipe_iot.collab.metrics import CoordinatorMetrics
 from ftpipe_iot.collab.rounds import Member
+from ftpipe_iot.control.summary import RunSummary
 from ftpipe_iot.observability.progress import ProgressReporter
 from ftpipe_iot.protocol.messages import Event
 from ftpipe_iot.protocol.vocab import EventType, FailureCause
@@ -44,31 +47,18 @@ class CollabFigures:
 
 
 @dataclass
-class CollabSummary:
-    """What a collaborative or federated job achieved."""
+class CollabSummary(RunSummary):
+    """What a collaborative or federated job achieved: the run summary every mode writes (the
+    run report reads it), ``steps`` counting iterations and ``failures_detected`` drop-outs,
+    plus the ``collab`` block."""
 
-    job: str
-    collab: CollabFigures
-    test_accuracy: float = 0.0
-    test_loss: float = 0.0
-    samples_per_s: float = 0.0
-    steps: int = 0
-    epochs: int = 0
-    devices: int = 0
-    wall_s: float = 0.0
-    train_s: float = 0.0
-    final_loss: float = 0.0
-    history: list[dict] = field(default_factory=list)
-    evals: list[dict] = field(default_factory=list)
-    events: list[dict] = field(default_factory=list)
-    dropped: dict[str, int] = field(default_factory=dict)
-    error: str | None = None
+    collab: CollabFigures = field(default_factory=lambda: CollabFigures(""))
 
-    def to_dict(self, with_history: bool = True) -> dict:
-        data = asdict(self)
-        if not with_history:
-            data.pop("history")
-        return data
+    def save(self, path: Path) -> Path:
+        """Write the summary as JSON (what the demo and the benchmarks read)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2))
+        return path
 
 
 class CollabRecorder:
@@ -77,7 +67,7 @@ class CollabRecorder:
     def __init__(self, job: str, mode: str, metrics: CoordinatorMetrics,
                  progress: ProgressReporter, publish: Callable[[Event], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.summary = CollabSummary(job, CollabFigures(mode))
+        self.summary = CollabSummary(job, collab=CollabFigures(mode))
         self.metrics = metrics
         self.progress = progress
         self._publish = publish
@@ -169,6 +159,8 @@ class CollabRecorder:
     def dropped_out(self, device: str, cause: FailureCause, silent_s: float, round_index: int
                     ) -> None:
         self.summary.collab.dropouts += 1
+        self.summary.failures_detected += 1
+        self.summary.detect_s.append(round(silent_s, 3))
         self.metrics.dropouts.inc()
         self.metrics.failures.labels(cause=cause.value).inc()
         self.progress.message(f"{device} dropped out of round {round_index + 1} "
