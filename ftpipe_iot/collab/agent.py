@@ -150,6 +150,11 @@ class CollabAgent:
     def has_work(self) -> bool:
         return False
 
+    @property
+    def progress_step(self) -> int:
+        """The iteration this process is at, for heartbeats (-1: none)."""
+        return -1
+
     def work(self) -> None:
         """Compute that is not triggered by a message (the fedavg device's iterations)."""
 
@@ -165,7 +170,8 @@ class CollabAgent:
                 self.messenger.send(Topics.dev_heartbeat(self.name),
                                     Heartbeat(queue_depth=self.transport.inbox.qsize(),
                                               drops=self.messenger.drops.counts),
-                                    self.plan.version if self.plan else 0, qos=0)
+                                    self.plan.version if self.plan else 0, self.progress_step,
+                                    qos=0)
             except FtpipeError:
                 log.exception("heartbeat failed")
 

@@ -88,6 +88,10 @@ class DataDevice(CollabAgent):
     def epsilon(self) -> float | None:
         return None if self.part is None else self.part.epsilon
 
+    @property
+    def progress_step(self) -> int:
+        return -1 if self.iteration is None else self.iteration
+
     def check_job(self, job: CollabJob) -> int:
         self.data.check(job.input_shape, job.num_classes)
         return len(self.data.y)

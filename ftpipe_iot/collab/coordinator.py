@@ -340,7 +340,7 @@ class Coordinator:
                                self.data.input_shape, self.data.num_classes, split, head, server,
                                every, total, per_epoch, config.privacy)
         self.spans = round_spans(total, every)
-        self._record_plan(data)
+        self.recorder.planned(self.plan, self.choice, len(data))
         self.messenger.send(self.topics.collab_plan, self.plan, self.plan.version, retain=True)
         self._publish_global(0)
         self.phase = Phase.WAITING_DEVICES
@@ -350,29 +350,6 @@ class Coordinator:
         offer = self.offers[name]
         return Machine(name, offer.times, offer.uplink_bytes_per_s or math.inf,
                        offer.downlink_bytes_per_s or math.inf)
-
-    def _record_plan(self, data: list[str]) -> None:
-        plan = self.plan
-        assert plan is not None
-        figures = self.summary.collab
-        figures.split_point, figures.head_start = plan.split_point, plan.head_start
-        figures.micro_batches = plan.train.micro_batches
-        figures.micro_batch_size = plan.train.micro_batch_size
-        figures.aggregate_every, figures.server = plan.aggregate_every, plan.server
-        figures.iterations_per_epoch = plan.iterations_per_epoch
-        figures.privacy = plan.privacy.to_body() if plan.privacy else None
-        figures.plan = self.choice.to_dict() if self.choice else {}
-        where = (f"device layers [0,{plan.split_point}) + [{plan.head_start},{plan.num_layers}), "
-                 f"server {plan.server} layers [{plan.split_point},{plan.head_start}), "
-                 f"{plan.train.micro_batches} micro-batches of {plan.train.micro_batch_size}"
-                 if self._collaborative else "the whole model on every device")
-        predicted = f"; predicted {self.choice.chosen.iteration_s * 1e3:.1f} ms per iteration " \
-                    f"(fedavg {self.choice.fedavg_iteration_s * 1e3:.1f} ms)" if self.choice \
-            else ""
-        self.recorder.planned(plan.version, len(data), plan.total_iterations,
-                              f"plan {plan.version}: {plan.mode.value}, {where}; "
-                              f"{plan.total_iterations} iterations, FedAvg every "
-                              f"{plan.aggregate_every or plan.total_iterations}{predicted}")
 
     # -- rounds ---------------------------------------------------------------------------------
     def _publish_global(self, version: int) -> None:

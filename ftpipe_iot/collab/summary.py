@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from ftpipe_iot.collab.metrics import CoordinatorMetrics
+from ftpipe_iot.collab.planner import Choice
 from ftpipe_iot.collab.rounds import Member
 from ftpipe_iot.control.summary import RunSummary
 from ftpipe_iot.observability.progress import ProgressReporter
+from ftpipe_iot.protocol.collab import CollabPlan
 from ftpipe_iot.protocol.messages import Event
-from ftpipe_iot.protocol.vocab import EventType, FailureCause
+from ftpipe_iot.protocol.vocab import CollabMode, EventType, FailureCause
 
 
 @dataclass
@@ -95,10 +97,29 @@ class CollabRecorder:
     def message(self, text: str) -> None:
         self.progress.message(text)
 
-    def planned(self, version: int, devices: int, total_iterations: int, text: str) -> None:
+    def planned(self, plan: CollabPlan, choice: Choice | None, devices: int) -> None:
+        """The plan's figures into the summary, a line for the person watching, an event."""
+        figures = self.summary.collab
+        figures.split_point, figures.head_start = plan.split_point, plan.head_start
+        figures.micro_batches = plan.train.micro_batches
+        figures.micro_batch_size = plan.train.micro_batch_size
+        figures.aggregate_every, figures.server = plan.aggregate_every, plan.server
+        figures.iterations_per_epoch = plan.iterations_per_epoch
+        figures.privacy = plan.privacy.to_body() if plan.privacy else None
+        figures.plan = choice.to_dict() if choice else {}
         self.summary.devices = devices
-        self.progress.message(text)
-        self._event(Event(EventType.PLAN_CHANGED, plan=version, steps=total_iterations))
+        where = (f"device layers [0,{plan.split_point}) + [{plan.head_start},{plan.num_layers}), "
+                 f"server {plan.server} layers [{plan.split_point},{plan.head_start}), "
+                 f"{plan.train.micro_batches} micro-batches of {plan.train.micro_batch_size}"
+                 if plan.mode is CollabMode.COLLABORATIVE else "the whole model on every device")
+        predicted = "" if choice is None else \
+            f"; predicted {choice.chosen.iteration_s * 1e3:.1f} ms per iteration (fedavg " \
+            f"{choice.fedavg_iteration_s * 1e3:.1f} ms)"
+        self.progress.message(f"plan {plan.version}: {plan.mode.value}, {where}; "
+                              f"{plan.total_iterations} iterations, FedAvg every "
+                              f"{plan.aggregate_every or plan.total_iterations}{predicted}")
+        self._event(Event(EventType.PLAN_CHANGED, plan=plan.version,
+                          steps=plan.total_iterations))
 
     def training_started(self, total_iterations: int) -> None:
         self._training_since = self._round_started = self._clock()
