@@ -49,6 +49,16 @@ class FaultSpecError(FtpipeError, ValueError):
     """A fault spec that does not parse; the message shows the syntax."""
 
 
+class PrivacyError(FtpipeError, ValueError):
+    """A differential-privacy setting is wrong or cannot apply to the model; the message says
+    which and why."""
+
+
+class CollabError(FtpipeError, ValueError):
+    """A collaborative or federated job cannot be set up as asked (no valid split point, a device
+    with too few samples, a missing server); the message says why."""
+
+
 class ReportError(FtpipeError, ValueError):
     """A run summary cannot be reported on (the message says which part is wrong)."""
 

@@ -109,10 +109,16 @@ def _metric_names(registry: CollectorRegistry) -> set[str]:
 
 
 def test_every_metric_is_documented_and_named_by_convention():
+    from ftpipe_iot.collab.metrics import CollabAgentMetrics, CoordinatorMetrics
+
     registry_c, registry_d = CollectorRegistry(), CollectorRegistry()
+    registry_cc, registry_cd = CollectorRegistry(), CollectorRegistry()
     ControllerMetrics(registry_c)
     DeviceMetrics(registry_d)
-    families = {f.name: f for r in (registry_c, registry_d) for f in r.collect()}
+    CoordinatorMetrics(registry_cc)
+    CollabAgentMetrics(registry_cd)
+    families = {f.name: f for r in (registry_c, registry_d, registry_cc, registry_cd)
+                for f in r.collect()}
     doc = (ROOT / "docs" / "observability.md").read_text()
     documented = set(re.findall(r"^\| `(ftpipe_[a-z0-9_]+)` \|", doc, re.M))
     for family in families.values():

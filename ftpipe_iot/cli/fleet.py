@@ -147,7 +147,7 @@ def add_operator_cmd(name: str, fleet_dir: Path, reload: bool) -> None:
 def site_cmd(name: str, fleet_dir: Path, central: str | None, out: Path | None, port: int,
              bind: str, job: str | None, bridge_protocol: str, reload: bool) -> None:
     """Write the config of site broker NAME, bridged to the central broker (only what must
-    cross crosses: docs/design.md §13)."""
+    cross crosses: docs/design.md §12)."""
     from ftpipe_iot.fleet import site
 
     protocol = "mqttv50" if bridge_protocol == "5" else "mqttv311"

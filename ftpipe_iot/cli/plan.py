@@ -146,10 +146,25 @@ def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, objec
 @click.option("--compare", is_flag=True,
               help="Also show the best single pipeline and pure data parallelism.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--mode", type=click.Choice(["pipeline", "collaborative"]), default="pipeline",
+              show_default=True, help="collaborative: choose PiPar's split point and number of "
+                                      "micro-batches for data devices (--profiles) and servers")
+@click.option("--server-profile", "server_profiles", multiple=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="collaborative: a server candidate's profile (repeatable)")
+@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True,
+              help="collaborative: samples per mini-batch (cut into micro-batches)")
+@click.option("--aggregate-every", type=click.IntRange(min=1), default=10, show_default=True,
+              help="collaborative: iterations per FedAvg round (model exchange)")
+@click.option("--split-point", type=click.IntRange(min=1), default=None,
+              help="collaborative: pin the split point")
+@click.option("--dp", is_flag=True, help="collaborative: DP-SGD on the device part (it "
+                                         "recomputes the front's forward)")
 def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, ...],
          more_profiles: tuple[Path, ...], micro_batch_size: int | None, at_step: int,
          at_time: float, micro_batches: int, exchange: str, compare: bool,
-         as_json: bool) -> None:
+         as_json: bool, mode: str, server_profiles: tuple[Path, ...], batch_size: int,
+         aggregate_every: int, split_point: int | None, dp: bool) -> None:
     """Plan stages for a model over devices given by profiles (ftpipe-iot plan --costs c.json
     --profiles a.json b.json): the number of stages, their layers, the group of devices of each
     stage and every member's share of the micro-batches, minimising the time per sample.
@@ -165,6 +180,12 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
     if not paths:
         raise click.UsageError("give at least one device profile with --profiles FILE...")
     profiles = [load_profile(path) for path in paths]
+    if mode == "collaborative":
+        from ftpipe_iot.cli.collab import plan_collaborative
+
+        return plan_collaborative(model, costs_file, profiles,
+                                  [load_profile(p) for p in server_profiles], batch_size,
+                                  aggregate_every, split_point, dp, as_json)
     if costs_file is not None:
         costs = LayerCosts.from_json_file(costs_file)
         source = str(costs_file)

@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from ftpipe_iot.cli.collab import collab_choices, collab_options
 from ftpipe_iot.cli.options import (
     TRAINING_NAMES,
     broker_settings,
@@ -66,14 +67,20 @@ def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
 @click.option("--allow-model-module", "allowed_modules", multiple=True, metavar="MODULE",
               help="module a plan's user model (MODULE:callable) may be imported from "
                    "(repeatable; also `allow_model_modules` in the bundle)")
+@click.option("--data", "data", default=None, metavar="npz:PATH",
+              help="collaborative/fedavg modes: train on this data, which never leaves the "
+                   "device (an .npz with x and y; or digits/synthetic to try things out)")
+@click.option("--server", is_flag=True,
+              help="collaborative mode: offer to hold the server part of the model")
 @connection_options
 @process_options
 def device(name: str | None, job: str | None, heartbeat_interval: float,
            profile_file: str | None, real_link: bool, controller_name: str,
-           allowed_modules: tuple[str, ...], broker_url: str, config_file: str | None,
-           mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
-           threads: int, log_level: str) -> None:
-    """Run a device agent: announce, take a stage from the plan, compute, report."""
+           allowed_modules: tuple[str, ...], data: str | None, server: bool, broker_url: str,
+           config_file: str | None, mqtt_protocol: str, max_message_bytes: int, keepalive: int,
+           metrics_port: int, threads: int, log_level: str) -> None:
+    """Run a device agent: announce, take a stage from the plan, compute, report (with --data
+    or --server: a data device or the server of the collaborative modes)."""
     from ftpipe_iot.device.agent import DeviceOptions
     from ftpipe_iot.planning.profiles import load_profile
     from ftpipe_iot.runtime.entry import ProcessOptions, run_device
@@ -83,12 +90,20 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
     if not name:
         raise click.UsageError("give --name or a --config bundle")
     profile = load_profile(profile_file) if profile_file else None
+    process = ProcessOptions(metrics_port, threads, log_level)
+    if data is not None or server:
+        from ftpipe_iot.collab.agent import AgentOptions
+        from ftpipe_iot.collab.entry import run_collab_device
+
+        if data is not None and server:
+            raise click.UsageError("--data and --server exclude each other")
+        sys.exit(run_collab_device(name, bundle.job, bundle.broker, process, data, server,
+                                   profile, AgentOptions(heartbeat_interval)))
     options = DeviceOptions(heartbeat_interval_s=heartbeat_interval, controller=controller_name,
                             allowed_model_modules=(*bundle.allow_model_modules,
                                                    *allowed_modules),
                             emulate_link=not real_link)
-    sys.exit(run_device(name, bundle.job, bundle.broker,
-                        ProcessOptions(metrics_port, threads, log_level), options, profile))
+    sys.exit(run_device(name, bundle.job, bundle.broker, process, options, profile))
 
 
 @command()
@@ -132,6 +147,7 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 @connection_options
 @process_options
 @training_options
+@collab_options
 @click.pass_context
 def controller(ctx: click.Context, job: str | None, devices: int, device_names: str | None,
                wait_devices: float, stall_timeout: float, heartbeat_timeout: float,
@@ -159,6 +175,15 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
         raise click.UsageError(f"--train-config and training options ({', '.join(given)}) "
                                "exclude each other")
     train = TrainConfig.load(train_file) if train_file else train_config(training)
+    collab = collab_choices(ctx, training)
+    if not collab.pipeline:
+        from ftpipe_iot.cli.collab import run_controller as run_collab
+
+        return run_collab(collab, train, job, config, devices, wait_devices, heartbeat_timeout,
+                          stall_timeout, stop_devices, save_weights, summary_json, as_json,
+                          bundle_name, ProcessOptions(metrics_port, threads, log_level),
+                          [n for n in ("resume", "assignment", "checkpoint_dir", "device_names")
+                           if explicit(ctx, (n,))])
     ctrl_config = ControllerConfig(
         train=train, devices=devices, device_names=names,
         wait_devices_s=wait_devices, stall_timeout_s=stall_timeout,
@@ -207,17 +232,41 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
               help="start from these weights (a model.pt of an earlier run, or a state dict)")
 @click.option("--json", "as_json", is_flag=True,
               help="print the summary as one JSON object on the last line of stdout")
+@click.option("--partition", default="iid", show_default=True,
+              help="collaborative/fedavg: split the training data among the devices: iid or "
+                   "dirichlet:ALPHA (non-IID)")
+@click.option("--device-profile", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="collaborative/fedavg: profile of every data device")
+@click.option("--server-profile", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="collaborative: profile of the server")
 @training_options
-def demo(devices: int, broker_url: str | None, embedded_broker: bool, job: str,
-         work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...],
+@collab_options
+@click.pass_context
+def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_broker: bool,
+         job: str, work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...],
          restart_devices: bool, max_message_bytes: int | None, init_from: str | None,
-         as_json: bool, **training: Any) -> None:
-    """Train the CNN on digits with a broker, a controller and N device processes."""
+         as_json: bool, partition: str, device_profile: str | None,
+         server_profile: str | None, **training: Any) -> None:
+    """Train the CNN on digits with a broker, a controller and N device processes (with --mode
+    collaborative or fedavg: N data devices, each with its share of the digits)."""
     from ftpipe_iot.runtime.demo import Demo, DemoOptions
     from ftpipe_iot.runtime.faults import FaultAction, fault_schedule
 
     if broker_url and embedded_broker:
         raise click.UsageError("--broker and --embedded-broker exclude each other")
+    collab = collab_choices(ctx, training)
+    if not collab.pipeline:
+        from ftpipe_iot.cli.collab import run_demo as run_collab_demo
+
+        if faults:
+            raise click.UsageError("--fault injects into the pipeline demo; the collaborative "
+                                   "modes' drop-outs are shown by tests/test_collab_processes.py")
+        return run_collab_demo(collab, train_config(training), devices, job, broker_url,
+                               embedded_broker, work_dir, metrics_port_base, partition,
+                               device_profile, server_profile, as_json)
+    if (partition != "iid" or device_profile or server_profile):
+        raise click.UsageError("--partition, --device-profile and --server-profile need "
+                               "--mode collaborative or fedavg")
     schedule = fault_schedule(list(faults), devices)
     if broker_url and any(f.action is FaultAction.BROKER_RESTART for f in schedule):
         raise click.UsageError("broker-restart needs the demo's own broker (no --broker)")

@@ -53,6 +53,10 @@ def status(broker_url: str, config_file: str | None, job: str | None, mqtt_proto
                    f"{_fmt(row['heartbeat_age_s'], 's'):>11}{row['step']:>7}")
     if not table["devices"]:
         click.echo("(no device has announced itself on this broker)")
+    if "collab" in table:
+        from ftpipe_iot.cli.collab import print_status
+
+        print_status(table["collab"])
 
 
 COMMANDS = [status]

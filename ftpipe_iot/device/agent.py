@@ -101,7 +101,7 @@ class DeviceOptions:
     controller: str = "controller"
     allowed_model_modules: tuple[str, ...] = ()
     # False when the network itself enforces the profile's link cap (a tbf-capped namespace,
-    # docs/design.md §13): the cap is still declared to the controller, but not slept for.
+    # docs/design.md §12): the cap is still declared to the controller, but not slept for.
     emulate_link: bool = True
 
 
@@ -204,7 +204,7 @@ class DeviceAgent:
             return
         if self.loader is not None and incoming.topic.startswith(f"{self.topics.base}/weights/"):
             # Replicas are still arriving (slowly on a slow link): asking for the missing ones
-            # again now would only queue more copies in front of them (docs/design.md §13).
+            # again now would only queue more copies in front of them (docs/design.md §12).
             self._loader_since = self.clock()
         inbound = self.messenger.receive(incoming)
         if inbound is None:

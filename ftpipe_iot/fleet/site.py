@@ -1,4 +1,4 @@
-"""Site brokers: a Mosquitto per site, bridged to the central broker (docs/design.md §13).
+"""Site brokers: a Mosquitto per site, bridged to the central broker (docs/design.md §12).
 
 Devices connect to their site's broker; the controller connects to the central one. The site
 broker holds one bridge connection to the central broker that forwards only what must cross:
@@ -176,7 +176,7 @@ def bridge_state_topic(name: str) -> str:
 
 
 def topic_map_markdown(job: str = ANY_JOB) -> str:
-    """The topic map as a Markdown table (docs/design.md §13 shows its output)."""
+    """The topic map as a Markdown table (docs/design.md §12 shows its output)."""
     rows = ["| topic | crosses | QoS | why |", "| --- | --- | --- | --- |"]
     arrows = {Direction.IN: "central → site", Direction.OUT: "site → central",
               Direction.BOTH: "both ways"}

@@ -8,8 +8,9 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -130,15 +131,17 @@ class DeviceFigures:
 
 class FleetFigures:
     """Per-device figures written by the controller's worker and read at scrape time (the lock
-    keeps a scrape from seeing a half-updated fleet)."""
+    keeps a scrape from seeing a half-updated fleet). ``make`` builds one device's figures (a
+    dataclass of floats, NaN = not known): ``DeviceFigures`` unless another mode keeps others."""
 
-    def __init__(self) -> None:
+    def __init__(self, make: Callable[[], Any] = DeviceFigures) -> None:
         self._lock = threading.Lock()
-        self._devices: dict[str, DeviceFigures] = {}
+        self._make = make
+        self._devices: dict[str, Any] = {}
 
     def update(self, device: str, **values: float) -> None:
         with self._lock:
-            figures = self._devices.setdefault(device, DeviceFigures())
+            figures = self._devices.setdefault(device, self._make())
             for name, value in values.items():
                 setattr(figures, name, value)
 
@@ -146,10 +149,10 @@ class FleetFigures:
         """(stage, share) of every device in the plan; stage -1 for the other ``known``."""
         with self._lock:
             for device in {*known, *places}:
-                figures = self._devices.setdefault(device, DeviceFigures())
+                figures = self._devices.setdefault(device, self._make())
                 figures.stage, figures.share = places.get(device, (-1, math.nan))
 
-    def snapshot(self) -> dict[str, DeviceFigures]:
+    def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {name: replace(figures) for name, figures in self._devices.items()}
 
@@ -173,14 +176,17 @@ _DEVICE_GAUGES = (
 
 class FleetCollector(Collector):
     """Exports the per-device gauges (label ``device``) from ``FleetFigures`` at scrape time;
-    a figure not known yet is left out rather than exported as NaN."""
+    a figure not known yet is left out rather than exported as NaN. ``gauges`` lists (name,
+    help, attribute of the figures) triples."""
 
-    def __init__(self, figures: FleetFigures) -> None:
+    def __init__(self, figures: FleetFigures,
+                 gauges: tuple[tuple[str, str, str], ...] = _DEVICE_GAUGES) -> None:
         self._figures = figures
+        self._gauges = gauges
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         devices = self._figures.snapshot()
-        for name, documentation, attribute in _DEVICE_GAUGES:
+        for name, documentation, attribute in self._gauges:
             family = GaugeMetricFamily(name, documentation, labels=["device"])
             for device in sorted(devices):
                 value = float(getattr(devices[device], attribute))

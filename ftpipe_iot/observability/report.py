@@ -74,6 +74,22 @@ class RunReport:
     evals: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     dropped: dict[str, int] = field(default_factory=dict)
+    collab: dict[str, Any] | None = None  # collaborative and fedavg modes: _collab_figures
+
+
+def _collab_figures(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """Mode, split, rounds, server idle fraction and each data device's rounds and epsilon."""
+    collab = summary.get("collab")
+    if not isinstance(collab, dict):
+        return None
+    keys = ("mode", "split_point", "head_start", "micro_batches", "aggregate_every", "server",
+            "rounds", "dropouts", "server_idle_fraction", "server_busy_s", "aggregation_s",
+            "privacy", "data_split")
+    members = collab.get("members") if isinstance(collab.get("members"), dict) else {}
+    return {**{k: collab.get(k) for k in keys},
+            "devices": {name: {k: m.get(k) for k in ("samples", "rounds_done", "rounds_missed",
+                                                      "epsilon", "idle_fraction")}
+                        for name, m in members.items() if isinstance(m, dict)}}
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -189,6 +205,7 @@ def build_report(summary: dict[str, Any]) -> RunReport:
         evals=evals,
         events=events,
         dropped={str(k): int(v) for k, v in dropped.items()} if isinstance(dropped, dict) else {},
+        collab=_collab_figures(summary),
     )
 
 
@@ -228,6 +245,15 @@ def _title(report: RunReport) -> str:
         parts.append(f"{report.failures} failure(s), {report.recoveries} recovered")
     if report.stalled_s:
         parts.append(f"{report.stalled_s:.1f} s without progress")
+    if report.collab:
+        idle = report.collab.get("server_idle_fraction")
+        parts[2] = f"{report.collab.get('mode')}, {len(report.collab['devices'])} data devices"
+        if isinstance(idle, (int, float)):
+            parts.append(f"server idle {idle:.0%}")
+        eps = [d["epsilon"] for d in report.collab["devices"].values()
+               if isinstance(d.get("epsilon"), (int, float))]
+        if eps:
+            parts.append(f"epsilon <= {max(eps):.2f}")
     if report.error:
         parts.append("FAILED")
     return ", ".join(parts)

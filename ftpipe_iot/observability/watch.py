@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from ftpipe_iot.errors import WireError
+from ftpipe_iot.protocol.collab import CollabStatus
 from ftpipe_iot.protocol.messages import (
     ControllerState,
     DeviceStatus,
@@ -73,6 +74,7 @@ class JobView:
     stages: tuple[StageAssignment, ...] = ()
     events: list[SeenEvent] = field(default_factory=list)
     progress: list[tuple[int, float]] = field(default_factory=list)
+    collab: CollabStatus | None = None  # collaborative and fedavg modes
 
 
 class JobWatcher:
@@ -95,7 +97,7 @@ class JobWatcher:
     def start(self) -> JobWatcher:
         self.transport.connect()
         for topic in (self.topics.state, self.topics.plan, self.topics.events,
-                      Topics.ALL_STATUS, Topics.ALL_HEARTBEATS):
+                      Topics.ALL_STATUS, Topics.ALL_HEARTBEATS, self.topics.collab_status):
             self.transport.subscribe(topic)
         self._thread.start()
         return self
@@ -147,6 +149,8 @@ class JobWatcher:
             job.events.append(SeenEvent(message, inbound.timestamp, inbound.step))
             if message.type is EventType.SHARES_CHANGED and message.stages:
                 job.stages = message.stages
+        elif inbound.job == job.job and isinstance(message, CollabStatus):
+            job.collab = message
         elif isinstance(message, DeviceStatus):
             view = self.devices.setdefault(inbound.sender, DeviceView(inbound.sender))
             view.state = message.state.value
@@ -197,9 +201,12 @@ def fleet_table(watcher: JobWatcher, now: float | None = None) -> dict:
             "step": view.step,
         })
     job = watcher.job
-    return {"job": job.job, "controller": job.state, "phase": job.phase, "step": job.step,
-            "plan_version": job.plan_version, "complete_version": job.complete_version,
-            "devices": rows}
+    table = {"job": job.job, "controller": job.state, "phase": job.phase, "step": job.step,
+             "plan_version": job.plan_version, "complete_version": job.complete_version,
+             "devices": rows}
+    if job.collab is not None:
+        table["collab"] = job.collab.to_body()
+    return table
 
 
 def collect(watcher: JobWatcher, quiet_s: float = 0.5, limit_s: float = 3.0) -> None:

@@ -16,6 +16,8 @@ A profile is a small JSON file (see ``devices/README.md``)::
         {"from_s": 120, "factor": 2}
       ],
       "bandwidth_bytes_per_s": 5000000,      # optional link cap, bytes/s (null/absent = uncapped)
+      "uplink_bytes_per_s": 1250000,         # optional, collaborative modes: device -> broker
+      "downlink_bytes_per_s": 3125000,       #   and broker -> device caps (default: bandwidth)
       "memory_bytes": 268435456              # optional memory budget, bytes (null/absent = none)
     }
 
@@ -46,7 +48,8 @@ PROFILE_FORMAT_VERSION = 1
 # Names end up in MQTT topics and client ids: no '/', '+', '#', spaces.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _TOP_KEYS = frozenset({"version", "name", "description", "factor", "step_schedule",
-                       "time_schedule", "bandwidth_bytes_per_s", "memory_bytes"})
+                       "time_schedule", "bandwidth_bytes_per_s", "memory_bytes",
+                       "uplink_bytes_per_s", "downlink_bytes_per_s"})
 
 
 
@@ -111,6 +114,8 @@ class DeviceProfile:
     bandwidth_bytes_per_s: float | None = None
     memory_bytes: int | None = None
     description: str = field(default="", compare=False)
+    uplink_bytes_per_s: float | None = None
+    downlink_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -125,13 +130,15 @@ class DeviceProfile:
             object.__setattr__(self, attr, entries)
         _check_sorted([e.from_step for e in self.step_schedule], "step_schedule")
         _check_sorted([e.from_s for e in self.time_schedule], "time_schedule")
-        bandwidth = self.bandwidth_bytes_per_s
-        if bandwidth is not None:
+        for key in ("bandwidth_bytes_per_s", "uplink_bytes_per_s", "downlink_bytes_per_s"):
+            bandwidth = getattr(self, key)
+            if bandwidth is None:
+                continue
             if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) \
                     or not math.isfinite(bandwidth) or bandwidth <= 0:
                 raise ProfileError(
-                    f"bandwidth_bytes_per_s must be a finite number > 0 or null, got {bandwidth!r}")
-            object.__setattr__(self, "bandwidth_bytes_per_s", float(bandwidth))
+                    f"{key} must be a finite number > 0 or null, got {bandwidth!r}")
+            object.__setattr__(self, key, float(bandwidth))
         memory = self.memory_bytes
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int)
                                    or memory <= 0):
@@ -163,6 +170,16 @@ class DeviceProfile:
             return 0.0
         return n_bytes / self.bandwidth_bytes_per_s
 
+    @property
+    def uplink(self) -> float | None:
+        """Device -> broker cap in bytes/s (the collaborative modes' upload), None = uncapped."""
+        return self.uplink_bytes_per_s or self.bandwidth_bytes_per_s
+
+    @property
+    def downlink(self) -> float | None:
+        """Broker -> device cap in bytes/s, None = uncapped."""
+        return self.downlink_bytes_per_s or self.bandwidth_bytes_per_s
+
     def device_spec(self, step: int = 0, elapsed_s: float = 0.0,
                     name: str | None = None) -> DeviceSpec:
         """The solver's view of this profile at a point in training (``name`` overrides the
@@ -191,6 +208,9 @@ class DeviceProfile:
             data["bandwidth_bytes_per_s"] = self.bandwidth_bytes_per_s
         if self.memory_bytes is not None:
             data["memory_bytes"] = self.memory_bytes
+        for key in ("uplink_bytes_per_s", "downlink_bytes_per_s"):
+            if getattr(self, key) is not None:
+                data[key] = getattr(self, key)
         return data
 
 
@@ -236,6 +256,8 @@ def parse_profile(data: object, source: str = "<profile>") -> DeviceProfile:
             bandwidth_bytes_per_s=data.get("bandwidth_bytes_per_s"),
             memory_bytes=data.get("memory_bytes"),
             description=data.get("description", ""),
+            uplink_bytes_per_s=data.get("uplink_bytes_per_s"),
+            downlink_bytes_per_s=data.get("downlink_bytes_per_s"),
         )
     except ProfileError as exc:
         raise ProfileError(f"{source}: {exc}") from None

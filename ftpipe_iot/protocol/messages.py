@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ftpipe_iot.errors import BadBody, PlanError
+from ftpipe_iot.protocol.collab import COLLAB_BODIES, CollabMessage
 from ftpipe_iot.protocol.fields import REQUIRED, BodyReader
 from ftpipe_iot.protocol.plan import Plan, StageAssignment
 from ftpipe_iot.protocol.results import (
@@ -400,12 +401,12 @@ class Heartbeat:
 
 
 Message = PlanMessage | Command | ControllerState | Event | Activation | Gradient | LayerReplica \
-    | GroupPartial | Progress | DeviceStatus | Heartbeat | Result
+    | GroupPartial | Progress | DeviceStatus | Heartbeat | Result | CollabMessage
 _BY_KIND: dict[MessageKind, Any] = {
     cls.KIND: cls for cls in (PlanMessage, Command, ControllerState, Event, Activation, Gradient,
                               LayerReplica, GroupPartial, Progress, DeviceStatus, Heartbeat,
                               Result)
-}
+} | COLLAB_BODIES
 
 
 @dataclass(frozen=True)

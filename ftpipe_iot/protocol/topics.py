@@ -98,6 +98,52 @@ class Topics:
     def weights_all(self) -> str:
         return f"{self.base}/weights/+/+"
 
+    # collaborative and federated modes (docs/design.md §13): the coordinator writes job, plan,
+    # round and status; devices write their own offer and uplink; the server writes downlinks
+    @property
+    def collab_job(self) -> str:
+        return f"{self.base}/collab/job"
+
+    def collab_offer(self, device: str) -> str:
+        return f"{self.base}/collab/offer/{device}"
+
+    @property
+    def collab_offers(self) -> str:
+        return f"{self.base}/collab/offer/+"
+
+    @property
+    def collab_plan(self) -> str:
+        return f"{self.base}/collab/plan"
+
+    @property
+    def collab_round(self) -> str:
+        return f"{self.base}/collab/round"
+
+    def collab_up(self, device: str) -> str:
+        """Device -> server: smashed data and gradients of the server's output, no labels."""
+        return f"{self.base}/collab/up/{device}"
+
+    @property
+    def collab_up_all(self) -> str:
+        return f"{self.base}/collab/up/+"
+
+    def collab_down(self, device: str) -> str:
+        """Server -> device: the server part's output and the gradient of the device's cut."""
+        return f"{self.base}/collab/down/{device}"
+
+    @property
+    def collab_update(self) -> str:
+        """Model parts at the end of a round (devices and server -> coordinator)."""
+        return f"{self.base}/collab/update"
+
+    @property
+    def collab_report(self) -> str:
+        return f"{self.base}/collab/report"
+
+    @property
+    def collab_status(self) -> str:
+        return f"{self.base}/collab/status"
+
     # per-device
     @staticmethod
     def dev_status(device: str) -> str:

@@ -25,6 +25,15 @@ class MessageKind(str, Enum):
     HEARTBEAT = "hb"
     EVENT = "event"
     CHUNK = "chunk"
+    # collaborative and federated modes (docs/design.md §13)
+    COLLAB_JOB = "c_job"
+    COLLAB_OFFER = "c_offer"
+    COLLAB_PLAN = "c_plan"
+    COLLAB_ROUND = "c_round"
+    SMASHED = "c_act"
+    COLLAB_UPDATE = "c_update"
+    COLLAB_REPORT = "c_report"
+    COLLAB_STATUS = "c_status"
 
 
 class WireDtype(str, Enum):
@@ -103,6 +112,7 @@ class EventType(str, Enum):
     SHARES_CHANGED = "shares_changed"
     JOB_DONE = "job_done"
     JOB_FAILED = "job_failed"
+    ROUND_COMPLETED = "round_completed"
 
 
 class FailureCause(str, Enum):
@@ -144,3 +154,28 @@ class DropReason(str, Enum):
     DUPLICATE = "duplicate"
     LATE = "late"  # a result another holder of the stage delivered first
     UNEXPECTED = "unexpected"
+
+
+class CollabMode(str, Enum):
+    """How a job trains: the pipeline of stages, PiPar's collaborative split learning (data stays
+    on the devices, a server holds the middle of the model) or plain federated averaging."""
+
+    PIPELINE = "pipeline"
+    COLLABORATIVE = "collaborative"
+    FEDAVG = "fedavg"
+
+
+class CollabRole(str, Enum):
+    """What a device offers in the collaborative and federated modes."""
+
+    DATA = "data"
+    SERVER = "server"
+
+
+class MemberState(str, Enum):
+    """A data-owning device in the current round, as the coordinator publishes it."""
+
+    TRAINING = "training"
+    DONE = "done"
+    DROPPED = "dropped"
+    WAITING = "waiting"

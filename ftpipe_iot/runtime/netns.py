@@ -1,5 +1,5 @@
 """Real links on one Linux host: network namespaces joined by veth pairs, each link capped by a
-``tbf`` qdisc and cut by taking it down (docs/design.md §13).
+``tbf`` qdisc and cut by taking it down (docs/design.md §12).
 
 A :class:`NetLab` owns a hub namespace (the broker, and local clients such as the controller
 over the hub's loopback) and one namespace per node, joined to the hub by its own veth pair on

@@ -57,13 +57,24 @@ class Messenger:
     def send(self, topic: str, message: Message, plan_version: int = 0, step: int = -1,
              micro_batch: int = -1, qos: int = 1, retain: bool = False) -> int:
         """Encode and publish; returns the bytes sent."""
-        env = envelope(message, self.job, self.name, plan_version, step, micro_batch,
-                       next(self._seq))
-        frames = encode(env, self._wire_options())
+        frames = self.frames(message, plan_version, step, micro_batch)
         if retain and len(frames) > 1:
             raise ConfigError(f"retained message on {topic} needs {len(frames)} chunks; retained "
                              "payloads must fit one message")
-        return self._publish([(topic, frame) for frame in frames], message.KIND, qos, retain)
+        return self.publish_frames(topic, frames, message.KIND, qos, retain)
+
+    def frames(self, message: Message, plan_version: int = 0, step: int = -1,
+               micro_batch: int = -1, options: WireOptions | None = None) -> list[bytes]:
+        """The encoded frames of a message, to publish later with ``publish_frames`` (a capped
+        link emulated in another thread publishes them after their transmission time)."""
+        env = envelope(message, self.job, self.name, plan_version, step, micro_batch,
+                       next(self._seq))
+        return encode(env, options or self._wire_options())
+
+    def publish_frames(self, topic: str, frames: list[bytes], kind: MessageKind, qos: int = 1,
+                       retain: bool = False) -> int:
+        """Publish frames made by ``frames`` on one topic; returns the bytes sent."""
+        return self._publish([(topic, frame) for frame in frames], kind, qos, retain)
 
     def _publish(self, frames: list[tuple[str, bytes]], kind: MessageKind, qos: int,
                  retain: bool) -> int:

@@ -1,4 +1,4 @@
-"""Process settings for moving large messages through paho-mqtt (docs/design.md §13).
+"""Process settings for moving large messages through paho-mqtt (docs/design.md §12).
 
 Two costs dominate a process that receives megabytes per second on paho's network thread and
 decodes them on a worker thread, and neither is the decoding itself:

@@ -1,0 +1,48 @@
+"""What the coordinator of a collaborative or federated job is asked to do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ftpipe_iot.errors import ConfigError
+from ftpipe_iot.protocol.collab import PrivacySettings
+from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.vocab import CollabMode
+
+
+@dataclass(frozen=True)
+class CollabConfig:
+    """``devices`` data devices to wait for; ``aggregate_every`` iterations per FedAvg round
+    (None: once per epoch, PiPar's default; 0: only at the end); ``split_point`` pins the split
+    and ``auto_micro_batches`` False keeps ``train.micro_batches`` instead of choosing N;
+    ``privacy`` turns DP-SGD on for the device part. ``train.data`` is the held-out test set the
+    coordinator evaluates the global model on: training data stays on the devices."""
+
+    mode: CollabMode = CollabMode.COLLABORATIVE
+    train: TrainConfig = field(default_factory=TrainConfig)
+    devices: int = 4
+    aggregate_every: int | None = None
+    split_point: int | None = None
+    auto_micro_batches: bool = True
+    privacy: PrivacySettings | None = None
+    wait_devices_s: float = 120.0
+    heartbeat_timeout_s: float = 5.0
+    stall_timeout_s: float = 120.0
+    link_latency_s: float = 0.002
+    stop_devices: bool = False
+    save_weights: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode is CollabMode.PIPELINE:
+            raise ConfigError("CollabConfig is for the collaborative and fedavg modes")
+        if self.devices < 1:
+            raise ConfigError(f"devices must be >= 1, got {self.devices}")
+        if self.aggregate_every is not None and self.aggregate_every < 0:
+            raise ConfigError(f"--aggregate-every must be >= 0 (0 = only at the end), got "
+                              f"{self.aggregate_every}")
+        if self.split_point is not None and self.mode is CollabMode.FEDAVG:
+            raise ConfigError("--split-point is for --mode collaborative: fedavg trains the "
+                              "whole model on every device")
+        if self.heartbeat_timeout_s <= 0 or self.stall_timeout_s <= 0:
+            raise ConfigError("timeouts must be > 0")

@@ -1,0 +1,200 @@
+"""The demo of the collaborative and federated modes: a broker, a coordinator, N data devices
+that each start with their own share of the training data (written to ``.npz`` files, IID or
+Dirichlet non-IID), and in collaborative mode a server, as separate OS processes.
+
+Processes are started and stopped through ``runtime.supervise.ProcessGroup`` (own sessions, die
+with their parent); any child failing, Ctrl-C or SIGTERM stops all of them and the broker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ftpipe_iot.collab.config import CollabConfig
+from ftpipe_iot.collab.partition import PartitionSpec, class_counts, split_indices, write_shards
+from ftpipe_iot.core.data import load_dataset
+from ftpipe_iot.errors import DemoError, ReportError
+from ftpipe_iot.observability.report import write_report
+from ftpipe_iot.protocol.vocab import CollabMode
+from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess
+from ftpipe_iot.runtime.demo import default_work_dir
+from ftpipe_iot.runtime.supervise import ProcessGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CollabDemoOptions:
+    """What the demo runs. ``config.devices`` data devices dev0..dev(N-1); ``config.train.data``
+    is split among them (its training part) and its test part is the coordinator's test set."""
+
+    config: CollabConfig = field(default_factory=CollabConfig)
+    job: str = "demo"
+    broker_url: str | None = None
+    embedded: bool = False
+    work_dir: Path | None = None
+    timeout_s: float = 1800.0
+    metrics_port_base: int = 0
+    partition: PartitionSpec = field(default_factory=PartitionSpec)
+    device_profile: Path | None = None
+    server_profile: Path | None = None
+    device_args: list[str] = field(default_factory=list)
+    coordinator_args: list[str] = field(default_factory=list)
+
+
+def coordinator_args(config: CollabConfig) -> list[str]:
+    """The ``controller`` options that give a coordinator ``config`` (besides the training
+    config, which goes as a JSON file)."""
+    args = ["--mode", config.mode.value, "--devices", str(config.devices),
+            "--heartbeat-timeout", str(config.heartbeat_timeout_s),
+            "--wait-devices", str(config.wait_devices_s)]
+    if config.aggregate_every is not None:
+        args += ["--aggregate-every", str(config.aggregate_every)]
+    if config.split_point is not None:
+        args += ["--split-point", str(config.split_point)]
+    if not config.auto_micro_batches:
+        args.append("--fixed-micro-batches")
+    if config.privacy is not None:
+        args += ["--dp-noise-multiplier", str(config.privacy.noise_multiplier),
+                 "--dp-max-grad-norm", str(config.privacy.max_grad_norm),
+                 "--dp-delta", str(config.privacy.delta)]
+    return args
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM stops the demo like Ctrl-C (KeyboardInterrupt), so the clean-up runs."""
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class CollabDemo:
+    """Starts and supervises the demo's processes; ``run`` returns the summary."""
+
+    def __init__(self, options: CollabDemoOptions) -> None:
+        self.options = options
+        self.work_dir = options.work_dir or default_work_dir(options.job)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.children = ProcessGroup(self.work_dir)
+        self.broker: BrokerProcess | None = None
+        self.summary_path = self.work_dir / "summary.json"
+
+    def _shards(self) -> tuple[list[Path], dict]:
+        config = self.options.config
+        data = load_dataset(config.train.data)
+        parts = split_indices(data.y_train, config.devices, self.options.partition,
+                              config.train.seed, min_samples=config.train.batch_size)
+        paths = write_shards(data.x_train, data.y_train, parts, self.work_dir / "data")
+        return paths, {"partition": str(self.options.partition),
+                       "samples": [len(p) for p in parts],
+                       "classes": class_counts(data.y_train, parts, data.num_classes)}
+
+    def _metrics(self, offset: int) -> list[str]:
+        base = self.options.metrics_port_base
+        return ["--metrics-port", str(base + offset)] if base else []
+
+    def run(self) -> dict:
+        started = time.monotonic()
+        with _sigterm_interrupts():
+            try:
+                shards, split = self._shards()
+                url, kind = self._broker()
+                common = ["--job", self.options.job, "--broker", url]
+                if kind is BrokerKind.EMBEDDED:
+                    common += ["--mqtt-protocol", "3.1.1"]
+                self._start(shards, common)
+                self._supervise(started + self.options.timeout_s)
+            finally:
+                self.stop()
+        summary = json.loads(self.summary_path.read_text())
+        summary["collab"]["data_split"] = split
+        summary.update(broker=kind.value, wall_s=round(time.monotonic() - started, 3),
+                       work_dir=str(self.work_dir))
+        return {**summary, **self._report(summary)}
+
+    def _report(self, summary: dict) -> dict[str, str]:
+        """Where the run report went, or why there is none (the result stands without it)."""
+        try:
+            paths = write_report(summary, self.work_dir)
+        except (ReportError, OSError) as exc:
+            log.warning("no run report: %s", exc)
+            return {"report_error": str(exc)}
+        return {"report_json": str(paths.json), "report_png": str(paths.png)}
+
+    def _broker(self) -> tuple[str, BrokerKind]:
+        """The broker to use: the one given, or one of our own (Mosquitto, else embedded)."""
+        if not self.options.broker_url:
+            self.broker = BrokerProcess(
+                kind=BrokerKind.EMBEDDED if self.options.embedded else None,
+                data_dir=self.work_dir / "broker")
+            self.broker.start()
+            assert self.broker.kind is not None
+            return self.broker.url, self.broker.kind
+        return self.options.broker_url, BrokerKind.MOSQUITTO
+
+    def _start(self, shards: list[Path], common: list[str]) -> None:
+        options, config = self.options, self.options.config
+        profile = ["--profile", str(options.device_profile)] if options.device_profile else []
+        if config.mode is CollabMode.COLLABORATIVE:
+            server = ["--profile", str(options.server_profile)] if options.server_profile else []
+            self.children.start("server", "device", "--name", "server", "--server", *common,
+                                *server, *self._metrics(config.devices + 1),
+                                *options.device_args)
+        for index, shard in enumerate(shards):
+            self.children.start(f"dev{index}", "device", "--name", f"dev{index}", "--data",
+                                f"npz:{shard}", *common, *profile, *self._metrics(index + 1),
+                                *options.device_args)
+        train_path = config.train.save(self.work_dir / "train.json")
+        # The coordinator's progress lines are the demo's output: its stderr stays on ours.
+        self.children.start("controller", "controller", *common, "--train-config",
+                            str(train_path), *coordinator_args(config), "--stop-devices",
+                            "--summary-json", str(self.summary_path), *self._metrics(0),
+                            *options.coordinator_args, log=False)
+
+    def _failure(self) -> str | None:
+        """Why the run cannot go on: a device, the server or the broker exited."""
+        for name, proc in self.children.procs.items():
+            if name != "controller" and proc.poll() not in (None, 0):
+                return f"{name} exited with code {proc.returncode}; its log: " \
+                       f"{self.children.log_path(name)}"
+        broker = self.broker.proc if self.broker is not None else None
+        if broker is not None and broker.poll() is not None:
+            return f"broker exited with code {broker.returncode}"
+        return None
+
+    def _supervise(self, deadline: float) -> None:
+        """Until the coordinator exits; then give the devices it shut down time to go."""
+        coordinator = self.children.procs["controller"]
+        while coordinator.poll() is None:
+            problem = self._failure()
+            if problem is None and time.monotonic() > deadline:
+                problem = f"demo did not finish within {self.options.timeout_s:.0f}s"
+            if problem is not None:
+                raise DemoError(problem)
+            time.sleep(0.1)
+        if coordinator.returncode != 0:
+            raise DemoError(f"the coordinator exited with code {coordinator.returncode}")
+        for name in self.children.procs:
+            try:
+                self.children.wait(name, 10.0)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not exit after the job; stopping it", name)
+
+    def stop(self) -> None:
+        self.children.stop_all()
+        if self.broker is not None:
+            self.broker.stop()
