@@ -20,20 +20,12 @@ from prometheus_client import CollectorRegistry
 from ftpipe_iot import __version__
 from ftpipe_iot.core.loader import StageLoader
 from ftpipe_iot.core.models import build_layers, cut_shapes
-from ftpipe_iot.core.outputs import (
-    MicroBatchDone,
-    MicroBatchResult,
-    SendActivation,
-    SendGradient,
-    SendPartial,
-    StageOutput,
-    StepDone,
-)
+from ftpipe_iot.core.outputs import StepDone
 from ftpipe_iot.core.replicas import replica_misfit
 from ftpipe_iot.core.stage import Stage
-from ftpipe_iot.core.takeover import TakeoverPhase, Watch, Watched
 from ftpipe_iot.device.copies import LayerCopies
 from ftpipe_iot.device.link import LinkMeter
+from ftpipe_iot.device.pipeline import DeferredInbox, RunnerHooks, StageMessage, StageRunner
 from ftpipe_iot.device.trust import PlanGate, Verdict
 from ftpipe_iot.errors import ModelError, StageInputError
 from ftpipe_iot.observability.metrics import DeviceMetrics
@@ -56,8 +48,6 @@ from ftpipe_iot.protocol.messages import (
 from ftpipe_iot.protocol.plan import Plan
 from ftpipe_iot.protocol.results import (
     DeviceError,
-    MicroBatchFinished,
-    MicroBatchLoss,
     Missing,
     Ready,
     Replicated,
@@ -130,12 +120,9 @@ class DeviceAgent:
         self.stopped = threading.Event()
         self.copies = LayerCopies(transport, self.topics)
         self._subscribed: list[str] = []
-        # (step, micro-batch) -> the input as it came (route, counts) and its sender, to address
-        # the outputs: activations by the route, the gradient back to the sender
-        self._routes: dict[tuple[int, int], tuple[Activation, str]] = {}
-        self.watch: Watch | None = None  # the stage's other holders, with resiliency >= 1
-        self.takeovers = 0  # micro-batches computed for another holder, since the start
-        self._deferred: deque[Incoming] = deque()
+        self.runner: StageRunner | None = None  # the held stage's data path
+        self._earlier_takeovers = 0  # by the runners of earlier stages, since the start
+        self._no_deferred: deque[Incoming] = deque()
         self._started = clock()
         self._next_heartbeat = 0.0
         self._last_step = -1
@@ -173,7 +160,7 @@ class DeviceAgent:
         """Worker loop until a shutdown command or ``stopped`` is set; heartbeats in a thread."""
         beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         beat.start()
-        serve(_DeferredInbox(self.transport.inbox, self._deferred), self.handle,
+        serve(self._inbox(), self.handle,
               lambda: self.tick(heartbeat=False), self.stopped.is_set, poll_s)
 
     def _heartbeat_loop(self) -> None:
@@ -186,7 +173,7 @@ class DeviceAgent:
     def pump(self) -> int:
         """Handle everything already in the inbox (for single-threaded tests); returns count."""
         handled = 0
-        inbox = _DeferredInbox(self.transport.inbox, self._deferred)
+        inbox = self._inbox()
         while True:
             try:
                 incoming = inbox.get_nowait()
@@ -194,6 +181,16 @@ class DeviceAgent:
                 return handled
             self.handle(incoming)
             handled += 1
+
+    def _inbox(self) -> DeferredInbox:
+        return DeferredInbox(self.transport.inbox, lambda: self.runner.deferred
+                             if self.runner is not None else self._no_deferred)
+
+    @property
+    def takeovers(self) -> int:
+        """Micro-batches computed for another holder, since the start."""
+        current = self.runner.takeovers if self.runner is not None else 0
+        return self._earlier_takeovers + current
 
     # -- message handling -----------------------------------------------------------------------
     def handle(self, incoming: Incoming) -> None:
@@ -228,7 +225,8 @@ class DeviceAgent:
                                           f"{inbound.kind.value} on {incoming.topic}")
         except StageInputError as exc:
             self.messenger.drops.drop(exc.reason, str(exc))
-        self._take_over_due()
+        if self.runner is not None:
+            self.runner.take_over_due()
 
     def _on_plan(self, sender: str, plan: Plan) -> None:
         decision = self.gate.offer(sender, plan)
@@ -334,30 +332,24 @@ class DeviceAgent:
         self.loader = None
         self._set_stage(None)
 
-    def _watching(self, stage: Stage) -> bool:
-        return self.plan is not None and self.plan.train.resiliency >= 1 and stage.group_size > 1
-
-    def _stage_topics(self, stage: Stage) -> list[str]:
-        if self._watching(stage):  # every input and gradient of the stage: to take over
-            return [self.topics.stage_act_all(stage.index),
-                    self.topics.stage_grad_all(stage.index), self.topics.stage_reduce(stage.index)]
-        topics = [self.topics.stage_act(stage.index, self.name),
-                  self.topics.stage_grad(stage.index, self.name)]
-        if stage.group_size > 1:
-            topics.append(self.topics.stage_reduce(stage.index))
-        return topics
-
     def _set_stage(self, stage: Stage | None) -> None:
         for topic in self._subscribed:
             self.transport.unsubscribe(topic)
         self._subscribed = []
-        self._routes = {}
+        if self.runner is not None:
+            self._earlier_takeovers += self.runner.takeovers
         self.stage = stage
-        self.watch = Watch(self.name, stage.is_last) \
-            if stage is not None and self._watching(stage) else None
+        self.runner = None
         self.metrics.stage.set(-1 if stage is None else stage.index)
         if stage is not None:
-            self._subscribed = self._stage_topics(stage)
+            assert self.plan is not None
+            self.runner = StageRunner(
+                self.name, self.plan, stage, self.messenger, self.transport.inbox,
+                self.metrics, self.link,
+                RunnerHooks(report=self._report, step_done=self._on_step_done,
+                            after_send=self._emulate_link, computing=self._computing),
+                clock=self.clock)
+            self._subscribed = self.runner.topics_to_follow
             for topic in self._subscribed:
                 self.transport.subscribe(topic)
 
@@ -402,7 +394,7 @@ class DeviceAgent:
             if replica is not None and replica.version == version:
                 self._publish_replica(replica)
 
-    def _on_data(self, inbound: Inbound, message: Activation | Gradient | GroupPartial) -> None:
+    def _on_data(self, inbound: Inbound, message: StageMessage) -> None:
         if self.plan is None or (self.stage is None and self.loader is None):
             self.messenger.drops.drop(DropReason.NO_STAGE,
                                       f"{inbound.kind.value} before a plan")
@@ -419,117 +411,11 @@ class DeviceAgent:
             self.messenger.drops.drop(DropReason.NOT_READY,
                                       "data before the stage finished loading")
             return
-        stage, now = self.stage, self.clock()
-        if isinstance(message, GroupPartial):
-            self._on_contribution(inbound, message)
-        elif isinstance(message, Progress):
-            if self.watch is not None and inbound.sender != self.name:
-                self.watch.progress(inbound.step, inbound.micro_batch, now)
-        elif isinstance(message, Activation):
-            addressee = Topics.addressee(inbound.topic)
-            if self.watch is not None and message.train:
-                self.watch.input(inbound.step, inbound.micro_batch, addressee, inbound.sender,
-                                 message, now)
-            if addressee != self.name:
-                return  # another holder's: watched only
-            self._forward(inbound.step, inbound.micro_batch, message, inbound.sender,
-                          inbound.timestamp)
-        else:
-            key = (inbound.step, inbound.micro_batch)
-            if self.watch is not None and key not in stage.pending:
-                item = self.watch.gradient(inbound.step, inbound.micro_batch, message.g, now)
-                if Topics.addressee(inbound.topic) != self.name or item is not None:
-                    return  # kept in case its holder needs replacing
-            self.link.observe(inbound.timestamp, message.nbytes, time.time())
-            self._current_step = inbound.step
-            self._absorb_contributions()
-            self._emit_all(stage.backward(inbound.step, inbound.micro_batch, message.g))
+        assert self.runner is not None
+        self.runner.on_message(inbound, message)
 
-    def _forward(self, step: int, micro_batch: int, message: Activation, sender: str,
-                 sent_at: float, quiet: bool = False) -> None:
-        """Forward one input; ``quiet`` keeps the activation (the next stage has it already)."""
-        assert self.stage is not None
-        stage = self.stage
-        if sent_at:
-            self.link.observe(sent_at, message.nbytes, time.time())
+    def _computing(self, step: int) -> None:
         self._current_step = step
-        self._absorb_contributions()
-        self._routes[(step, micro_batch)] = (message, sender)
-        outputs = stage.forward(step, micro_batch, message.x, message.y, message.train,
-                                message.count(stage.index, stage.member))
-        if message.train:
-            self.metrics.samples.inc(len(message.y))
-        if quiet:
-            outputs = [o for o in outputs if not isinstance(o, SendActivation)]
-        self._emit_all(outputs)
-
-    def _on_contribution(self, inbound: Inbound, message: GroupPartial) -> None:
-        assert self.stage is not None
-        if message.stage != self.stage.index or inbound.sender == self.name:
-            return  # our own contribution, echoed back: already counted
-        if self.watch is not None:
-            self.watch.contributed(inbound.step, inbound.micro_batch, self.clock())
-        self._emit_all(self.stage.offer_partial(inbound.step, SendPartial(
-            inbound.step, inbound.micro_batch, message.grads, message.batch_norm)))
-
-    def _absorb_contributions(self) -> None:
-        """Before computing, take the contributions already queued: a holder coming back from a
-        stall finds its backlog done by others and drops it instead of computing it late."""
-        if self.watch is None or self.stage is None:
-            return
-        reduce_topic = self.topics.stage_reduce(self.stage.index)
-        queued: list[Incoming] = []
-        while True:
-            try:
-                queued.append(self.transport.inbox.get_nowait())
-            except queue.Empty:
-                break
-        for incoming in queued:
-            if incoming.topic != reduce_topic:
-                self._deferred.append(incoming)
-                continue
-            inbound = self.messenger.receive(incoming)
-            if inbound is None or inbound.plan_version != self.plan_version:
-                continue
-            try:
-                if isinstance(inbound.message, GroupPartial):
-                    self._on_contribution(inbound, inbound.message)
-                elif isinstance(inbound.message, Progress) and inbound.sender != self.name:
-                    self.watch.progress(inbound.step, inbound.micro_batch, self.clock())
-            except StageInputError as exc:
-                self.messenger.drops.drop(exc.reason, str(exc))
-
-    @property
-    def plan_version(self) -> int:
-        return self.plan.version if self.plan is not None else 0
-
-    def _take_over_due(self) -> None:
-        """Compute the other holders' late micro-batches (``core.takeover``)."""
-        if self.watch is None or self.stage is None:
-            return
-        for item in self.watch.due(self.clock()):
-            try:
-                self._take_over(item)
-            except StageInputError as exc:
-                self.messenger.drops.drop(exc.reason, str(exc))
-
-    def _take_over(self, item: Watched) -> None:
-        assert self.stage is not None
-        log.info("%s takes over micro-batch (%d, %d) from %s (%s)", self.name, item.step,
-                 item.micro_batch, item.owner, item.taken.value if item.taken else "")
-        self.takeovers += 1
-        self.metrics.takeovers.inc()
-        late_backward = item.taken is TakeoverPhase.BACKWARD and item.gradient is not None
-        self._forward(item.step, item.micro_batch, item.payload, item.sender, 0.0,
-                      quiet=late_backward)
-        key = (item.step, item.micro_batch)
-        if late_backward and key in self.stage.pending:
-            assert item.gradient is not None
-            self._emit_all(self.stage.backward(item.step, item.micro_batch, item.gradient))
-
-    def _emit_all(self, outputs: list[StageOutput]) -> None:
-        for output in outputs:
-            self._emit(output)
 
     # -- emulated heterogeneity -----------------------------------------------------------------
     def _emulate_compute(self, real_s: float) -> None:
@@ -545,52 +431,6 @@ class DeviceAgent:
             if delay > 0:
                 self.sleep(delay)
 
-    # -- outputs --------------------------------------------------------------------------------
-    def _emit(self, output: StageOutput) -> None:
-        assert self.stage is not None and self.plan is not None
-        version, index = self.plan.version, self.stage.index
-        if isinstance(output, SendActivation):
-            came = self._routes.get((output.step, output.micro_batch))
-            route = came[0].route if came else ()
-            counts = came[0].counts if came else ()
-            if not output.train:
-                self._routes.pop((output.step, output.micro_batch), None)
-            member = route[index + 1] if index + 1 < len(route) else 0
-            device = self.plan.stages[index + 1].members[member].device
-            sent = self.messenger.send(self.topics.stage_act(index + 1, device),
-                                       Activation(output.x, output.y, output.train, route,
-                                                  counts), version, output.step,
-                                       output.micro_batch)
-            self._emulate_link(sent)
-            if self.watch is not None and output.train:  # our watchers learn we are alive
-                self.watch.progress(output.step, output.micro_batch, self.clock())
-                self.messenger.send(self.topics.stage_reduce(index), Progress(index), version,
-                                    output.step, output.micro_batch, qos=0)
-        elif isinstance(output, SendGradient):
-            came = self._routes.pop((output.step, output.micro_batch), None)
-            device = came[1] if came else self.plan.stages[index - 1].leader
-            sent = self.messenger.send(self.topics.stage_grad(index - 1, device),
-                                       Gradient(output.grad), version, output.step,
-                                       output.micro_batch)
-            self._emulate_link(sent)
-        elif isinstance(output, SendPartial):
-            if self.watch is not None:
-                self.watch.contributed(output.step, output.micro_batch, self.clock())
-            self.messenger.send(self.topics.stage_reduce(index),
-                                GroupPartial(index, self.stage.member, output.grads,
-                                             output.batch_norm), version, output.step,
-                                output.micro_batch)
-        elif isinstance(output, MicroBatchResult):
-            if not output.train:
-                self._routes.pop((output.step, output.micro_batch), None)
-            self._report(MicroBatchLoss(output.loss, output.correct, output.count, output.train),
-                         output.step, output.micro_batch)
-        elif isinstance(output, MicroBatchDone):
-            self._routes.pop((output.step, output.micro_batch), None)
-            self._report(MicroBatchFinished(), output.step, output.micro_batch)
-        elif isinstance(output, StepDone):
-            self._on_step_done(output)
-
     def _on_step_done(self, output: StepDone) -> None:
         assert self.stage is not None and self.plan is not None
         self.metrics.forward_seconds.observe(output.forward_s)
@@ -598,8 +438,6 @@ class DeviceAgent:
         self.metrics.steps.inc()
         self._last_step = output.step
         self._last_step_done = output
-        if self.watch is not None:
-            self.watch.step_done(output.step)
         self._report(StageStepDone(self.stage.index, output.forward_s, output.backward_s,
                                    output.layer_times, output.typical_s, output.micro_batches),
                      output.step)
@@ -617,7 +455,8 @@ class DeviceAgent:
     def tick(self, heartbeat: bool = True) -> None:
         """Periodic work: heartbeats (when not sent by the thread), loading retries, taking
         over late micro-batches."""
-        self._take_over_due()
+        if self.runner is not None:
+            self.runner.take_over_due()
         now = self.clock()
         if self.loader is not None and now - self._loader_since > self.options.missing_request_s:
             self._loader_since = now
@@ -644,21 +483,3 @@ class DeviceAgent:
         self.messenger.send(Topics.dev_heartbeat(self.name), beat,
                             self.plan.version if self.plan else 0, self._last_step, qos=0)
 
-
-class _DeferredInbox:
-    """The transport's inbox with the messages a watching holder set aside first (so the worker
-    loop keeps their order): ``get``/``get_nowait`` as a queue has them."""
-
-    def __init__(self, inbox: queue.Queue[Incoming], deferred: deque[Incoming]) -> None:
-        self.inbox = inbox
-        self.deferred = deferred
-
-    def get(self, timeout: float | None = None) -> Incoming:
-        if self.deferred:
-            return self.deferred.popleft()
-        return self.inbox.get(timeout=timeout)
-
-    def get_nowait(self) -> Incoming:
-        if self.deferred:
-            return self.deferred.popleft()
-        return self.inbox.get_nowait()

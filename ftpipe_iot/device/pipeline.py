@@ -1,0 +1,268 @@
+"""The data path of the stage a device holds: inputs, gradients and the other holders'
+contributions in, compute, activations, gradients, contributions and results out.
+
+The agent owns the plan, the weights and the reports; a ``StageRunner`` lives as long as the
+stage. With resiliency r >= 1 it also watches the stage's other holders and takes over their
+late micro-batches (``core.takeover``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ftpipe_iot.core.outputs import (
+    MicroBatchDone,
+    MicroBatchResult,
+    SendActivation,
+    SendGradient,
+    SendPartial,
+    StageOutput,
+    StepDone,
+)
+from ftpipe_iot.core.stage import Stage
+from ftpipe_iot.core.takeover import TakeoverPhase, Watch, Watched
+from ftpipe_iot.device.link import LinkMeter
+from ftpipe_iot.errors import StageInputError
+from ftpipe_iot.observability.metrics import DeviceMetrics
+from ftpipe_iot.protocol.messages import Activation, Gradient, GroupPartial, Inbound, Progress
+from ftpipe_iot.protocol.plan import Plan
+from ftpipe_iot.protocol.results import MicroBatchFinished, MicroBatchLoss, ResultBody
+from ftpipe_iot.protocol.topics import Topics
+from ftpipe_iot.transport.base import Incoming
+from ftpipe_iot.transport.messenger import Messenger
+
+log = logging.getLogger("ftpipe_iot.device")
+
+StageMessage = Activation | Gradient | GroupPartial | Progress
+
+
+@dataclass(frozen=True)
+class RunnerHooks:
+    """What the runner asks of its agent: reports to the controller, the end of a step, the
+    emulated link after a send, and the step being computed (profiles schedule by step)."""
+
+    report: Callable[[ResultBody, int, int], None]
+    step_done: Callable[[StepDone], None]
+    after_send: Callable[[int], None]
+    computing: Callable[[int], None]
+
+
+class StageRunner:
+    """Runs one stage of one plan for the device ``name``."""
+
+    def __init__(self, name: str, plan: Plan, stage: Stage, messenger: Messenger,
+                 inbox: queue.Queue[Incoming], metrics: DeviceMetrics, link: LinkMeter,
+                 hooks: RunnerHooks, clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.plan = plan
+        self.stage = stage
+        self.messenger = messenger
+        self.inbox = inbox
+        self.metrics = metrics
+        self.link = link
+        self.hooks = hooks
+        self.clock = clock
+        self.topics = Topics(plan.job)
+        # (step, micro-batch) -> the input as it came (route, counts) and its sender, to address
+        # the outputs: activations by the route, the gradient back to the sender
+        self.routes: dict[tuple[int, int], tuple[Activation, str]] = {}
+        self.watch = Watch(name, stage.is_last) if self.watching else None
+        self.takeovers = 0
+        self.deferred: deque[Incoming] = deque()  # set aside by ``_absorb_contributions``
+
+    @property
+    def watching(self) -> bool:
+        return self.plan.train.resiliency >= 1 and self.stage.group_size > 1
+
+    @property
+    def topics_to_follow(self) -> list[str]:
+        index = self.stage.index
+        if self.watching:  # every input and gradient of the stage: to take over
+            return [self.topics.stage_act_all(index), self.topics.stage_grad_all(index),
+                    self.topics.stage_reduce(index)]
+        topics = [self.topics.stage_act(index, self.name), self.topics.stage_grad(index, self.name)]
+        if self.stage.group_size > 1:
+            topics.append(self.topics.stage_reduce(index))
+        return topics
+
+    # -- in -------------------------------------------------------------------------------------
+    def on_message(self, inbound: Inbound, message: StageMessage) -> None:
+        """One message of the stage's topics (raises StageInputError for what it cannot use)."""
+        stage, now = self.stage, self.clock()
+        if isinstance(message, GroupPartial):
+            self._on_contribution(inbound, message)
+        elif isinstance(message, Progress):
+            if self.watch is not None and inbound.sender != self.name:
+                self.watch.progress(inbound.step, inbound.micro_batch, now)
+        elif isinstance(message, Activation):
+            addressee = Topics.addressee(inbound.topic)
+            if self.watch is not None and message.train:
+                self.watch.input(inbound.step, inbound.micro_batch, addressee, inbound.sender,
+                                 message, now)
+            if addressee != self.name:
+                return  # another holder's: watched only
+            self._forward(inbound.step, inbound.micro_batch, message, inbound.sender,
+                          inbound.timestamp)
+        else:
+            key = (inbound.step, inbound.micro_batch)
+            if self.watch is not None and key not in stage.pending:
+                item = self.watch.gradient(inbound.step, inbound.micro_batch, message.g, now)
+                if Topics.addressee(inbound.topic) != self.name or item is not None:
+                    return  # kept in case its holder needs replacing
+            self.link.observe(inbound.timestamp, message.nbytes, time.time())
+            self.hooks.computing(inbound.step)
+            self._absorb_contributions()
+            self._emit_all(stage.backward(inbound.step, inbound.micro_batch, message.g))
+
+    def _forward(self, step: int, micro_batch: int, message: Activation, sender: str,
+                 sent_at: float, quiet: bool = False) -> None:
+        """Forward one input; ``quiet`` keeps the activation (the next stage has it already)."""
+        stage = self.stage
+        if sent_at:
+            self.link.observe(sent_at, message.nbytes, time.time())
+        self.hooks.computing(step)
+        self._absorb_contributions()
+        self.routes[(step, micro_batch)] = (message, sender)
+        outputs = stage.forward(step, micro_batch, message.x, message.y, message.train,
+                                message.count(stage.index, stage.member))
+        if message.train:
+            self.metrics.samples.inc(len(message.y))
+        if quiet:
+            outputs = [o for o in outputs if not isinstance(o, SendActivation)]
+        self._emit_all(outputs)
+
+    def _on_contribution(self, inbound: Inbound, message: GroupPartial) -> None:
+        if message.stage != self.stage.index or inbound.sender == self.name:
+            return  # our own contribution, echoed back: already counted
+        if self.watch is not None:
+            self.watch.contributed(inbound.step, inbound.micro_batch, self.clock())
+        self._emit_all(self.stage.offer_partial(inbound.step, SendPartial(
+            inbound.step, inbound.micro_batch, message.grads, message.batch_norm)))
+
+    def _absorb_contributions(self) -> None:
+        """Before computing, take the contributions already queued: a holder coming back from a
+        stall finds its backlog done by others and drops it instead of computing it late."""
+        if self.watch is None:
+            return
+        reduce_topic = self.topics.stage_reduce(self.stage.index)
+        queued: list[Incoming] = []
+        while True:
+            try:
+                queued.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        for incoming in queued:
+            if incoming.topic != reduce_topic:
+                self.deferred.append(incoming)
+                continue
+            inbound = self.messenger.receive(incoming)
+            if inbound is None or inbound.plan_version != self.plan.version:
+                continue
+            try:
+                if isinstance(inbound.message, GroupPartial):
+                    self._on_contribution(inbound, inbound.message)
+                elif isinstance(inbound.message, Progress) and inbound.sender != self.name:
+                    self.watch.progress(inbound.step, inbound.micro_batch, self.clock())
+            except StageInputError as exc:
+                self.messenger.drops.drop(exc.reason, str(exc))
+
+    # -- taking over ----------------------------------------------------------------------------
+    def take_over_due(self) -> None:
+        """Compute the other holders' late micro-batches (``core.takeover``)."""
+        if self.watch is None:
+            return
+        for item in self.watch.due(self.clock()):
+            try:
+                self._take_over(item)
+            except StageInputError as exc:
+                self.messenger.drops.drop(exc.reason, str(exc))
+
+    def _take_over(self, item: Watched) -> None:
+        log.info("%s takes over micro-batch (%d, %d) from %s (%s)", self.name, item.step,
+                 item.micro_batch, item.owner, item.taken.value if item.taken else "")
+        self.takeovers += 1
+        self.metrics.takeovers.inc()
+        late_backward = item.taken is TakeoverPhase.BACKWARD and item.gradient is not None
+        self._forward(item.step, item.micro_batch, item.payload, item.sender, 0.0,
+                      quiet=late_backward)
+        if late_backward and (item.step, item.micro_batch) in self.stage.pending:
+            assert item.gradient is not None
+            self._emit_all(self.stage.backward(item.step, item.micro_batch, item.gradient))
+
+    # -- out ------------------------------------------------------------------------------------
+    def _emit_all(self, outputs: list[StageOutput]) -> None:
+        for output in outputs:
+            self._emit(output)
+
+    def _emit(self, output: StageOutput) -> None:
+        version, index, key = self.plan.version, self.stage.index, (output.step,
+                                                                   getattr(output, "micro_batch",
+                                                                           -1))
+        if isinstance(output, SendActivation):
+            came = self.routes.get(key)
+            route = came[0].route if came else ()
+            counts = came[0].counts if came else ()
+            if not output.train:
+                self.routes.pop(key, None)
+            member = route[index + 1] if index + 1 < len(route) else 0
+            device = self.plan.stages[index + 1].members[member].device
+            self.hooks.after_send(self.messenger.send(
+                self.topics.stage_act(index + 1, device),
+                Activation(output.x, output.y, output.train, route, counts), version,
+                output.step, output.micro_batch))
+            if self.watch is not None and output.train:  # our watchers learn we are alive
+                self.watch.progress(output.step, output.micro_batch, self.clock())
+                self.messenger.send(self.topics.stage_reduce(index), Progress(index), version,
+                                    output.step, output.micro_batch, qos=0)
+        elif isinstance(output, SendGradient):
+            came = self.routes.pop(key, None)
+            device = came[1] if came else self.plan.stages[index - 1].leader
+            self.hooks.after_send(self.messenger.send(
+                self.topics.stage_grad(index - 1, device), Gradient(output.grad), version,
+                output.step, output.micro_batch))
+        elif isinstance(output, SendPartial):
+            if self.watch is not None:
+                self.watch.contributed(output.step, output.micro_batch, self.clock())
+            self.messenger.send(self.topics.stage_reduce(index),
+                                GroupPartial(index, self.stage.member, output.grads,
+                                             output.batch_norm), version, output.step,
+                                output.micro_batch)
+        elif isinstance(output, MicroBatchResult):
+            if not output.train:
+                self.routes.pop(key, None)
+            self.hooks.report(MicroBatchLoss(output.loss, output.correct, output.count,
+                                             output.train), output.step, output.micro_batch)
+        elif isinstance(output, MicroBatchDone):
+            self.routes.pop(key, None)
+            self.hooks.report(MicroBatchFinished(), output.step, output.micro_batch)
+        elif isinstance(output, StepDone):
+            if self.watch is not None:
+                self.watch.step_done(output.step)
+            self.hooks.step_done(output)
+
+
+class DeferredInbox:
+    """The transport's inbox behind the messages a runner set aside (so the worker loop keeps
+    their order): ``get``/``get_nowait`` as a queue has them."""
+
+    def __init__(self, inbox: queue.Queue[Incoming], deferred: Callable[[], deque[Incoming]]
+                 ) -> None:
+        self.inbox = inbox
+        self.deferred = deferred
+
+    def get(self, timeout: float | None = None) -> Incoming:
+        waiting = self.deferred()
+        if waiting:
+            return waiting.popleft()
+        return self.inbox.get(timeout=timeout)
+
+    def get_nowait(self) -> Incoming:
+        waiting = self.deferred()
+        if waiting:
+            return waiting.popleft()
+        return self.inbox.get_nowait()
