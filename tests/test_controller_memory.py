@@ -29,7 +29,7 @@ def test_pipeline_equals_single_process(model, devices, micro_batches, optimizer
     job = MemoryJob(ControllerConfig(train=train, devices=devices), devices=devices)
     job.start()
     assert job.run() is Phase.DONE
-    gathered = [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     reference = train_reference(train, job.controller.data, steps=7)
     assert max_weight_diff(gathered, reference) < tolerance
     # and training actually moved the weights away from their initial values
@@ -46,7 +46,7 @@ def test_mobilenet_with_batchnorm_is_exact_too():
     job = MemoryJob(ControllerConfig(train=train, devices=3), devices=3)
     job.start()
     assert job.run() is Phase.DONE
-    gathered = [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     # running BatchNorm statistics are part of the state and must match as well
     assert any("running_mean" in layer for layer in gathered) or any(
         any("running_mean" in k for k in layer) for layer in gathered)
@@ -74,7 +74,7 @@ def test_garbage_and_stale_messages_are_dropped_and_counted():
     assert dev1.messenger.drops.counts.get("stale_plan") == 1
     assert job.controller.messenger.drops.counts.get("malformed") == 1
     reference = train_reference(train, job.controller.data, 4)
-    gathered = [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     assert max_weight_diff(gathered, reference) < 1e-5
 
 
@@ -93,7 +93,7 @@ def test_device_loss_recovers_at_the_last_complete_version_and_stays_exact():
     assert [e["resume_step"] for e in recovered] == [4]  # the newest complete version
     assert summary.recomputed_steps >= 2
     assert list(job.controller.plan.devices) == ["d0"]
-    gathered = [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     assert max_weight_diff(gathered, train_reference(train, job.controller.data, 12)) < 1e-5
 
 

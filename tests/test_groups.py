@@ -61,7 +61,7 @@ def test_a_group_trains_like_one_process(members):
     shares = [0.5, 0.5] if members == 2 else [0.5, 0.3, 0.2]
     job = _run(train, (_group(0, 0, 3, *names, shares=shares),
                        StageAssignment.single(1, f"d{members}", 3, 6)))
-    gathered = [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     reference = train_reference(train, job.controller.data, steps=10)
     assert max_weight_diff(gathered, reference) < 1e-5
     assert max_weight_diff(gathered, train_reference(train, job.controller.data, 0)) > 1e-3
@@ -83,7 +83,7 @@ def test_batchnorm_statistics_of_a_group_match_one_process():
                         data=DataSpec("synthetic", shape=(3, 32, 32), samples=96),
                         micro_batches=4, micro_batch_size=4, max_steps=3, lr=0.01)
     job = _run(train, (_group(0, 0, 10, "d0", "d1"), _group(1, 10, 22, "d2", "d3")))
-    gathered = [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     reference = train_reference(train, job.controller.data, steps=3)
     assert any("running_mean" in k for layer in gathered for k in layer)
     assert max_weight_diff(gathered, reference) < 1e-4

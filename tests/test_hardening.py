@@ -59,7 +59,7 @@ def test_dropout_training_equals_the_reference_whatever_the_partition(dropout_mo
     job = _dropout_job(dropout_model, devices)
     job.start()
     assert job.run() is ControllerPhase.DONE
-    gathered = [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     reference = train_reference(job.controller.train, job.controller.data, steps=12)
     assert max_weight_diff(gathered, reference) < 1e-5
     assert max_weight_diff(gathered, train_reference(job.controller.train,
@@ -74,7 +74,7 @@ def test_dropout_training_stays_exact_through_a_recovery(dropout_model):
     job.devices[1].transport.crash()  # the broker publishes its Last Will: steps 4.. again
     assert job.run() is ControllerPhase.DONE
     assert job.controller.summary.recoveries == 1 and job.controller.summary.recomputed_steps
-    gathered = [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     reference = train_reference(job.controller.train, job.controller.data, steps=12)
     assert max_weight_diff(gathered, reference) < 1e-5
 
@@ -98,7 +98,7 @@ def test_a_status_with_a_bad_field_is_dropped_and_training_goes_on():
     assert job.run() is ControllerPhase.DONE
     assert job.controller.messenger.drops.counts.get("bad_body", 0) >= 2
     assert "d2" not in job.controller.roster.online
-    gathered = [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     assert max_weight_diff(gathered, train_reference(train, job.controller.data, 8)) < 1e-5
 
 

@@ -60,7 +60,7 @@ def _job(train: TrainConfig = TRAIN, stages=STAGES) -> StallingJob:
 
 
 def _gathered(job: MemoryJob) -> list:
-    return [job.controller.weights[i] for i in range(job.controller.num_layers)]
+    return [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
 
 
 def test_standbys_apply_every_update_and_training_equals_one_process():

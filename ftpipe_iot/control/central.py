@@ -56,6 +56,11 @@ class CentralReplicas:
     def complete(self, version: int) -> bool:
         return self.store.complete(version)
 
+    def latest_weights(self) -> dict[int, dict[str, np.ndarray]]:
+        """The newest complete set of layer weights (empty before the first)."""
+        version = self.latest_complete()
+        return {} if version is None else self.weights_at(version)
+
     def weights_at(self, version: int) -> dict[int, dict[str, np.ndarray]]:
         """Every layer's state at a complete ``version``."""
         replicas = [self.store.get(layer, version) for layer in range(self.num_layers)]
@@ -63,6 +68,13 @@ class CentralReplicas:
         if missing:
             raise KeyError(f"version {version} is not complete: layers {missing} missing")
         return {layer: r.state for layer, r in enumerate(replicas) if r is not None}
+
+    def save_outputs(self, version: int, weights: Path | None, model: Path | None) -> None:
+        """What the job was asked to write at its end: ``--save-weights``, ``--save-model``."""
+        if weights is not None:
+            self.save(weights, version)
+        if model is not None:
+            self.save_model(model, version)
 
     def save(self, path: Path, version: int) -> None:
         """The layers at ``version`` as the project's ``.npz`` (``--save-weights``)."""

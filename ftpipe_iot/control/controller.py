@@ -18,12 +18,13 @@ from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.control.central import CentralReplicas
 from ftpipe_iot.control.config import ControllerConfig
+from ftpipe_iot.control.failures import FailureAction, FailureFacts, respond_to_failure
 from ftpipe_iot.control.job import JobModel, prepare_job
 from ftpipe_iot.control.layout import LayoutInputs, choose_stages
 from ftpipe_iot.control.liveness import Failure, LivenessTracker
 from ftpipe_iot.control.outbox import JobOutbox
 from ftpipe_iot.control.recorder import Recorder
-from ftpipe_iot.control.replan import Replanner, ReplanReason, next_plan, retuned
+from ftpipe_iot.control.replan import Replanner, ReplanReason, next_plan
 from ftpipe_iot.control.roster import Roster
 from ftpipe_iot.control.summary import RunSummary
 from ftpipe_iot.control.training import PlanTraining
@@ -68,8 +69,6 @@ log = logging.getLogger("ftpipe_iot.controller")
 
 Phase = ControllerPhase
 _ACTIVE = (Phase.DEPLOYING, Phase.TRAINING, Phase.REPLICATING)
-# Consecutive failed recoveries after which the job gives up.
-_MAX_FAILURES_IN_A_ROW = 20
 
 
 class Controller:
@@ -131,11 +130,6 @@ class Controller:
         assert self.model is not None
         return self.model.data
 
-    @property
-    def num_layers(self) -> int:
-        assert self.model is not None
-        return self.model.num_layers
-
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self.transport.connect()
@@ -155,9 +149,8 @@ class Controller:
         if self.model is None:
             log.info("controller resuming job %s from the retained plan and weights", self.job)
         else:
-            log.info("controller for job %s: %s on %s, %d layers, %d steps; waiting for %d "
-                     "devices", self.job, self.train.model.name, self.data.name,
-                     self.num_layers, self.model.total_steps, self.config.devices)
+            log.info("controller for job %s: %s; waiting for %d devices", self.job,
+                     self.model.describe(), self.config.devices)
 
     def run(self, poll_s: float = 0.02) -> RunSummary:
         """Run the job to the end (or failure); returns the summary."""
@@ -216,13 +209,10 @@ class Controller:
             self._maybe_take_in(device)
         else:
             self.roster.went_offline(device)
-            if self._in_plan(device) and self.phase in _ACTIVE:
+            if self.plan is not None and device in self.plan.devices and self.phase in _ACTIVE:
                 self._on_failure(Failure(frozenset({device}), FailureCause.LAST_WILL,
                                          self.liveness.silence(device, now)))
         self.recorder.devices_online(len(self.roster.online))
-
-    def _in_plan(self, device: str) -> bool:
-        return self.plan is not None and self.plan.stage_of(device) is not None
 
     def _on_heartbeat(self, device: str, beat: Heartbeat) -> None:
         self.liveness.seen(device, self.clock())
@@ -261,7 +251,8 @@ class Controller:
             except TrainingDiverged as exc:
                 self.fail(str(exc))
                 return
-            self._progressed(progressed)
+            if progressed:
+                self.liveness.progressed(self.clock())
             if boundary is not None:
                 self._at_boundary(boundary)
 
@@ -293,10 +284,6 @@ class Controller:
         self.recorder.message(f"resuming job {self.job}: plan {plan.version} with "
                               f"{plan.n_stages} stages; collecting retained weights")
 
-    def _progressed(self, ok: bool) -> None:
-        if ok:
-            self.liveness.progressed(self.clock())
-
     # -- periodic -------------------------------------------------------------------------------
     def tick(self) -> None:
         """Periodic work: deploy when devices are there, feed, detect failures."""
@@ -305,28 +292,24 @@ class Controller:
             self._tick_resume(now)
         elif self.phase is Phase.WAITING_DEVICES:
             current = list(self.plan.devices) if self.plan else []
+            recovering = self._recovering_since is not None
             devices = self.roster.ready_to_deploy(current, first_plan=self.plan is None,
-                                                  recovering=self._recovering_since is not None)
+                                                  recovering=recovering)
             if devices is not None:
-                recovering = self._recovering_since is not None
                 self._deploy(devices, (self.central.latest_complete() or 0) if recovering else 0)
             elif self.recorder.elapsed_s > self.config.wait_devices_s and self.plan is None:
-                online = sorted(self.roster.online)
-                self.fail(f"only {len(online)} of {self.config.devices} devices came online "
-                          f"within {self.config.wait_devices_s:.0f}s: {online}")
+                self.fail(f"only {len(self.roster.online)} of {self.config.devices} devices "
+                          f"came online within {self.config.wait_devices_s:.0f}s: "
+                          f"{sorted(self.roster.online)}")
         else:
             if self.phase is Phase.TRAINING and self.training is not None:
                 self.training.pump()
             if self.phase in _ACTIVE and self.plan is not None:
-                self._check_liveness(now)
-
-    def _check_liveness(self, now: float) -> None:
-        assert self.plan is not None
-        failure = self.liveness.check_plan(set(self.plan.devices) - self.excluded, now,
-                                           ready=self.ready
-                                           if self.phase is Phase.DEPLOYING else None)
-        if failure is not None:
-            self._on_failure(failure)
+                failure = self.liveness.check_plan(
+                    set(self.plan.devices) - self.excluded, now,
+                    ready=self.ready if self.phase is Phase.DEPLOYING else None)
+                if failure is not None:
+                    self._on_failure(failure)
 
     def _tick_resume(self, now: float) -> None:
         if self.plan is None:
@@ -339,8 +322,8 @@ class Controller:
         self._resume_settle = None
         self.phase = Phase.WAITING_DEVICES
         self._recovering_since = now
-        version = self.central.latest_complete() or 0
-        self.recorder.message(f"resume from step {version} (latest complete checkpoint)")
+        self.recorder.message(f"resume from step {self.central.latest_complete() or 0} "
+                              "(latest complete checkpoint)")
 
     # -- plans ----------------------------------------------------------------------------------
     def _deploy(self, devices: list[str], resume_step: int,
@@ -357,7 +340,7 @@ class Controller:
                               self._since, self.messenger.max_message_bytes, init_weights)
         self.out.plan_version = self.plan.version
         if resume_step == 0 and init_weights:
-            self._republish(0, tuple(range(self.num_layers)))
+            self._republish(0, tuple(range(self.model.num_layers)))
         self._since = self.plan.since
         self.excluded = set()
         self.ready = set()
@@ -398,10 +381,18 @@ class Controller:
         self.roster.mark_dead(failure.devices)
         for device in failure.devices:
             self.capacity.forget(device)
-        if self._covered(failure):
+        action = respond_to_failure(failure, FailureFacts(
+            self.phase is Phase.TRAINING and self.training is not None,
+            self.train.resiliency, self.plan.stages if self.plan else (), self.excluded,
+            self.roster.dead, self._failures_in_a_row))
+        if action is FailureAction.COVER and self.training is not None:
+            self.excluded |= failure.devices
+            self.training.exclude(self.excluded)
+            self.recorder.failure_covered(failure, self.training.step)
+            self.replanner.request(ReplanReason.REPAIR)
             return
         self._failures_in_a_row += 1
-        if self._failures_in_a_row > _MAX_FAILURES_IN_A_ROW:
+        if action is FailureAction.GIVE_UP:
             named = ", ".join(sorted(failure.devices)) or "no device"
             self.fail(f"gave up after {self._failures_in_a_row} failed recoveries in a row "
                       f"(last: {failure.cause.value} of {named})")
@@ -421,31 +412,14 @@ class Controller:
             return
         self._deploy(list(recovery.devices), recovery.version)
 
-    def _covered(self, failure: Failure) -> bool:
-        """With resiliency, training goes on when every stage keeps a live holder: the others
-        take over the lost micro-batches (no rollback) and the next step boundary re-plans
-        without the failed devices."""
-        if self.phase is not Phase.TRAINING or self.training is None or self.plan is None \
-                or self.train.resiliency < 1 or not failure.devices:
-            return False
-        gone = self.excluded | failure.devices | self.roster.dead
-        if any(not set(s.devices) - gone for s in self.plan.stages):
-            return False
-        self.excluded |= failure.devices
-        self.training.exclude(self.excluded)
-        self.recorder.failure_covered(failure, self.training.step)
-        self.replanner.request(ReplanReason.REPAIR)
-        return True
-
     def _republish(self, version: int, layers: tuple[int, ...]) -> None:
         """Publish the controller's copies of ``layers`` at ``version`` (retained)."""
         self.out.replicas(self.central.to_republish(version, layers))
 
     def _maybe_take_in(self, device: str) -> None:
         """A device came (back) online: use it at once when the job is short of devices."""
-        if self.phase is Phase.WAITING_DEVICES or self.plan is None:
-            return
-        if self.roster.short_of(list(self.plan.devices), device):
+        if self.phase is not Phase.WAITING_DEVICES and self.plan is not None and \
+                self.roster.short_of(list(self.plan.devices), device):
             self.replanner.request(ReplanReason.REJOIN)
 
     # -- planned re-plans at step boundaries ----------------------------------------------------
@@ -477,16 +451,6 @@ class Controller:
             self._deploy(self.roster.for_recovery(current), version)
 
     # -- feeding --------------------------------------------------------------------------------
-    def _retune(self, step: int) -> None:
-        """Cheap rebalancing first: a group's micro-batches follow its members' speeds."""
-        assert self.training is not None and self.model is not None and self.plan is not None
-        change = retuned(self.training.stages, self.training.counts, self.capacity,
-                         self.model.cost_model, self.train.micro_batches,
-                         self.config.retune_threshold)
-        if change is not None:
-            self.training.counts, self.training.stages = change
-            self.recorder.shares_changed(step, self.training.stages)
-
     def _step_completed(self, step: int) -> None:
         self.replanner.step_done(step, self.clock())
         self._publish_state(ControllerStatus.TRAINING)
@@ -499,7 +463,8 @@ class Controller:
         else:
             assert self.model is not None and self.plan is not None
             started = time.perf_counter()
-            self._retune(step)
+            if self.training.retune(self.model.cost_model, self.config.retune_threshold):
+                self.recorder.shares_changed(step, self.training.stages)
             better = self.replanner.consider(step, self.model, self.plan,
                                              sorted(self.roster.alive), self.capacity,
                                              self.roster.capabilities)
@@ -514,10 +479,7 @@ class Controller:
     # -- end of job -----------------------------------------------------------------------------
     def _finish(self, version: int) -> None:
         assert self.plan is not None
-        if self.config.save_weights is not None:
-            self.central.save(self.config.save_weights, version)
-        if self.config.save_model is not None:
-            self.central.save_model(self.config.save_model, version)
+        self.central.save_outputs(version, self.config.save_weights, self.config.save_model)
         if self.config.stop_devices:
             for device in sorted(self.roster.online | set(self.plan.devices)):
                 self.out.command(device, Command(CommandOp.SHUTDOWN))
@@ -527,8 +489,7 @@ class Controller:
     @property
     def weights(self) -> dict[int, dict[str, np.ndarray]]:
         """The newest complete set of layer weights the controller holds."""
-        version = self.central.latest_complete()
-        return {} if version is None else self.central.weights_at(version)
+        return self.central.latest_weights()
 
     def _publish_state(self, state: ControllerStatus) -> None:
         known = self.model is not None

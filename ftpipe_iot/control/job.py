@@ -34,6 +34,11 @@ class JobModel:
     def num_layers(self) -> int:
         return len(self.layer_costs)
 
+    def describe(self) -> str:
+        """One line for the log: model, data, layers and steps."""
+        return (f"{self.train.model.name} on {self.data.name}, {self.num_layers} layers, "
+                f"{self.total_steps} steps")
+
 
 def prepare_job(train: TrainConfig, data: Dataset | None = None) -> JobModel:
     """Load the data (unless given), check the model fits it, and measure the reference costs.

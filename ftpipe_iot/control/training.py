@@ -10,13 +10,13 @@ from collections.abc import Callable
 
 from ftpipe_iot.control.job import JobModel
 from ftpipe_iot.control.recorder import EpochResult, Recorder
+from ftpipe_iot.control.replan import retuned
 from ftpipe_iot.core.feed import EvalRound, StepSummary, TrainFeed
 from ftpipe_iot.core.routing import Counts, StepRoutes, counts_without, eval_route, plan_counts
 from ftpipe_iot.errors import TrainingDiverged
 from ftpipe_iot.planning.capacity import CapacityEstimator
-from ftpipe_iot.protocol.messages import (
-    Activation,
-)
+from ftpipe_iot.planning.costs import LayerCosts
+from ftpipe_iot.protocol.messages import Activation
 from ftpipe_iot.protocol.plan import Plan
 from ftpipe_iot.protocol.results import (
     MicroBatchFinished,
@@ -50,6 +50,16 @@ class PlanTraining:
         self.stages = plan.stages  # the plan's stages with the shares in force
         self._routes: dict[int, StepRoutes] = {}
         self._eval_sent: dict[int, tuple[int, ...]] = {}  # evaluation batch -> its route
+
+    def retune(self, costs: LayerCosts, threshold: float) -> bool:
+        """Cheap rebalancing first: a group's micro-batches follow its members' measured speeds
+        (no layer moves). True when the shares changed."""
+        change = retuned(self.stages, self.counts, self._capacity, costs,
+                         self.train.micro_batches, threshold)
+        if change is None:
+            return False
+        self.counts, self.stages = change
+        return True
 
     def routes(self, step: int) -> StepRoutes:
         """The routes of ``step``, fixed by the counts in force when it is first fed."""
