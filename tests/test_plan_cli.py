@@ -154,3 +154,24 @@ def test_model_registry_errors_are_clear(monkeypatch):
     assert result.exit_code == 1
     assert "ftpipe_iot.core.models.profile_layer_costs" in result.output
     assert "--costs FILE" in result.output
+
+
+def test_resiliency_prints_the_trade_off_with_standbys_and_their_traffic(tmp_path):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({**COSTS, "micro_batch_size": 16,
+                                 "param_bytes": [1e5, 2e5, 3e5, 4e5, 5e5, 2e5, 1e5, 1e4]}))
+    fleet = [profile("rpi4")] * 4
+    result = run("--costs", str(costs), "--profiles", *fleet, "--resiliency", "1",
+                 "--micro-batches", "4", "--json")
+    assert result.exit_code == 0, result.output
+    r0, r1 = json.loads(result.output)
+    assert (r0["resiliency"], r1["resiliency"]) == (0, 1)
+    assert all(h == 1 for h in r0["holders"]) and r0["warning"] is None
+    assert all(h == 2 for h in r1["holders"])  # 2 compute, 2 stand by
+    assert all(len(s["standbys"]) == 1 for s in r1["stages"])
+    # every holder of a watched stage receives its inputs and contributions
+    assert r1["delivered_bytes_per_step"] > r1["sent_bytes_per_step"]
+    assert r0["delivered_bytes_per_step"] == pytest.approx(r0["sent_bytes_per_step"])
+    table = run("--costs", str(costs), "--profiles", fleet[0], "--resiliency", "1")
+    assert table.exit_code == 0, table.output
+    assert "standbys" in table.output and "fewer than 1 other holders" in table.output

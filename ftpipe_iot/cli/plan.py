@@ -18,6 +18,7 @@ from ftpipe_iot.planning.group_search import (
 )
 from ftpipe_iot.planning.groups import GradientExchange, GroupPlan
 from ftpipe_iot.planning.profiles import fleet_device_specs, load_profile
+from ftpipe_iot.planning.resilience import ResilienceOption, resilience_options
 from ftpipe_iot.planning.solver import DeviceSpec, LayerCosts, Partition, solve_partition
 
 _DEFAULT_MODEL_MICRO_BATCH = 32
@@ -36,6 +37,38 @@ def _model_costs(model: str, micro_batch_size: int) -> LayerCosts:
     except (KeyError, ValueError) as exc:
         raise click.ClickException(f"cannot profile model {model!r}: {exc}") from exc
     return LayerCosts.from_dict({**data, "micro_batch_size": micro_batch_size})
+
+
+def _model_input_bytes(model: str, micro_batch_size: int) -> float:
+    # The built-in models' usual inputs (core.models.profile_layer_costs), fp32.
+    shape = (3, 32, 32) if model == "mobilenetv2" else (1, 8, 8)
+    return 4.0 * micro_batch_size * math.prod(shape)
+
+
+def _resilience_table(options: list[ResilienceOption], source: str, micro_batches: int) -> str:
+    base = options[0]
+    lines = [f"resiliency trade-off for {source}, {micro_batches} micro-batches per step "
+             "(predicted; a run reports wire_bytes_per_step and takeovers)",
+             "r  holders per stage  devices  wire MiB/step  x r=0  compute s/step  samples/s"]
+    for option in options:
+        cost = option.cost
+        ratio = cost.wire_bytes_per_step / base.cost.wire_bytes_per_step \
+            if base.cost.wire_bytes_per_step else 1.0
+        rate = option.throughput_samples_per_s
+        lines.append(f"{cost.resiliency:<2} {'/'.join(map(str, cost.holders)):<18} "
+                     f"{cost.devices:<8} {cost.wire_bytes_per_step / 2**20:<14.2f} "
+                     f"{ratio:<6.2f} {cost.compute_s_per_step:<15.4f} "
+                     f"{'inf' if math.isinf(rate) else f'{rate:.1f}'}")
+    for option in options:
+        for stage in option.stages:
+            if option.cost.resiliency == options[-1].cost.resiliency:
+                computing = [d for d in stage.devices if d not in stage.standbys]
+                standby = f"; standbys {', '.join(stage.standbys)}" if stage.standbys else ""
+                lines.append(f"  r={option.cost.resiliency} stage {stage.stage} layers "
+                             f"[{stage.start}, {stage.end}): {', '.join(computing)}{standby}")
+        if option.warning:
+            lines.append(f"  r={option.cost.resiliency}: {option.warning}")
+    return "\n".join(lines)
 
 
 def _seconds(value: float) -> str:
@@ -160,11 +193,18 @@ def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, objec
               help="collaborative: pin the split point")
 @click.option("--dp", is_flag=True, help="collaborative: DP-SGD on the device part (it "
                                          "recomputes the front's forward)")
+@click.option("--resiliency", type=click.IntRange(min=0), default=None,
+              help="Predict the resiliency-vs-traffic trade-off for r = 0 .. R: layout with "
+                   "warm standbys, bytes on the wire and compute per step, samples/s.")
+@click.option("--input-bytes", type=click.FloatRange(min=0), default=None,
+              help="--resiliency: bytes of one micro-batch of input [--model: known; --costs: "
+                   "the first layer's output bytes, an estimate].")
 def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, ...],
          more_profiles: tuple[Path, ...], micro_batch_size: int | None, at_step: int,
          at_time: float, micro_batches: int, exchange: str, compare: bool,
          as_json: bool, mode: str, server_profiles: tuple[Path, ...], batch_size: int,
-         aggregate_every: int, split_point: int | None, dp: bool) -> None:
+         aggregate_every: int, split_point: int | None, dp: bool, resiliency: int | None,
+         input_bytes: float | None) -> None:
     """Plan stages for a model over devices given by profiles (ftpipe-iot plan --costs c.json
     --profiles a.json b.json): the number of stages, their layers, the group of devices of each
     stage and every member's share of the micro-batches, minimising the time per sample.
@@ -201,6 +241,15 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         costs = _model_costs(model, micro_batch_size)
         source = f"model {model}"
     devices = fleet_device_specs(profiles, step=at_step, elapsed_s=at_time)
+    if resiliency is not None:
+        if input_bytes is None:
+            input_bytes = (_model_input_bytes(model, micro_batch_size) if model is not None
+                           else costs.activation_bytes[0])
+        options = resilience_options(costs, devices, micro_batches, micro_batch_size,
+                                     input_bytes, range(resiliency + 1))
+        click.echo(json.dumps([o.to_dict() for o in options], indent=2) if as_json
+                   else _resilience_table(options, source, micro_batches))
+        return
     partition = solve_partition(costs, devices)
     unused = [d.name for d in devices if d.name not in partition.devices]
     how = GradientExchange(exchange)

@@ -9,10 +9,12 @@ is traffic: the broker delivers each of the stage's messages to every holder.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from ftpipe_iot.planning.costs import LayerCosts
+from ftpipe_iot.planning.solver import DeviceSpec, solve_partition
 from ftpipe_iot.protocol.plan import Member, StageAssignment
 
 # Envelope and framing bytes of one message beyond its arrays (measured order of magnitude).
@@ -114,3 +116,60 @@ def resilience_cost(stages: Sequence[StageAssignment], costs: LayerCosts, input_
         compute += m * costs.stage_cost_s(stage.start, stage.end)
     return ResilienceCost(resiliency, tuple(len(s.members) for s in stages),
                           sum(len(s.members) for s in stages), sent, delivered, compute)
+
+
+@dataclass(frozen=True)
+class ResilienceOption:
+    """One resiliency level over a fleet: the layout (computing pipeline plus standbys), its
+    predicted traffic and compute per step, and its predicted samples/s (the computing holders
+    also publish each micro-batch's contribution to their standbys)."""
+
+    cost: ResilienceCost
+    stages: tuple[StageAssignment, ...]
+    throughput_samples_per_s: float
+    warning: str | None
+
+    def to_dict(self) -> dict:
+        return {**self.cost.to_dict(),
+                "throughput_samples_per_s": None if math.isinf(self.throughput_samples_per_s)
+                else self.throughput_samples_per_s,
+                "stages": [{"stage": s.stage, "layers": [s.start, s.end],
+                            "devices": list(s.devices), "standbys": list(s.standbys)}
+                           for s in self.stages],
+                "warning": self.warning}
+
+
+def resilience_options(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int,
+                       micro_batch_size: int, input_bytes: float, levels: Sequence[int]
+                       ) -> list[ResilienceOption]:
+    """The resiliency-vs-traffic trade-off (what ``ftpipe-iot plan --resiliency`` prints): for
+    each level, the layout a controller would choose (``split_for_resiliency`` then
+    ``with_standbys``, as ``control.layout``) and what it costs."""
+    by_name = {d.name: d for d in devices}
+
+    def factor(name: str) -> float:
+        return by_name[name].factor
+
+    options = []
+    for level in levels:
+        names = [d.name for d in devices]
+        computing, spares = split_for_resiliency(names, level, factor) if level else (names, [])
+        partition = solve_partition(costs, [by_name[n] for n in computing])
+        stages = tuple(StageAssignment.single(i, s.device, s.start, s.end)
+                       for i, s in enumerate(partition.stages))
+        spares += [n for n in computing if n not in partition.devices]
+        warning = None
+        if level:
+            stages, warning = with_standbys(stages, spares, level, costs, factor)
+        slowest = 0.0
+        for planned, stage in zip(partition.stages, stages):
+            extra = 0.0
+            if level >= 1 and len(stage.members) > 1:  # contributions to the standbys
+                extra = (costs.stage_param_bytes(stage.start, stage.end)
+                         + MESSAGE_OVERHEAD_BYTES) / by_name[planned.device].bandwidth_bytes_per_s
+            slowest = max(slowest, planned.time_s + extra)
+        rate = math.inf if slowest <= 0 else micro_batch_size / slowest
+        options.append(ResilienceOption(
+            resilience_cost(stages, costs, input_bytes, micro_batches, level), stages, rate,
+            warning))
+    return options
