@@ -129,6 +129,11 @@ def test_fleet_names_stay_unique():
         ({"name": "x", "memory_bytes": 0}, "memory_bytes"),
         ({"name": "x", "memory_bytes": 1.5}, "memory_bytes"),
         ({"name": "x", "memory_bytes": "1G"}, "memory_bytes"),
+        ({"name": "x", "stalls": {"every_steps": 10}}, "stalls must be an object"),
+        ({"name": "x", "stalls": {"every_steps": 0, "seconds": 1}}, "every_steps must be"),
+        ({"name": "x", "stalls": {"every_steps": 5, "seconds": -1}}, "seconds must be"),
+        ({"name": "x", "stalls": {"every_steps": 5, "seconds": 1, "from_step": 1.5}},
+         "from_step must be"),
     ],
 )
 def test_wrong_values_raise_profile_error_naming_the_file(tmp_path, data, message):
@@ -167,3 +172,12 @@ def test_factor_at_is_the_last_started_entry_and_round_trips(base, entries, step
     expected = base * (started[-1] if started else 1.0)
     assert profile.factor_at(step, 0.0) == pytest.approx(expected)
     assert parse_profile(json.loads(json.dumps(profile.to_dict()))) == profile
+
+
+def test_stalls_come_every_n_steps_from_their_first_and_round_trip(tmp_path):
+    path = write(tmp_path, {"name": "x", "stalls": {"every_steps": 10, "seconds": 2,
+                                                    "from_step": 5}})
+    profile = load_profile(path)
+    assert profile.stalls is not None and profile.stalls.seconds == 2.0
+    assert [s for s in range(40) if profile.stalls.at(s)] == [5, 15, 25, 35]
+    assert parse_profile(profile.to_dict()) == profile

@@ -131,6 +131,7 @@ class DeviceAgent:
         self.link = LinkMeter()
         self._loader_since = 0.0
         self._current_step = 0  # step of the data being computed (profiles schedule by step)
+        self._stalled_at = -1  # the last step a profile's stall was served
         self.metrics.stage.set(-1)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -419,6 +420,11 @@ class DeviceAgent:
 
     # -- emulated heterogeneity -----------------------------------------------------------------
     def _emulate_compute(self, real_s: float) -> None:
+        stalls = self.profile.stalls if self.profile is not None else None
+        if stalls is not None and stalls.at(self._current_step) and \
+                self._current_step > self._stalled_at:
+            self._stalled_at = self._current_step  # once per stalling step
+            self.sleep(stalls.seconds)
         if self.profile is not None:
             delay = self.profile.compute_delay_s(real_s, self._current_step,
                                                  self.clock() - self._started)

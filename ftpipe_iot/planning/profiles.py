@@ -15,6 +15,9 @@ A profile is a small JSON file (see ``devices/README.md``)::
         {"from_s": 0, "factor": 1},
         {"from_s": 120, "factor": 2}
       ],
+      "stalls": {"every_steps": 10,          # optional: stop for "seconds" once in every
+                 "seconds": 2.0,             #   "every_steps" steps, from "from_step" on (a
+                 "from_step": 5},            #   background job, a Wi-Fi dropout)
       "bandwidth_bytes_per_s": 5000000,      # optional link cap, bytes/s (null/absent = uncapped)
       "uplink_bytes_per_s": 1250000,         # optional, collaborative modes: device -> broker
       "downlink_bytes_per_s": 3125000,       #   and broker -> device caps (default: bandwidth)
@@ -47,7 +50,7 @@ PROFILE_FORMAT_VERSION = 1
 
 # Names end up in MQTT topics and client ids: no '/', '+', '#', spaces.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_TOP_KEYS = frozenset({"version", "name", "description", "factor", "step_schedule",
+_TOP_KEYS = frozenset({"version", "name", "description", "factor", "step_schedule", "stalls",
                        "time_schedule", "bandwidth_bytes_per_s", "memory_bytes",
                        "uplink_bytes_per_s", "downlink_bytes_per_s"})
 
@@ -91,6 +94,43 @@ class TimeFactor:
         object.__setattr__(self, "factor", _factor(self.factor, f"time {self.from_s} s"))
 
 
+@dataclass(frozen=True)
+class Stalls:
+    """Every ``every_steps`` training steps from ``from_step`` on, the device stops for
+    ``seconds`` once (the straggler of a background job or a weak Wi-Fi moment)."""
+
+    every_steps: int
+    seconds: float
+    from_step: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("every_steps", "from_step"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0 or \
+                    (key == "every_steps" and value < 1):
+                raise ProfileError(f"stalls.{key} must be an integer >= "
+                                   f"{1 if key == 'every_steps' else 0}, got {value!r}")
+        seconds = self.seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or \
+                not math.isfinite(seconds) or seconds <= 0:
+            raise ProfileError(f"stalls.seconds must be a finite number > 0, got {seconds!r}")
+        object.__setattr__(self, "seconds", float(seconds))
+
+    def at(self, step: int) -> bool:
+        """Whether the device stalls at ``step``."""
+        return step >= self.from_step and (step - self.from_step) % self.every_steps == 0
+
+
+def _stalls(raw: object) -> Stalls | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or not {"every_steps", "seconds"} <= set(raw) or \
+            not set(raw) <= {"every_steps", "seconds", "from_step"}:
+        raise ProfileError("stalls must be an object with 'every_steps', 'seconds' and "
+                           f"optionally 'from_step', got {raw!r}")
+    return Stalls(raw["every_steps"], raw["seconds"], raw.get("from_step", 0))
+
+
 def _check_sorted(points: Sequence[float], what: str) -> None:
     for before, after in zip(points, points[1:], strict=False):
         if after <= before:
@@ -116,6 +156,7 @@ class DeviceProfile:
     description: str = field(default="", compare=False)
     uplink_bytes_per_s: float | None = None
     downlink_bytes_per_s: float | None = None
+    stalls: Stalls | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -145,6 +186,8 @@ class DeviceProfile:
             raise ProfileError(f"memory_bytes must be an integer > 0 or null, got {memory!r}")
         if not isinstance(self.description, str):
             raise ProfileError(f"description must be a string, got {self.description!r}")
+        if self.stalls is not None and not isinstance(self.stalls, Stalls):
+            raise ProfileError(f"stalls must be Stalls or None, got {self.stalls!r}")
 
     def factor_at(self, step: int, elapsed_s: float) -> float:
         """Slow-down factor in force at training ``step`` and ``elapsed_s`` seconds since start."""
@@ -211,6 +254,10 @@ class DeviceProfile:
         for key in ("uplink_bytes_per_s", "downlink_bytes_per_s"):
             if getattr(self, key) is not None:
                 data[key] = getattr(self, key)
+        if self.stalls is not None:
+            data["stalls"] = {"every_steps": self.stalls.every_steps,
+                              "seconds": self.stalls.seconds,
+                              "from_step": self.stalls.from_step}
         return data
 
 
@@ -258,6 +305,7 @@ def parse_profile(data: object, source: str = "<profile>") -> DeviceProfile:
             description=data.get("description", ""),
             uplink_bytes_per_s=data.get("uplink_bytes_per_s"),
             downlink_bytes_per_s=data.get("downlink_bytes_per_s"),
+            stalls=_stalls(data.get("stalls")),
         )
     except ProfileError as exc:
         raise ProfileError(f"{source}: {exc}") from None
