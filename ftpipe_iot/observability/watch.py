@@ -41,6 +41,7 @@ class DeviceView:
     plan_version: int = 0
     compute_s: float = 0.0
     queue_depth: int = 0
+    takeovers: int = 0  # micro-batches it computed for another holder (resiliency >= 1)
     last_heartbeat: float | None = None
 
 
@@ -163,6 +164,7 @@ class JobWatcher:
             view.plan_version = inbound.plan_version
             view.compute_s = message.compute_s
             view.queue_depth = message.queue_depth
+            view.takeovers = message.takeovers
             view.last_heartbeat = inbound.timestamp
 
     def wait_for(self, predicate, timeout_s: float) -> bool:

@@ -1,0 +1,78 @@
+"""Resiliency r = 1 with real processes, real signals and a real Mosquitto: a stalled holder is
+taken over without a plan change, a killed one costs no rollback, and only a stage that loses
+every holder falls back to checkpoint recovery; the weights equal a failure-free run."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from test_faults import FaultJob
+
+from ftpipe_iot.protocol.vocab import EventType
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+STEPS = 30
+
+
+@pytest.fixture
+def job(mosquitto, processes, tmp_path, request):
+    job = FaultJob(mosquitto, processes, tmp_path, request.node.name[5:][:40], steps=STEPS)
+    for i in range(4):
+        job.device(f"dev{i}")
+    yield job
+    job.watcher.close()
+
+
+def _holders(job: FaultJob) -> list[tuple[str, str]]:
+    """(computing device, its standby) of each stage of the running plan."""
+    assert job.watcher.wait_for(lambda w: w.job.stages, 60), "no plan was published"
+    return [(s.devices[0], s.devices[1]) for s in job.watcher.job.stages]
+
+
+def _computing(summary: dict) -> dict[int, set[str]]:
+    return {s["stage"]: {d["device"] for d in s["devices"] if d["share"] > 0}
+            for s in summary["stages"]}
+
+
+def test_a_stalled_holder_is_taken_over_and_taken_back_without_a_plan_change(job):
+    # heartbeats time out after 4 s: a stop shorter than that is a straggler, not a failure
+    job.controller(4, "--resiliency", "1", "--heartbeat-timeout", "4")
+    job.wait_step(10)
+    (stalled, standby), _ = _holders(job)
+    job.signal(stalled, signal.SIGSTOP)
+    try:
+        taken = job.watcher.wait_for(lambda w: w.devices[standby].takeovers > 0, 3)
+    finally:
+        job.signal(stalled, signal.SIGCONT)
+    assert taken, f"{standby} never took over from the stalled {stalled}"
+    summary = job.finish()
+    assert summary["failures_detected"] == 0 and summary["rollbacks"] == 0
+    assert len([e for e in summary["events"] if e["type"] == "plan_changed"]) == 1
+    assert summary["takeovers"] >= 1
+    assert stalled in _computing(summary)[0]  # taken back: it still computes stage 0
+
+
+def test_a_killed_holder_costs_no_rollback(job):
+    job.controller(4, "--resiliency", "1")
+    job.wait_step(10)
+    _, (killed, standby) = _holders(job)
+    job.signal(killed, signal.SIGKILL)
+    summary = job.finish()
+    assert summary["covered_failures"] == 1 and summary["rollbacks"] == 0
+    assert summary["recomputed_steps"] == 0
+    assert _computing(summary)[1] == {standby}
+
+
+def test_a_stage_that_loses_every_holder_falls_back_to_its_checkpoint(job):
+    job.controller(4, "--resiliency", "1")
+    job.wait_step(12)
+    _, lost = _holders(job)
+    for name in lost:
+        job.signal(name, signal.SIGKILL)
+    summary = job.finish()
+    # the first Last Will may arrive alone and be covered; the stage is lost with the second
+    assert summary["rollbacks"] >= 1 and summary["covered_failures"] <= 1
+    assert len(job.watcher.events_of(EventType.FAILURE_DETECTED)) >= 1
+    assert not set(lost) & {d for s in _computing(summary).values() for d in s}
