@@ -23,8 +23,9 @@ from ftpipe_iot.runtime.broker import BrokerProcess  # noqa: E402
 
 MB, M = 8, 4
 BATCH = MB * M
-TRAINING = ["--model", "mobilenetv2", "--data", "synthetic", "--data-shape", "3,32,32",
-            "--data-samples", "4096", "--micro-batches", str(M), "--micro-batch-size", str(MB),
+TRAINING = ["--model", "mobilenetv2", "--model-width", "0.25", "--data", "synthetic",
+            "--data-shape", "3,32,32", "--data-samples", "4096", "--micro-batches", str(M),
+            "--micro-batch-size", str(MB),
             "--lr", "0.01", "--epochs", "1", "--no-repartition"]
 DEVICES = [(f"r{i}", None) for i in range(4)]
 

@@ -45,6 +45,9 @@ _TRAINING: list[Decorator] = [
     click.option("--model", default="cnn", show_default=True,
                  help="mlp | cnn | mobilenetv2 | module:callable (returns nn.Sequential or a list "
                       "of modules)"),
+    click.option("--model-width", type=click.FloatRange(min=0, min_open=True, max=4),
+                 default=1.0, show_default=True,
+                 help="channel width multiplier of mobilenetv2 (0.25 for small devices)"),
     click.option("--data", default="digits", show_default=True,
                  help="digits | synthetic | npz:PATH (arrays x and y)"),
     click.option("--data-shape", default="3,32,32", show_default=True,
@@ -83,8 +86,8 @@ _TRAINING: list[Decorator] = [
                       "first (group peers or warm standbys) take over late and lost "
                       "micro-batches; costs traffic (see `ftpipe-iot plan --resiliency`)"),
 ]
-TRAINING_NAMES = ("model", "data", "data_shape", "data_classes", "data_samples", "epochs",
-                  "max_steps", "micro_batches", "micro_batch_size", "optimizer", "lr",
+TRAINING_NAMES = ("model", "model_width", "data", "data_shape", "data_classes", "data_samples",
+                  "epochs", "max_steps", "micro_batches", "micro_batch_size", "optimizer", "lr",
                   "momentum", "seed", "max_in_flight", "wire_dtype", "no_compress",
                   "replicate_every", "freeze_layers", "resiliency")
 
@@ -143,7 +146,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
 def train_config(kw: dict[str, Any]) -> TrainConfig:
     """The training config the training options describe (raises the library's errors)."""
     return TrainConfig(
-        model=ModelSpec(kw["model"]),
+        model=ModelSpec(kw["model"], width=kw["model_width"]),
         data=DataSpec(kw["data"], shape=parse_shape(kw["data_shape"]),
                       classes=kw["data_classes"], samples=kw["data_samples"]),
         micro_batches=kw["micro_batches"], micro_batch_size=kw["micro_batch_size"],
