@@ -100,10 +100,11 @@ def _run(broker: BrokerProcess, name: str, layout: str, resiliency: int, steps: 
 
 def _kill_run(broker: BrokerProcess, layout: str, resiliency: int, steps: int) -> dict:
     killed: dict[str, float] = {}
+    at = min(25, steps // 2)
 
     def inject(watcher, procs) -> None:
-        if not watcher.wait_step(25, 600):
-            raise TimeoutError("the job never reached step 25")
+        if not watcher.wait_step(at, 600):
+            raise TimeoutError(f"the job never reached step {at}")
         killed["at"] = time.time()
         os.killpg(procs["s1a"].pid, signal.SIGKILL)
 
@@ -111,6 +112,7 @@ def _kill_run(broker: BrokerProcess, layout: str, resiliency: int, steps: int) -
     progress = result["_summary"]["watch_progress"]
     before = max((step for step, t in progress if t <= killed["at"]), default=0)
     after = [t for step, t in progress if t > killed["at"] and step > before]
+    result["killed_at_step"] = at
     result["kill_to_next_step_s"] = round(min(after) - killed["at"], 3) if after else None
     return result
 
@@ -183,7 +185,7 @@ def main() -> None:
             without.append(_run(broker, f"calm-{layout}-r{r}", layout, r, args.steps))
             with_stall.append(_run(broker, f"stall-{layout}-r{r}", layout, r, args.steps,
                                    straggler))
-        say("failure: SIGKILL at step 25, r=0 and r=1")
+        say("failure: SIGKILL of s1a mid-run, r=0 and r=1")
         kills = [_kill_run(broker, "pipeline", 0, args.steps),
                  _kill_run(broker, "standbys", 1, args.steps)]
         say("trade-off: r=2")

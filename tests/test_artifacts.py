@@ -157,3 +157,19 @@ def test_fine_tuning_with_frozen_layers_is_exact_and_sends_no_gradients_back(
     for layer in range(5):  # the frozen layers kept the given weights exactly
         assert max_weight_diff([gathered[layer]], [weights[layer]]) == 0.0
     assert max_weight_diff(gathered[5:], [weights[i] for i in range(5, 12)]) > 1e-4
+
+
+def test_checkpoint_dir_writes_every_complete_version_in_the_standard_format(tmp_path):
+    train = TrainConfig(model=ModelSpec("cnn"), micro_batches=4, micro_batch_size=8,
+                        max_steps=6, replicate_every=3)
+    job = MemoryJob(ControllerConfig(train=train, devices=2, checkpoint_dir=tmp_path), devices=2)
+    job.start()
+    assert job.run() is ControllerPhase.DONE
+    written = sorted(p.name for p in tmp_path.glob("step-*.pt"))
+    assert {"step-0000003.pt", "step-0000006.pt"} <= set(written), written
+    data = load_dataset(DataSpec("digits"))
+    at_three = train_reference(train, data, steps=3)
+    model = load_model(tmp_path / "step-0000003.pt")
+    for index, layer in enumerate(model):
+        for key, value in layer.state_dict().items():
+            np.testing.assert_allclose(value.numpy(), at_three[index][key], atol=1e-5)

@@ -8,6 +8,7 @@ unpickling any code. ``load_model`` rebuilds the module in one call.
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,14 @@ from ftpipe_iot.protocol.specs import ModelSpec
 
 FORMAT = "ftpipe-iot-model"
 FORMAT_VERSION = 1
+
+
+def _why_not(path: Path, exc: Exception) -> str:
+    # torch's own message suggests weights_only=False, which would run pickled code from the
+    # file: never repeat that advice for a file we refused.
+    if not zipfile.is_zipfile(path):
+        return "not a torch.save archive"
+    return f"it holds more than tensors and plain values ({type(exc).__name__})"
 
 
 @dataclass(frozen=True)
@@ -75,8 +84,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     except FileNotFoundError as exc:
         raise ModelError(f"checkpoint {path} does not exist") from exc
     except Exception as exc:  # torch raises many types on a file that is not a checkpoint
-        raise ModelError(f"{path} is not a PyTorch checkpoint: {type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        raise ModelError(f"{path} is not a PyTorch checkpoint ({_why_not(path, exc)})") from exc
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise ModelError(f"{path} is not an ftpipe-iot model checkpoint (a plain state dict can "
                          "be given to --init-from, but export and evaluate need the model spec)")
@@ -119,7 +127,7 @@ def initial_layers(path: str | Path, layers: list[nn.Module]) -> dict[int, dict[
     except FileNotFoundError as exc:
         raise ModelError(f"--init-from: {path} does not exist") from exc
     except Exception as exc:
-        raise ModelError(f"--init-from: {path} is not a PyTorch file: {type(exc).__name__}") \
+        raise ModelError(f"--init-from: {path} is not a PyTorch file ({_why_not(path, exc)})") \
             from exc
     state = raw.get("state_dict") if isinstance(raw, dict) and raw.get("format") == FORMAT \
         else raw
