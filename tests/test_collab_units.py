@@ -335,3 +335,52 @@ def test_plan_collaborative_prints_every_split_point_and_the_choice():
     assert report["chosen"]["iteration_s"] == best and report["server"] == "gateway"
     refused = CliRunner().invoke(main, [*args[:3], "--costs", "setup.cfg", *args[5:]])
     assert refused.exit_code != 0 and "--model NAME" in refused.output
+
+
+# -- trust -----------------------------------------------------------------------------------------
+
+
+def test_a_data_device_takes_a_job_only_from_the_coordinator_and_imports_no_unlisted_model():
+    from prometheus_client import CollectorRegistry
+
+    from ftpipe_iot.collab.client import DataDevice, LocalData
+    from ftpipe_iot.collab.config import COORDINATOR_NAME
+    from ftpipe_iot.observability.metrics import DeviceMetrics
+    from ftpipe_iot.protocol.collab import CollabJob
+    from ftpipe_iot.protocol.topics import Topics
+    from ftpipe_iot.protocol.vocab import CollabMode
+    from ftpipe_iot.transport.memory import MemoryBroker
+    from ftpipe_iot.transport.messenger import Messenger
+
+    topics = Topics("j")
+    broker = MemoryBroker()
+    device = DataDevice("d0", "j", broker.transport("d0"), CollectorRegistry(),
+                        LocalData.load("digits"))
+    device.start()
+    listener = broker.transport("listener")
+    listener.connect()
+    listener.subscribe(topics.collab_offer("d0"))
+    listener.subscribe(topics.results)
+
+    def publish(sender: str, model: str, version: int) -> list[str]:
+        """Publish a job as ``sender``; returns the topics the device answered on."""
+        transport = broker.transport(f"pub-{version}")
+        transport.connect()
+        job = CollabJob(version, CollabMode.COLLABORATIVE,
+                        TrainConfig(model=ModelSpec(model), micro_batch_size=4), (1, 8, 8), 10)
+        Messenger(transport, sender, "j", DeviceMetrics(CollectorRegistry())).send(
+            topics.collab_job, job, version)
+        while not device.transport.inbox.empty():
+            device.handle(device.transport.inbox.get())
+        answered = []
+        while not listener.inbox.empty():
+            answered.append(listener.inbox.get().topic)
+        return answered
+
+    assert publish("mallory", "cnn", 1) == []  # well formed, from the wrong sender: ignored
+    # from the coordinator, but a module this device was not told to allow: refused, and said why
+    assert publish(COORDINATOR_NAME, "os:system", 2) == [topics.results]
+    assert device.job is None
+    assert device.messenger.drops.counts.get("untrusted_plan") == 2
+    assert publish(COORDINATOR_NAME, "cnn", 3) == [topics.collab_offer("d0")]
+    assert device.job is not None and device.job.version == 3

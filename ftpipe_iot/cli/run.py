@@ -97,8 +97,10 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 
         if data is not None and server:
             raise click.UsageError("--data and --server exclude each other")
-        sys.exit(run_collab_device(name, bundle.job, bundle.broker, process, data, server,
-                                   profile, AgentOptions(heartbeat_interval)))
+        sys.exit(run_collab_device(
+            name, bundle.job, bundle.broker, process, data, server, profile,
+            AgentOptions(heartbeat_interval, allowed_model_modules=(
+                *bundle.allow_model_modules, *allowed_modules))))
     options = DeviceOptions(heartbeat_interval_s=heartbeat_interval, controller=controller_name,
                             allowed_model_modules=(*bundle.allow_model_modules,
                                                    *allowed_modules),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 from torch import nn
 
+from ftpipe_iot.collab.config import COORDINATOR_NAME
 from ftpipe_iot.collab.emulation import ComputeMeter, Downlink, Uplink
 from ftpipe_iot.collab.metrics import CollabAgentMetrics
 from ftpipe_iot.collab.profile import measure_layer_times, profile_sizes
@@ -23,6 +24,7 @@ from ftpipe_iot.core.models import build_layers, cut_shapes
 from ftpipe_iot.core.replicas import ReplicaStore
 from ftpipe_iot.core.stage import make_optimizer
 from ftpipe_iot.device.agent import device_status
+from ftpipe_iot.device.trust import model_module_refusal
 from ftpipe_iot.errors import FtpipeError, StageInputError
 from ftpipe_iot.planning.profiles import DeviceProfile
 from ftpipe_iot.protocol.collab import (
@@ -43,6 +45,9 @@ from ftpipe_iot.transport.messenger import Messenger
 
 log = logging.getLogger("ftpipe_iot.collab")
 
+# What only the coordinator may send: the rest of a job follows from these.
+_FROM_COORDINATOR = (CollabJob, CollabPlan, Round, LayerReplica, Command)
+
 # Messages of a plan this process has not seen yet, kept until it arrives (another process can
 # be faster to act on a plan than this one is to receive it).
 _MAX_FUTURE = 4096
@@ -55,6 +60,10 @@ class AgentOptions:
     heartbeat_interval_s: float = 1.0
     report_interval_s: float = 1.0
     poll_s: float = 0.05
+    # The sender the job, plans, rounds, global weights and commands must come from, and the
+    # modules a job's user model may be imported from (the device's own configuration).
+    coordinator: str = COORDINATOR_NAME
+    allowed_model_modules: tuple[str, ...] = ()
 
 
 class CollabAgent:
@@ -185,6 +194,12 @@ class CollabAgent:
 
     def _route(self, inbound: Inbound) -> None:
         message = inbound.message
+        if isinstance(message, _FROM_COORDINATOR) and inbound.sender != self.options.coordinator:
+            # ACLs are the first line; this is the second (as the pipeline's PlanGate).
+            self.messenger.drops.drop(DropReason.UNTRUSTED_PLAN,
+                                      f"{inbound.kind.value} from {inbound.sender!r}, not from "
+                                      f"the coordinator {self.options.coordinator!r}")
+            return
         try:
             if isinstance(message, CollabJob):
                 self._on_job(message)
@@ -218,6 +233,13 @@ class CollabAgent:
 
     def _on_job(self, job: CollabJob) -> None:
         if self.job is not None and job.version <= self.job.version:
+            return
+        refusal = model_module_refusal(job.train.model.name,
+                                       frozenset(self.options.allowed_model_modules),
+                                       f"job version {job.version}")
+        if refusal is not None:
+            self.messenger.drops.drop(DropReason.UNTRUSTED_PLAN, refusal)
+            self.messenger.send(self.topics.results, Result(DeviceError(refusal)), job.version)
             return
         self.job, self.plan, self.round = job, None, None
         try:

@@ -10,6 +10,9 @@ from ftpipe_iot.protocol.collab import PrivacySettings
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.vocab import CollabMode
 
+# The coordinator's sender name: data devices and servers take a job only from it.
+COORDINATOR_NAME = "coordinator"
+
 
 @dataclass(frozen=True)
 class CollabConfig:

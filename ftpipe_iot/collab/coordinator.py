@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from ftpipe_iot.collab.config import CollabConfig
+from ftpipe_iot.collab.config import COORDINATOR_NAME, CollabConfig
 from ftpipe_iot.collab.metrics import CoordinatorMetrics
 from ftpipe_iot.collab.parts import evaluate, export_states, load_states
 from ftpipe_iot.collab.planner import Choice, Machine, choose
@@ -96,7 +96,7 @@ class Coordinator:
         self.topics = Topics(job)
         self.transport = transport
         self.metrics = CoordinatorMetrics(registry)
-        self.messenger = Messenger(transport, "coordinator", job, self.metrics, logger=log,
+        self.messenger = Messenger(transport, COORDINATOR_NAME, job, self.metrics, logger=log,
                                    options=WireOptions(compress=config.train.compress))
         self.clock = clock
         self.recorder = CollabRecorder(job, config.mode.value, self.metrics,

@@ -74,11 +74,17 @@ class PlanGate:
 
     def model_refusal(self, plan: Plan) -> str | None:
         """Why this device will not build the plan's model, or None."""
-        name = plan.train.model.name
-        if ":" not in name:
-            return None  # a built-in model
-        module = name.partition(":")[0]
-        if module in self.allowed_modules:
-            return None
-        return (f"plan {plan.version} asks for user model {name!r}, but module {module!r} is "
-                f"not allowed on this device (start it with --allow-model-module {module})")
+        return model_module_refusal(plan.train.model.name, self.allowed_modules,
+                                    f"plan {plan.version}")
+
+
+def model_module_refusal(model: str, allowed_modules: frozenset[str], asker: str) -> str | None:
+    """Why a device will not import the user model ``model`` (``module:callable``) that
+    ``asker`` names, or None: built-in models always, user models only from allowed modules."""
+    if ":" not in model:
+        return None
+    module = model.partition(":")[0]
+    if module in allowed_modules:
+        return None
+    return (f"{asker} asks for user model {model!r}, but module {module!r} is not allowed on "
+            f"this device (start it with --allow-model-module {module})")
