@@ -338,6 +338,9 @@ DENIED_FOR_DEV_A = [
     f"ftpipe/{JOB}/events",
     "ftpipe/other-job/stage/0/act",  # another job's pipeline
     "ftpipe/other-job/weights/0",
+    f"ftpipe/{JOB}/collab/plan",     # only the coordinator (controller identity) writes it
+    f"ftpipe/{JOB}/collab/up/dev-b",  # another data device's activations
+    f"ftpipe/{JOB}/collab/down/dev-b",  # only a server answers a data device
 ]
 ALLOWED_FOR_DEV_A = [
     "ftpipe/dev/dev-a/status",
@@ -346,6 +349,9 @@ ALLOWED_FOR_DEV_A = [
     f"ftpipe/{JOB}/stage/3/grad",
     f"ftpipe/{JOB}/weights/7",
     f"ftpipe/{JOB}/results",
+    f"ftpipe/{JOB}/collab/offer/dev-a",
+    f"ftpipe/{JOB}/collab/up/dev-a",
+    f"ftpipe/{JOB}/collab/update",
 ]
 
 
@@ -384,7 +390,9 @@ def test_controller_writes_plan_and_devices_read_it(live: LiveFleet, controller:
 # ---- what a device may read ---------------------------------------------------------------------
 
 READABLE_BY_DEV_A = [f"ftpipe/{JOB}/ctrl/plan", f"ftpipe/{JOB}/ctrl/state",
-                     f"ftpipe/{JOB}/stage/#", f"ftpipe/{JOB}/weights/#", "ftpipe/+/ctrl/cmd/dev-a"]
+                     f"ftpipe/{JOB}/stage/#", f"ftpipe/{JOB}/weights/#", "ftpipe/+/ctrl/cmd/dev-a",
+                     *(f"ftpipe/{JOB}/collab/{t}" for t in ("job", "plan", "round", "status")),
+                     "ftpipe/+/collab/down/dev-a"]
 
 
 def test_device_subscribed_to_everything_only_gets_what_it_may_read(
@@ -398,11 +406,14 @@ def test_device_subscribed_to_everything_only_gets_what_it_may_read(
     try:
         codes = dev_a.subscribe("#")
         assert len(codes) == 1  # granted (2.0.11) or refused: either way nothing may leak
-        private = [_token("cmd-b"), _token("status-b"), _token("results-b"), _token("events")]
+        private = [_token("cmd-b"), _token("status-b"), _token("results-b"), _token("events"),
+                   _token("up-b"), _token("update-b")]
         controller.publish(f"ftpipe/{JOB}/ctrl/cmd/dev-b", private[0])
         dev_b.publish("ftpipe/dev/dev-b/status", private[1], retain=True)
         dev_b.publish(f"ftpipe/{JOB}/results", private[2])
         controller.publish(f"ftpipe/{JOB}/events", private[3])
+        dev_b.publish(f"ftpipe/{JOB}/collab/up/dev-b", private[4])  # derived from dev-b's data
+        dev_b.publish(f"ftpipe/{JOB}/collab/update", private[5])
         stage = _token("stage")
         dev_b.publish(f"ftpipe/{JOB}/stage/1/act", stage)
         # the marker goes last, from the controller, after everything above was PUBACKed

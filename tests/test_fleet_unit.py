@@ -255,3 +255,17 @@ def test_tls_alerts_and_plain_listeners_are_classified() -> None:
     wrong.reason = "WRONG_VERSION_NUMBER"
     err = _tls_error(wrong, "h:1")
     assert err.kind is CheckFailure.TLS and "does not speak TLS" in str(err)
+
+
+def test_collaborative_rules_keep_a_data_device_to_its_own_traffic() -> None:
+    text = acl.render_acl([_ident("dev-a", Role.DEVICE), _ident("srv", Role.SERVER),
+                           _ident("ctl", Role.CONTROLLER)])
+    assert "pattern write ftpipe/+/collab/up/%u" in text
+    assert "pattern read ftpipe/+/collab/down/%u" in text
+    device = _user_block(text, "dev-a")
+    assert not any("collab/up/+" in line or "collab/down/+" in line for line in device)
+    assert "topic read ftpipe/j1/collab/plan" in device
+    server = _user_block(text, "srv")
+    assert "topic read ftpipe/j1/collab/up/+" in server
+    assert "topic write ftpipe/j1/collab/down/+" in server
+    assert "topic readwrite ftpipe/j1/collab/#" in _user_block(text, "ctl")

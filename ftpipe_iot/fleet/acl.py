@@ -53,23 +53,38 @@ def pattern_rules() -> list[Rule]:
         Rule(Access.WRITE, Topics.dev_heartbeat("%u"), pattern=True),
         # Own command topic in any job; commands for other devices stay private.
         Rule(Access.READ, f"{ROOT}/+/ctrl/cmd/%u", pattern=True),
+        # Collaborative modes: a data device's offer, its activations up and gradients down are
+        # its own; another device's stay private (they are derived from its data).
+        Rule(Access.WRITE, f"{ROOT}/+/collab/offer/%u", pattern=True),
+        Rule(Access.WRITE, f"{ROOT}/+/collab/up/%u", pattern=True),
+        Rule(Access.READ, f"{ROOT}/+/collab/down/%u", pattern=True),
     ]
 
 
 def role_rules(role: Role, job: str) -> list[Rule]:
     """The per-user rules of one identity in ``job``."""
     t = Topics(job)
-    if role is Role.DEVICE:
-        return [
+    if role in (Role.DEVICE, Role.SERVER):
+        rules = [
             Rule(Access.READ, t.plan),
             Rule(Access.READ, t.state),          # notice a controller that went offline (LWT)
             Rule(Access.READWRITE, f"{t.base}/stage/#"),   # any stage: plans move stages
             Rule(Access.READWRITE, f"{t.base}/weights/#"),  # replicate, and load on takeover
             Rule(Access.WRITE, t.results),
+            # collaborative modes: the coordinator's job, plan and rounds; own contributions
+            *(Rule(Access.READ, topic) for topic in (t.collab_job, t.collab_plan,
+                                                     t.collab_round, t.collab_status)),
+            Rule(Access.WRITE, t.collab_update),
+            Rule(Access.WRITE, t.collab_report),
         ]
+        if role is Role.SERVER:  # the server part: every data device's activations
+            rules += [Rule(Access.READ, t.collab_up_all),
+                      Rule(Access.WRITE, f"{t.base}/collab/down/+")]
+        return rules
     if role is Role.CONTROLLER:
         return [
             Rule(Access.READWRITE, f"{t.base}/ctrl/#"),  # the only writer of plan/state/cmd
+            Rule(Access.READWRITE, f"{t.base}/collab/#"),  # the collaborative coordinator
             Rule(Access.WRITE, t.events),
             Rule(Access.READWRITE, f"{t.base}/stage/#"),   # feeds stage 0, drains the last
             Rule(Access.READWRITE, f"{t.base}/weights/#"),  # central replica; may republish

@@ -61,7 +61,8 @@ def render_unit(identity: Identity, options: InstallOptions, template: str | Non
     text = template if template is not None else unit_template_text()
     return text.format(name=identity.name, install_dir=options.install_dir.rstrip("/"),
                        agent=options.agent, user=options.user,
-                       config_name=config_name(identity.role))
+                       config_name=config_name(identity.role),
+                       extra=" --server" if identity.role is Role.SERVER else "")
 
 
 def bundle_config(identity: Identity, settings: BrokerSettings) -> Bundle:
@@ -86,7 +87,7 @@ def write_bundle(directory: Path, identity: Identity, settings: BrokerSettings, 
     config = directory / config_name(identity.role)
     write_private(config, json.dumps(bundle_to_dict(bundle_config(identity, settings)),
                                      indent=2) + "\n", mode=0o644)
-    if identity.role is Role.DEVICE:
+    if identity.role in (Role.DEVICE, Role.SERVER):
         write_private(directory / UNIT_NAME, render_unit(identity, options), mode=0o644)
     write_private(directory / "README.txt", _readme(identity, options), mode=0o644)
     return config
@@ -99,6 +100,6 @@ def _readme(identity: Identity, options: InstallOptions) -> str:
              f"Check it with: ftpipe-iot fleet check --config "
              f"{options.install_dir}/{config_name(identity.role)}",
              "'password' and 'client.key' are secrets: never copy them anywhere else."]
-    if identity.role is Role.DEVICE:
+    if identity.role in (Role.DEVICE, Role.SERVER):
         lines.append(f"Then install {UNIT_NAME} into /etc/systemd/system/ and enable it.")
     return "\n".join(lines) + "\n"

@@ -26,6 +26,7 @@ class Role(str, Enum):
     CONTROLLER = "controller"  # the only writer of ftpipe/<job>/ctrl/#
     OPERATOR = "operator"      # read-only observer; the only identity that can read '#'
     SITE = "site"              # a site broker's bridge: what fleet/site.py lets cross
+    SERVER = "server"          # a device that may hold the collaborative modes' server part
 
 
 @dataclass(frozen=True)
