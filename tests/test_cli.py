@@ -94,3 +94,11 @@ def test_fault_specs_parse():
     assert parse_fault("broker-restart@step=7").target is None
     with pytest.raises(FaultSpecError):
         parse_fault("kill:1@30")
+
+
+@pytest.mark.parametrize("args", [["controller", "--mode", "fedavg", "--save-model", "m.pt"],
+                                  ["controller", "--mode", "collaborative", "--resiliency", "1"],
+                                  ["demo", "--mode", "collaborative", "--freeze-layers", "0-1"]])
+def test_pipeline_only_options_are_refused_in_the_collaborative_modes(args):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "apply to --mode pipeline only" in result.output

@@ -108,6 +108,11 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
     sys.exit(run_device(name, bundle.job, bundle.broker, process, options, profile))
 
 
+# Controller options the collaborative modes do not implement: refused, not ignored.
+_PIPELINE_ONLY = ("resume", "assignment", "checkpoint_dir", "device_names", "init_from",
+                  "save_model", "freeze_layers", "resiliency")
+
+
 @command()
 @click.option("--job", default=None, help="job name [default: the bundle's, else 'default']")
 @click.option("--devices", type=click.IntRange(min=1), default=3, show_default=True,
@@ -184,8 +189,7 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
         return run_collab(collab, train, job, config, devices, wait_devices, heartbeat_timeout,
                           stall_timeout, stop_devices, save_weights, summary_json, as_json,
                           bundle_name, ProcessOptions(metrics_port, threads, log_level),
-                          [n for n in ("resume", "assignment", "checkpoint_dir", "device_names")
-                           if explicit(ctx, (n,))])
+                          explicit(ctx, _PIPELINE_ONLY))
     ctrl_config = ControllerConfig(
         train=train, devices=devices, device_names=names,
         wait_devices_s=wait_devices, stall_timeout_s=stall_timeout,
@@ -263,6 +267,10 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
         if faults:
             raise click.UsageError("--fault injects into the pipeline demo; the collaborative "
                                    "modes' drop-outs are shown by tests/test_collab_processes.py")
+        refused = explicit(ctx, ("init_from", "freeze_layers", "resiliency"))
+        if refused:
+            raise click.UsageError(f"{', '.join('--' + n.replace('_', '-') for n in refused)}"
+                                   " apply to --mode pipeline only")
         return run_collab_demo(collab, train_config(training), devices, job, broker_url,
                                embedded_broker, work_dir, metrics_port_base, partition,
                                device_profile, server_profile, as_json)
