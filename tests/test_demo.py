@@ -39,7 +39,9 @@ def test_demo_runs_end_to_end_and_prints_json(broker, tmp_path):
     if broker == "mosquitto" and mosquitto_binary() is None:
         pytest.fail("mosquitto is not installed; .ci/run installs it")
     job = _job()
-    extra = ["--embedded-broker"] if broker == "embedded" else []
+    saved = tmp_path / "trained.pt"
+    # the embedded run also chooses where the model goes; the other keeps the default
+    extra = ["--embedded-broker", "--save-model", str(saved)] if broker == "embedded" else []
     result = _run_demo("--json", "--job", job, "--devices", "3", "--epochs", "1",
                        "--max-steps", "25", "--work-dir", str(tmp_path), *extra)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -51,6 +53,8 @@ def test_demo_runs_end_to_end_and_prints_json(broker, tmp_path):
     assert summary["samples_per_s"] > 0 and 0.0 <= summary["test_accuracy"] <= 1.0
     assert summary["error"] is None
     assert "test accuracy" in result.stderr  # progress and the per-epoch evaluation are shown
+    expected = saved if broker == "embedded" else tmp_path / "model.pt"
+    assert summary["model"] == str(expected) and expected.is_file()
     assert _leftovers(job) == []
 
 

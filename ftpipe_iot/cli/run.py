@@ -236,6 +236,8 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                    "limit")
 @click.option("--init-from", type=click.Path(dir_okay=False, exists=True), default=None,
               help="start from these weights (a model.pt of an earlier run, or a state dict)")
+@click.option("--save-model", type=click.Path(dir_okay=False), default=None,
+              help="write the trained model here (.pt) [default: model.pt in the work dir]")
 @click.option("--json", "as_json", is_flag=True,
               help="print the summary as one JSON object on the last line of stdout")
 @click.option("--partition", default="iid", show_default=True,
@@ -251,7 +253,7 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
 def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_broker: bool,
          job: str, work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...],
          restart_devices: bool, max_message_bytes: int | None, init_from: str | None,
-         as_json: bool, partition: str, device_profile: str | None,
+         save_model: str | None, as_json: bool, partition: str, device_profile: str | None,
          server_profile: str | None, **training: Any) -> None:
     """Train the CNN on digits with a broker, a controller and N device processes (with --mode
     collaborative or fedavg: N data devices, each with its share of the digits)."""
@@ -267,7 +269,7 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
         if faults:
             raise click.UsageError("--fault injects into the pipeline demo; the collaborative "
                                    "modes' drop-outs are shown by tests/test_collab_processes.py")
-        refused = explicit(ctx, ("init_from", "freeze_layers", "resiliency"))
+        refused = explicit(ctx, ("init_from", "save_model", "freeze_layers", "resiliency"))
         if refused:
             raise click.UsageError(f"{', '.join('--' + n.replace('_', '-') for n in refused)}"
                                    " apply to --mode pipeline only")
@@ -288,6 +290,7 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
                           work_dir=Path(work_dir) if work_dir else None,
                           metrics_port_base=metrics_port_base, faults=schedule,
                           restart_devices=restart_devices, max_message_bytes=max_message_bytes,
+                          save_model=Path(save_model) if save_model else None,
                           controller_args=["--init-from", str(Path(init_from).resolve())]
                           if init_from else [])
     try:

@@ -73,6 +73,7 @@ class DemoOptions:
     faults: list[Fault] = field(default_factory=list)
     restart_devices: bool = False
     max_message_bytes: int | None = None
+    save_model: Path | None = None  # the trained model's checkpoint [default: work_dir/model.pt]
 
     def __post_init__(self) -> None:
         if self.metrics_port_base and not 1024 <= self.metrics_port_base <= 65535 - self.devices:
@@ -98,7 +99,8 @@ class Demo:
         self.children = ProcessGroup(self.work_dir)
         self.common: list[str] = []
         self.summary_path = self.work_dir / "summary.json"
-        self.model_path = self.work_dir / "model.pt"
+        self.model_path = (options.save_model.resolve() if options.save_model
+                           else self.work_dir / "model.pt")
         self.train_path = options.train.save(self.work_dir / "train.json")
         self.watcher: JobWatcher | None = None
         self.pending_faults = list(options.faults)
