@@ -86,10 +86,10 @@ def _run(broker: BrokerProcess, name: str, layout: str, resiliency: int, steps: 
                               [*TRAINING, "--max-steps", str(steps), "--assignment", assignment,
                                "--resiliency", str(resiliency)], timeout_s=900),
                       broker, during=during)
-    lo = min(5, steps - 2)
+    lo, hi = min(5, steps - 2), steps - 1  # the history counts steps from 0
     return {"run": name, "layout": layout, "resiliency": resiliency,
             "devices": len(_devices(assignment, None)), "steps": summary["steps"],
-            "samples_per_s": round(rate_between(summary, BATCH, lo, steps), 1),
+            "samples_per_s": round(rate_between(summary, BATCH, lo, hi), 1),
             "wire_bytes_per_step": round(summary["wire_bytes_per_step"]),
             "takeovers": summary["takeovers"], "late_results": summary["late_results"],
             "rollbacks": summary["rollbacks"], "covered_failures": summary["covered_failures"],
@@ -100,7 +100,7 @@ def _run(broker: BrokerProcess, name: str, layout: str, resiliency: int, steps: 
 
 def _kill_run(broker: BrokerProcess, layout: str, resiliency: int, steps: int) -> dict:
     killed: dict[str, float] = {}
-    at = min(25, steps // 2)
+    at = min(25, steps - 10)  # between two replications (every 10): r = 0 recomputes steps
 
     def inject(watcher, procs) -> None:
         if not watcher.wait_step(at, 600):
@@ -117,14 +117,18 @@ def _kill_run(broker: BrokerProcess, layout: str, resiliency: int, steps: int) -
     return result
 
 
-def _predicted(resiliency: int, layout: str) -> dict:
-    from ftpipe_iot.cli.options import parse_assignment
+def _costs():
     from ftpipe_iot.core.models import profile_layer_costs
     from ftpipe_iot.planning.costs import LayerCosts
+
+    return LayerCosts.from_dict({**profile_layer_costs("mobilenetv2", MB, WIDTH),
+                                 "micro_batch_size": MB})
+
+
+def _predicted(resiliency: int, layout: str, costs) -> dict:
+    from ftpipe_iot.cli.options import parse_assignment
     from ftpipe_iot.planning.resilience import resilience_cost
 
-    costs = LayerCosts.from_dict({**profile_layer_costs("mobilenetv2", MB, WIDTH),
-                                  "micro_batch_size": MB})
     cost = resilience_cost(parse_assignment(_assignment(layout)), costs, 4.0 * MB * 3 * 32 * 32,
                            M, resiliency)
     return {"wire_bytes_per_step": round(cost.wire_bytes_per_step),
@@ -191,8 +195,9 @@ def main() -> None:
         say("trade-off: r=2")
         two = _run(broker, "calm-standbys2-r2", "standbys2", 2, args.steps)
         trade = [without[0], without[1], two]
+        costs = _costs()  # measured once: the three predictions share one profile
         for entry, layout in zip(trade, ("pipeline", "standbys", "standbys2")):
-            entry["predicted"] = _predicted(entry["resiliency"], layout)
+            entry["predicted"] = _predicted(entry["resiliency"], layout, costs)
     for entry in [*without, *with_stall, *kills, two]:
         entry.pop("_summary", None)
     results = {

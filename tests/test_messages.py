@@ -65,6 +65,7 @@ MESSAGES = [
     PlanMessage(_plan()),
     Command(CommandOp.SHUTDOWN),
     Command(CommandOp.REPLICATE, version=4, layers=(1, 3)),
+    Command(CommandOp.TAKE_OVER, devices=("a", "b")),
     ControllerState(ControllerStatus.TRAINING, "j", ControllerPhase.TRAINING, 10, {"a": 1.5}),
     ControllerState(ControllerStatus.OFFLINE, "j"),
     Event(EventType.FAILURE_DETECTED, cause=FailureCause.LAST_WILL, devices=("a",),

@@ -136,3 +136,21 @@ def test_group_peers_cover_each_other(peers):
     reference = train_reference(TRAIN, job.controller.data, steps=12)
     assert max_weight_diff(_gathered(job), reference) < 1e-5
     assert next(d for d in job.devices if d.name == "d1").takeovers > 0
+
+
+def test_a_lost_holder_owes_its_micro_batches_at_once_not_after_the_deadline():
+    from ftpipe_iot.core.takeover import TakeoverPhase, Watch
+
+    watch = Watch("b", last_stage=False)
+    watch.input(3, 0, "a", "feed", "x0", now=0.0)  # not forwarded yet
+    watch.input(3, 1, "a", "feed", "x1", now=0.0)
+    watch.progress(3, 1, now=0.1)  # forwarded: the next stage has its activation
+    watch.input(3, 2, "b", "feed", "x2", now=0.0)  # ours
+    assert watch.due(now=0.5) == []  # the cold deadline is seconds away
+    watch.owners_lost(("a",))
+    due = watch.due(now=0.5)
+    assert [(i.micro_batch, i.taken) for i in due] == [(0, TakeoverPhase.FORWARD)]
+    watch.gradient(3, 1, "g1", now=0.6)  # its gradient comes back to the lost holder's topic
+    assert [(i.micro_batch, i.taken) for i in watch.due(now=0.6)] == \
+        [(1, TakeoverPhase.BACKWARD)]
+    assert watch.due(now=100.0) == []  # each once, and never our own

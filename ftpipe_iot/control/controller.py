@@ -388,6 +388,7 @@ class Controller:
         if action is FailureAction.COVER and self.training is not None:
             self.excluded |= failure.devices
             self.training.exclude(self.excluded)
+            self.out.take_over(self.training.stages, failure.devices, self.excluded)
             self.recorder.failure_covered(failure, self.training.step)
             self.replanner.request(ReplanReason.REPAIR)
             return

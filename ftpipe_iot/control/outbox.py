@@ -12,8 +12,9 @@ from ftpipe_iot.protocol.messages import (
     LayerReplica,
     PlanMessage,
 )
-from ftpipe_iot.protocol.plan import Plan
+from ftpipe_iot.protocol.plan import Plan, StageAssignment
 from ftpipe_iot.protocol.topics import Topics
+from ftpipe_iot.protocol.vocab import CommandOp
 from ftpipe_iot.transport.messenger import Messenger
 
 
@@ -38,6 +39,16 @@ class JobOutbox:
 
     def command(self, device: str, command: Command) -> None:
         self.messenger.send(self.topics.cmd(device), command, self.plan_version)
+
+    def take_over(self, stages: Iterable[StageAssignment], gone: frozenset[str],
+                  excluded: set[str]) -> None:
+        """Tell the live holders of every stage that lost ``gone`` to compute its micro-batches
+        now, not after their deadline (they learn of the failure from the controller: the fleet
+        ACLs keep other devices' statuses private)."""
+        for stage in stages:
+            lost = tuple(sorted(gone & set(stage.devices)))
+            for device in (d for d in stage.devices if lost and d not in excluded):
+                self.command(device, Command(CommandOp.TAKE_OVER, devices=lost))
 
     def batch(self, batch: Activation, step: int, index: int, device: str) -> None:
         """A micro-batch of data into stage 0's member ``device``."""

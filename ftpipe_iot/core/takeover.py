@@ -82,6 +82,7 @@ class Watch:
     cold_s: float = 5.0
     min_samples: int = 4
     items: dict[tuple[int, int], Watched] = field(default_factory=dict)
+    lost: set[str] = field(default_factory=set)  # failed holders: their items are due at once
     forward: LatencyWindow = field(default_factory=LatencyWindow)
     backward: LatencyWindow = field(default_factory=LatencyWindow)
 
@@ -126,17 +127,22 @@ class Watch:
         for key in [k for k in self.items if k[0] <= step]:
             del self.items[key]
 
+    def owners_lost(self, owners: tuple[str, ...]) -> None:
+        """These holders failed: what they still owe is due now, deadlines or not."""
+        self.lost.update(owners)
+
     def due(self, now: float) -> list[Watched]:
         """Other holders' micro-batches past their deadline, marked taken (each once)."""
         out = []
         for item in self.items.values():
             if item.taken is not None or item.owner == self.me:
                 continue
+            gone = item.owner in self.lost
             if item.gradient_at is not None and not self.last_stage:
-                late = now > item.gradient_at + self._bound(self.backward)
+                late = gone or now > item.gradient_at + self._bound(self.backward)
                 phase = TakeoverPhase.BACKWARD
             elif item.forwarded is None:
-                late = now > item.arrived + self._bound(self.forward)
+                late = gone or now > item.arrived + self._bound(self.forward)
                 phase = TakeoverPhase.FORWARD
             else:
                 continue

@@ -358,6 +358,8 @@ class DeviceAgent:
         if command.op is CommandOp.SHUTDOWN:
             log.info("device %s: shutdown requested by the controller", self.name)
             self.stopped.set()
+        elif command.op is CommandOp.TAKE_OVER and self.runner is not None:
+            self.runner.holders_lost(command.devices)
         elif command.op is CommandOp.REPLICATE:
             if self.plan is None or inbound.plan_version != self.plan.version:
                 self.messenger.drops.drop(DropReason.STALE_PLAN,

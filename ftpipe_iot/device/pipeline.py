@@ -172,6 +172,12 @@ class StageRunner:
                 self.messenger.drops.drop(exc.reason, str(exc))
 
     # -- taking over ----------------------------------------------------------------------------
+    def holders_lost(self, devices: tuple[str, ...]) -> None:
+        """The controller says these holders of the stage failed: take theirs over at once."""
+        if self.watch is not None:
+            self.watch.owners_lost(devices)
+            self.take_over_due()
+
     def take_over_due(self) -> None:
         """Compute the other holders' late micro-batches (``core.takeover``)."""
         if self.watch is None:

@@ -55,17 +55,21 @@ class PlanMessage:
 
 @dataclass(frozen=True)
 class Command:
-    """A command to one device; ``layers``/``version`` ask a REPLICATE of just those layers."""
+    """A command to one device; ``layers``/``version`` ask a REPLICATE of just those layers,
+    ``devices`` name the failed holders a TAKE_OVER is about."""
 
     KIND: ClassVar[MessageKind] = MessageKind.COMMAND
     op: CommandOp
     version: int | None = None
     layers: tuple[int, ...] | None = None
+    devices: tuple[str, ...] = ()
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"op": self.op.value}
         if self.layers is not None:
             body.update(version=self.version, layers=list(self.layers))
+        if self.devices:
+            body["devices"] = list(self.devices)
         return body
 
     @classmethod
@@ -73,7 +77,7 @@ class Command:
         f = BodyReader(raw, "command")
         layers = f.int_list("layers") if f.raw.get("layers") is not None else None
         return cls(f.enum("op", CommandOp), f.optional_int("version", low=0) if layers else None,
-                   layers)
+                   layers, f.str_list("devices", default=()))
 
 
 @dataclass(frozen=True)

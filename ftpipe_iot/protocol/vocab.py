@@ -84,6 +84,7 @@ class CommandOp(str, Enum):
 
     REPLICATE = "replicate"
     SHUTDOWN = "shutdown"
+    TAKE_OVER = "take_over"  # the named holders of your stage are gone: compute theirs now
 
 
 class ResultType(str, Enum):
