@@ -38,7 +38,7 @@ def _computing(summary: dict) -> dict[int, set[str]]:
 
 def test_a_stalled_holder_is_taken_over_and_taken_back_without_a_plan_change(job):
     # heartbeats time out after 4 s: a stop shorter than that is a straggler, not a failure
-    job.controller(4, "--resiliency", "1", "--heartbeat-timeout", "4")
+    job.controller(4, "--resiliency", "1", "--heartbeat-timeout", "4", "--stall-timeout", "30")
     job.wait_step(10)
     (stalled, standby), _ = _holders(job)
     job.signal(stalled, signal.SIGSTOP)
@@ -55,7 +55,10 @@ def test_a_stalled_holder_is_taken_over_and_taken_back_without_a_plan_change(job
 
 
 def test_a_killed_holder_costs_no_rollback(job):
-    job.controller(4, "--resiliency", "1")
+    # the Last Will reports the kill at once; a long heartbeat timeout keeps a busy machine's
+    # slow start from counting as a failure
+    job.controller(4, "--resiliency", "1", "--heartbeat-timeout", "6",
+                   "--stall-timeout", "30")
     job.wait_step(10)
     _, (killed, standby) = _holders(job)
     job.signal(killed, signal.SIGKILL)
@@ -66,7 +69,8 @@ def test_a_killed_holder_costs_no_rollback(job):
 
 
 def test_a_stage_that_loses_every_holder_falls_back_to_its_checkpoint(job):
-    job.controller(4, "--resiliency", "1")
+    job.controller(4, "--resiliency", "1", "--heartbeat-timeout", "6",
+                   "--stall-timeout", "30")
     job.wait_step(12)
     _, lost = _holders(job)
     for name in lost:
