@@ -6,8 +6,9 @@ devices over one Mosquitto.
    of 8. The fleet planner plans three layouts from the profiles and one cost profile measured
    here: the best single pipeline (one device per stage), the best pure data-parallel group
    (the fastest devices holding the whole model; all 16 as replicas is predicted too) and the
-   hybrid plan. Each runs as a pinned plan (``--assignment``; the pipeline without
-   repartitioning, the groups with share retuning) and its steady-state samples/s is measured.
+   hybrid plan. Each runs as a pinned plan (``--assignment`` with the planner's shares; the
+   pipeline without repartitioning, the groups with share retuning) and its steady-state
+   samples/s is measured.
    Only the devices a plan uses are started: the others would idle.
    Link model: the device agents sleep for their link cap on what they send, not on what they
    receive nor on the group's gradient exchange, so plans are made for that (``emulated``;
@@ -100,7 +101,13 @@ def specs(devices: list[tuple[str, Path]], slowed: dict[str, float] | None = Non
 
 
 def assignment_text(plan: GroupPlan) -> str:
-    return ",".join("+".join(s.devices) + f":{s.start}-{s.end}" for s in plan.stages)
+    """The plan as ``--assignment``: groups with the planner's micro-batch counts as weights."""
+    def members(stage) -> str:
+        if len(stage.members) == 1:
+            return stage.members[0].device
+        return "+".join(f"{m.device}*{m.micro_batches}" for m in stage.members)
+
+    return ",".join(f"{members(s)}:{s.start}-{s.end}" for s in plan.stages)
 
 
 class SysMonitor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import click
 import pytest
 from helpers import MemoryJob, max_weight_diff
 
@@ -110,3 +111,15 @@ def test_an_auto_layout_controller_uses_groups_and_trains_like_one_process():
         [members for _, _, members, _ in expected.stages]
     gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
     assert max_weight_diff(gathered, train_reference(train, controller.data, steps=6)) < 1e-5
+
+
+def test_a_pinned_group_carries_its_weights_as_shares():
+    from ftpipe_iot.cli.options import parse_assignment
+
+    stages = parse_assignment("a*3+b:0-2,c/d:2-6")
+    assert [(m.device, m.share) for m in stages[0].members] == [("a", 0.75), ("b", 0.25)]
+    assert plan_counts(stages, 8) == ((6, 2), (8, 0))
+    with pytest.raises(click.BadParameter, match="weight must be a number > 0"):
+        parse_assignment("a*0+b:0-6")
+    with pytest.raises(click.BadParameter, match=r"DEVICE\[\*WEIGHT\]"):
+        parse_assignment("a*x+b:0-6")

@@ -130,7 +130,8 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 @click.option("--repartition-cooldown", type=click.IntRange(min=0), default=10,
               show_default=True, help="steps between repartitions")
 @click.option("--assignment", default=None, metavar="DEV:START-END,...",
-              help="pin the first plan, e.g. dev3:0-10,dev0:10-22 (stages in order)")
+              help="pin the first plan, e.g. dev3:0-10,dev0*3+dev1:10-22 (stages in order; "
+                   "+ makes a group, *W weighs a member's share, /D adds a warm standby)")
 @click.option("--layout", type=click.Choice([x.value for x in Layout]), default="pipeline",
               show_default=True,
               help="new plans: one device per stage (pipeline), one stage held by every device "
