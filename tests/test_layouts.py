@@ -66,7 +66,8 @@ def test_pipeline_and_data_layouts_ignore_the_prediction():
 def test_choose_stages_writes_the_planners_counts_as_shares():
     costs = _costs(1000.0)
     capacity = CapacityEstimator.for_costs(costs)
-    capacity.observe("d2", 0, 6, 3 * costs.stage_cost_s(0, 6), 1)  # d2 measured 3x slower
+    for device, factor in (("d0", 1.0), ("d1", 1.0), ("d2", 3.0)):  # d2 measured 3x slower
+        capacity.observe(device, 0, 6, factor * costs.stage_cost_s(0, 6), 1)
     inputs = LayoutInputs(["d0", "d1", "d2"], None, (), costs, capacity, {},
                           layout=Layout.AUTO, micro_batches=7)
     stages, lines = choose_stages(inputs)
@@ -123,3 +124,14 @@ def test_a_pinned_group_carries_its_weights_as_shares():
         parse_assignment("a*0+b:0-6")
     with pytest.raises(click.BadParameter, match=r"DEVICE\[\*WEIGHT\]"):
         parse_assignment("a*x+b:0-6")
+
+
+def test_a_device_not_measured_yet_counts_as_a_typical_one():
+    costs = _costs(1000.0)
+    capacity = CapacityEstimator.for_costs(costs)
+    for device in ("d0", "d1"):  # measured 5x slower than the reference on this host
+        capacity.observe(device, 0, 6, 5 * costs.stage_cost_s(0, 6), 1)
+    stages, _ = choose_stages(LayoutInputs(["d0", "d1", "d2"], None, (), costs, capacity, {},
+                                           layout=Layout.AUTO, micro_batches=6))
+    # d2 (unmeasured) is not taken for 5x faster: the three share the work alike
+    assert plan_counts(stages, 6) == ((2, 2, 2),)
