@@ -137,17 +137,19 @@ class SysMonitor:
             self.history[message.topic].append((time.monotonic(), value))
 
     def rates(self, start: float, end: float) -> dict:
-        """Messages/s per counter between the first and last update inside [start, end]
-        (Mosquitto publishes a counter every sys_interval while it changes)."""
+        """Messages/s per counter between the last update before ``start`` and the first after
+        ``end`` (Mosquitto publishes a counter every sys_interval while it changes, so a
+        window of a few steps may hold no update at all)."""
         out: dict = {}
         with self.lock:
             for topic, samples in self.history.items():
-                inside = [(t, v) for t, v in samples if start <= t <= end]
+                before = [(t, v) for t, v in samples if t <= start]
+                after = [(t, v) for t, v in samples if t >= end]
                 key = topic.removeprefix("$SYS/broker/").replace("/", "_") + "_per_s"
-                if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+                if not before or not after or after[0][0] <= before[-1][0]:
                     out[key] = None
                     continue
-                (t0, v0), (t1, v1) = inside[0], inside[-1]
+                (t0, v0), (t1, v1) = before[-1], after[0]
                 out[key] = round((v1 - v0) / (t1 - t0), 1)
                 out["window_s"] = round(t1 - t0, 2)
         return out
