@@ -178,26 +178,39 @@ def explicit(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
 
 
+def _weighted(text: str) -> tuple[str, float]:
+    """``dev0*3`` -> ("dev0", 3.0); ``dev0`` -> ("dev0", 1.0)."""
+    name, star, weight = text.partition("*")
+    value = float(weight) if star else 1.0
+    if not value > 0 or value == float("inf"):
+        raise click.BadParameter(f"{text!r}: a member's weight must be a number > 0",
+                                 param_hint="--assignment")
+    return name.strip(), value
+
+
 def parse_assignment(text: str) -> tuple[StageAssignment, ...]:
-    """``dev3/dev4:0-10,dev0+dev1:10-22`` -> stage 0 on dev3 with dev4 as its warm standby,
-    stage 1 on the group dev0 and dev1 (equal shares)."""
+    """``dev3/dev4:0-10,dev0*3+dev1:10-22`` -> stage 0 on dev3 with dev4 as its warm standby,
+    stage 1 on the group dev0 and dev1, dev0 taking 3 micro-batches for each of dev1's (shares
+    are the weights over their sum; equal without weights)."""
     stages = []
     for index, part in enumerate(text.split(",")):
         try:
             devices, _, span = part.partition(":")
             start, _, end = span.partition("-")
             computing, _, spare = devices.partition("/")
-            names = [d.strip() for d in computing.split("+")]
+            weighted = [_weighted(d) for d in computing.split("+")]
             standbys = [d.strip() for d in spare.split("+")] if spare else []
-            if any(not name for name in names + standbys):
+            if any(not name for name, _ in weighted) or any(not name for name in standbys):
                 raise click.BadParameter("every stage needs device names",
                                          param_hint="--assignment")
-            members = tuple(Member(name, 1.0 / len(names)) for name in names) + \
+            total = sum(weight for _, weight in weighted)
+            members = tuple(Member(name, weight / total) for name, weight in weighted) + \
                 tuple(Member(name, 0.0) for name in standbys)
             stages.append(StageAssignment(index, int(start), int(end), members))
         except ValueError as exc:
-            raise click.BadParameter(f"{part!r} is not DEVICE[+DEVICE...][/STANDBY...]:START-END",
-                                     param_hint="--assignment") from exc
+            raise click.BadParameter(
+                f"{part!r} is not DEVICE[*WEIGHT][+DEVICE...][/STANDBY...]:START-END",
+                param_hint="--assignment") from exc
     return tuple(stages)
 
 

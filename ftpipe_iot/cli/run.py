@@ -23,6 +23,7 @@ from ftpipe_iot.cli.options import (
     train_config,
     training_options,
 )
+from ftpipe_iot.planning.layouts import Layout
 from ftpipe_iot.protocol.plan import TrainConfig
 
 
@@ -110,7 +111,7 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 
 # Controller options the collaborative modes do not implement: refused, not ignored.
 _PIPELINE_ONLY = ("resume", "assignment", "checkpoint_dir", "device_names", "init_from",
-                  "save_model", "freeze_layers", "resiliency")
+                  "save_model", "freeze_layers", "resiliency", "layout")
 
 
 @command()
@@ -136,7 +137,13 @@ _PIPELINE_ONLY = ("resume", "assignment", "checkpoint_dir", "device_names", "ini
 @click.option("--repartition-cooldown", type=click.IntRange(min=0), default=10,
               show_default=True, help="steps between repartitions")
 @click.option("--assignment", default=None, metavar="DEV:START-END,...",
-              help="pin the first plan, e.g. dev3:0-10,dev0:10-22 (stages in order)")
+              help="pin the first plan, e.g. dev3:0-10,dev0*3+dev1:10-22 (stages in order; "
+                   "+ makes a group, *W weighs a member's share, /D adds a warm standby)")
+@click.option("--layout", type=click.Choice([x.value for x in Layout]), default="pipeline",
+              show_default=True,
+              help="new plans: one device per stage (pipeline), one stage held by every device "
+                   "(data), or the fleet planner's pipeline, data-parallel or hybrid plan when it "
+                   "predicts a step --repartition-threshold shorter (auto)")
 @click.option("--init-from", type=click.Path(dir_okay=False), default=None,
               help="start from these weights: a --save-model checkpoint or a state dict of the "
                    "whole nn.Sequential (fine-tuning)")
@@ -160,7 +167,7 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                wait_devices: float, stall_timeout: float, heartbeat_timeout: float,
                checkpoint_dir: str | None, resume: bool, repartition: bool,
                repartition_threshold: float, repartition_cooldown: int, assignment: str | None,
-               init_from: str | None, save_model: str | None, save_weights: str | None,
+               layout: str, init_from: str | None, save_model: str | None, save_weights: str | None,
                summary_json: str | None,
                stop_devices: bool,
                as_json: bool, train_file: str | None, broker_url: str, config_file: str | None,
@@ -197,7 +204,7 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
         checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None, resume=resume,
         repartition=repartition, repartition_threshold=repartition_threshold,
         repartition_cooldown_steps=repartition_cooldown,
-        assignment=parse_assignment(assignment) if assignment else (),
+        assignment=parse_assignment(assignment) if assignment else (), layout=Layout(layout),
         save_weights=Path(save_weights) if save_weights else None,
         save_model=Path(save_model) if save_model else None,
         init_from=Path(init_from) if init_from else None, stop_devices=stop_devices)
@@ -238,6 +245,10 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
               help="start from these weights (a model.pt of an earlier run, or a state dict)")
 @click.option("--save-model", type=click.Path(dir_okay=False), default=None,
               help="write the trained model here (.pt) [default: model.pt in the work dir]")
+@click.option("--layout", type=click.Choice([x.value for x in Layout]), default="auto",
+              show_default=True,
+              help="the controller's --layout: auto uses stage groups when the fleet planner "
+                   "predicts them faster than one device per stage")
 @click.option("--json", "as_json", is_flag=True,
               help="print the summary as one JSON object on the last line of stdout")
 @click.option("--partition", default="iid", show_default=True,
@@ -253,7 +264,8 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
 def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_broker: bool,
          job: str, work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...],
          restart_devices: bool, max_message_bytes: int | None, init_from: str | None,
-         save_model: str | None, as_json: bool, partition: str, device_profile: str | None,
+         save_model: str | None, layout: str, as_json: bool, partition: str,
+         device_profile: str | None,
          server_profile: str | None, **training: Any) -> None:
     """Train the CNN on digits with a broker, a controller and N device processes (with --mode
     collaborative or fedavg: N data devices, each with its share of the digits)."""
@@ -291,6 +303,7 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
                           metrics_port_base=metrics_port_base, faults=schedule,
                           restart_devices=restart_devices, max_message_bytes=max_message_bytes,
                           save_model=Path(save_model) if save_model else None,
+                          layout=Layout(layout),
                           controller_args=["--init-from", str(Path(init_from).resolve())]
                           if init_from else [])
     try:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ftpipe_iot.errors import ConfigError
+from ftpipe_iot.planning.layouts import Layout
 from ftpipe_iot.protocol.messages import ControllerState, envelope
 from ftpipe_iot.protocol.plan import StageAssignment, TrainConfig
 from ftpipe_iot.protocol.topics import Topics
@@ -36,6 +37,9 @@ class ControllerConfig:
     repartition_cooldown_steps: int = 10
     retune_threshold: float = 0.05  # gain needed to retune a group's shares (no weights move)
     assignment: tuple[StageAssignment, ...] = ()  # pinned first plan
+    # New plans (not pinned, no groups to keep): one device per stage, every device in one
+    # group, or the fleet planner's plan when it predicts a step repartition_threshold shorter.
+    layout: Layout = Layout.PIPELINE
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -44,6 +48,11 @@ class ControllerConfig:
             raise ConfigError("device_names must name exactly `devices` devices")
         if self.heartbeat_timeout_s <= 0 or self.stall_timeout_s <= 0:
             raise ConfigError("timeouts must be > 0")
+        computing = self.devices // (self.train.resiliency + 1)  # the others stand by
+        if self.layout is Layout.DATA and computing > self.train.micro_batches:
+            raise ConfigError(f"layout data puts {computing} devices in one group, which "
+                              f"needs micro_batches >= {computing}, got "
+                              f"{self.train.micro_batches}")
         pinned = {d for stage in self.assignment for d in stage.devices}
         if self.assignment and self.device_names and pinned != set(self.device_names):
             raise ConfigError("assignment and device_names name different devices")

@@ -1,18 +1,21 @@
 """The stages of a new plan (pure): the pinned assignment, the running layout without the
-devices that are gone, or a fresh partition; with warm standbys for the job's resiliency."""
+devices that are gone, or a fresh layout (``planning.layouts``: a single pipeline, one group
+of every device, or the fleet planner's plan); with warm standbys for the job's resiliency."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ftpipe_iot.control.replan import single_stages, without
+from ftpipe_iot.control.replan import without
 from ftpipe_iot.planning.capacity import CapacityEstimator
-from ftpipe_iot.planning.costs import LayerCosts
-from ftpipe_iot.planning.rebalance import device_specs, new_assignment
+from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
+from ftpipe_iot.planning.layouts import Layout, LayoutChoice, choose_layout
+from ftpipe_iot.planning.rebalance import device_specs
 from ftpipe_iot.planning.resilience import split_for_resiliency, with_standbys
 from ftpipe_iot.protocol.messages import Capabilities
-from ftpipe_iot.protocol.plan import Plan, StageAssignment
+from ftpipe_iot.protocol.plan import Member, Plan, StageAssignment
 
 
 @dataclass(frozen=True)
@@ -26,10 +29,22 @@ class LayoutInputs:
     capacity: CapacityEstimator
     capabilities: Mapping[str, Capabilities]
     resiliency: int = 0
+    layout: Layout = Layout.PIPELINE
+    micro_batches: int = 1
+    min_gain: float = 0.10  # predicted gain the fleet planner's plan needs (``auto``)
+
+
+def group_stages(choice: LayoutChoice, micro_batches: int) -> tuple[StageAssignment, ...]:
+    """A layout choice as plan stages: each member's share is its micro-batches per step over
+    ``micro_batches`` (``core.routing.counts_from_shares`` turns them back into the counts)."""
+    return tuple(StageAssignment(k, lo, hi, tuple(
+        Member(device, n / micro_batches) for device, n in zip(members, counts, strict=True)))
+        for k, (lo, hi, members, counts) in enumerate(choice.stages))
 
 
 def choose_stages(inputs: LayoutInputs) -> tuple[tuple[StageAssignment, ...], list[str]]:
-    """The stages over ``inputs.devices`` and the warnings to log."""
+    """The stages over ``inputs.devices`` and the lines to log (warnings, and what a layout
+    decision compared)."""
     warnings: list[str] = []
     devices, current = list(inputs.devices), inputs.current
     stages: tuple[StageAssignment, ...] = ()
@@ -45,10 +60,15 @@ def choose_stages(inputs: LayoutInputs) -> tuple[tuple[StageAssignment, ...], li
             computing, spares = split_for_resiliency(devices, inputs.resiliency,
                                                      inputs.capacity.factor)
         specs = device_specs(computing, inputs.capacity, inputs.capabilities)
-        assignment, warning = new_assignment(inputs.costs, specs)
-        if warning:
-            warnings.append(warning)
-        stages = single_stages(assignment)
+        if inputs.layout is not Layout.PIPELINE:
+            specs = _comparable(specs, inputs.capacity)
+        choice = choose_layout(inputs.costs, specs, inputs.micro_batches, inputs.layout,
+                               inputs.min_gain)
+        if choice.warning:
+            warnings.append(choice.warning)
+        if inputs.layout is not Layout.PIPELINE:
+            warnings.append(_described(choice))
+        stages = group_stages(choice, inputs.micro_batches)
         used = {d for s in stages for d in s.devices}
         spares += [d for d in computing if d not in used]  # more devices than layers
     else:
@@ -60,3 +80,28 @@ def choose_stages(inputs: LayoutInputs) -> tuple[tuple[StageAssignment, ...], li
         if warning:
             warnings.append(warning)
     return stages, warnings
+
+
+def _described(choice: LayoutChoice) -> str:
+    """One log line: what the layout decision chose and the predictions it compared."""
+    def seconds(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.4f} s"
+
+    return (f"layout: {choice.kind} plan of {len(choice.stages)} stage(s); predicted step "
+            f"{seconds(choice.pipeline_step_s)} as a single pipeline, "
+            f"{seconds(choice.planner_step_s)} as the fleet planner's plan")
+
+
+def _comparable(specs: list[DeviceSpec], capacity: CapacityEstimator) -> list[DeviceSpec]:
+    """Specs whose unmeasured devices count as the median measured one (1.0 when none is).
+
+    A measured factor includes everything that slowed the device on this host, the reference
+    1.0 of a device that has not run yet nothing: after a failure the newcomer would look
+    faster than every survivor and the planner would give it the whole model.
+    """
+    measured = [s.factor for s in specs if s.name in capacity.history or s.name in capacity.prior]
+    if not measured:
+        return specs
+    typical = statistics.median(measured)
+    return [s if s.name in capacity.history or s.name in capacity.prior
+            else replace(s, factor=typical) for s in specs]

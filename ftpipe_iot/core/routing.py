@@ -24,19 +24,25 @@ Counts = tuple[tuple[int, ...], ...]  # per stage, per member: micro-batches in 
 def counts_from_shares(shares: Sequence[float], micro_batches: int) -> tuple[int, ...]:
     """Whole micro-batches per member, proportional to ``shares``, each member of a share > 0
     at least one and standbys (share 0) none (largest remainders); raises PlanError when the
-    group has more computing members than micro-batches."""
+    group has more computing members than micro-batches.
+
+    Shares of the form ``n_i / micro_batches`` (what the planner and retuning write) give back
+    exactly ``n_i``, so a plan's shares carry its counts.
+    """
     active = [i for i, share in enumerate(shares) if share > 0]
     if len(active) > micro_batches:
         raise PlanError(f"a group of {len(active)} devices needs at least {len(active)} "
                         f"micro-batches per step, the job has {micro_batches}")
     total = sum(shares[i] for i in active)
-    spare = micro_batches - len(active)
-    exact = {i: spare * shares[i] / total for i in active}
+    exact = {i: micro_batches * shares[i] / total for i in active}
     counts = [0] * len(shares)
-    for i in active:
-        counts[i] = 1 + math.floor(exact[i])
+    for i in active:  # the tolerance keeps n / M * M = n - 1e-16 from rounding down to n - 1
+        counts[i] = max(1, math.floor(exact[i] + 1e-9))
+    while sum(counts) > micro_batches:  # the floor of one raised some: take from the largest
+        over = max((i for i in active if counts[i] > 1), key=lambda i: (counts[i] - exact[i], -i))
+        counts[over] -= 1
     left = micro_batches - sum(counts)
-    by_remainder = sorted(active, key=lambda i: (-(exact[i] - math.floor(exact[i])), i))
+    by_remainder = sorted(active, key=lambda i: (-(exact[i] - counts[i]), i))
     for i in by_remainder[:left]:
         counts[i] += 1
     return tuple(counts)

@@ -22,6 +22,7 @@ from pathlib import Path
 from ftpipe_iot.errors import ConfigError, DemoError, ReportError
 from ftpipe_iot.observability.report import write_report
 from ftpipe_iot.observability.watch import JobWatcher
+from ftpipe_iot.planning.layouts import Layout
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.vocab import EventType
 from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess
@@ -56,8 +57,9 @@ class DemoOptions:
     and ``device_args`` are passed through to ``ftpipe-iot controller`` and ``device``.
 
     ``work_dir`` keeps logs, the summary and the report (default: ``default_work_dir``).
-    ``metrics_port_base`` N > 0 serves ``/metrics`` on port N for the controller and N+1..N+k for
-    the devices dev0..dev(k-1); 0 serves none.
+    ``layout`` goes to the controller (``--layout``): by default stage groups when the fleet
+    planner predicts them faster. ``metrics_port_base`` N > 0 serves ``/metrics`` on port N
+    for the controller and N+1..N+k for the devices dev0..dev(k-1); 0 serves none.
     """
 
     devices: int = 3
@@ -74,6 +76,7 @@ class DemoOptions:
     restart_devices: bool = False
     max_message_bytes: int | None = None
     save_model: Path | None = None  # the trained model's checkpoint [default: work_dir/model.pt]
+    layout: Layout = Layout.AUTO
 
     def __post_init__(self) -> None:
         if self.metrics_port_base and not 1024 <= self.metrics_port_base <= 65535 - self.devices:
@@ -128,6 +131,7 @@ class Demo:
                             str(self.options.devices), "--stop-devices",
                             "--summary-json", str(self.summary_path),
                             "--save-model", str(self.model_path),
+                            "--layout", self.options.layout.value,
                             *(["--resume"] if resume else ["--train-config", str(self.train_path)]),
                             *self._metrics_args(0), *self.options.controller_args, log=False)
 

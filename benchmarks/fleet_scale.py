@@ -1,0 +1,457 @@
+"""Fleet scale benchmark (prints JSON, writes it and a PNG): stage groups on 16 and 32 emulated
+devices over one Mosquitto.
+
+1. Fleet F16 = 8x rpi-zero, 6x rpi4, 2x jetson-nano (devices/profiles/*.json: slow-down factors,
+   link caps and memory budgets the device agents emulate), the digits CNN, M=16 micro-batches
+   of 8. The fleet planner plans three layouts from the profiles and one cost profile measured
+   here: the best single pipeline (one device per stage), the best pure data-parallel group
+   (the fastest devices holding the whole model; all 16 as replicas is predicted too) and the
+   hybrid plan. Each runs as a pinned plan (``--assignment`` with the planner's shares; the
+   pipeline without repartitioning, the groups with share retuning) and its steady-state
+   samples/s is measured.
+   Only the devices a plan uses are started: the others would idle.
+   Link model: the device agents sleep for their link cap on what they send, not on what they
+   receive nor on the group's gradient exchange, so plans are made for that (``emulated``;
+   their predictions under the planner's full link model are reported too).
+   Calibration: the profile is measured in one process while other work shares the 2 cores, so
+   its compute figures are off by a large factor (10x in a first run) while the emulated link
+   delays are exact; a planner that believes compute 10x dearer than it is groups devices over
+   slow links. The planner's pipeline therefore runs first, the factor that makes its predicted
+   step equal the measured one scales the profile's compute figures, and the three layouts are
+   planned again with the scaled profile (the pipeline runs again only if it changed).
+2. Interruption (Stannis): in the hybrid run the fastest member of the largest group slows 4x
+   from a set step (a profile step schedule; deterministic where a time schedule would depend
+   on each process's start-up). Reported: the steps until its group's shares were retuned, the
+   steps until the measured rate (2-step mean) stays within 10% of the planner's prediction for
+   the new speeds (scaled by the measured/predicted ratio before the slow-down), and the shares
+   and rate per step (the PNG).
+3. Scale: the planner's decision time (solve_groups) for F16 and F32 (F16 twice), the
+   controller's measured decision time per step boundary, and the broker's messages/s from
+   Mosquitto's $SYS counters (``sys_interval 1``) during each run, including a short run of all
+   32 devices under ``--layout auto`` (the controller plans with unmeasured speeds, then
+   rebalances its pipeline on measured ones).
+
+The digits CNN stands in for MobileNetV2: every controller profiles its model before planning,
+which for MobileNetV2 took 80-100 s per run under this machine's shared load.
+
+    python benchmarks/fleet_scale.py [--out benchmarks/results/fleet_scale.json] [--no-32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import (  # noqa: E402
+    PROFILES,
+    JobSpec,
+    run_job,
+    save_figure,
+    say,
+    write_results,
+)
+from ftpipe_iot.control.job import prepare_job  # noqa: E402
+from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts  # noqa: E402
+from ftpipe_iot.planning.group_search import (  # noqa: E402
+    best_single_pipeline,
+    data_parallel_plan,
+    solve_groups,
+)
+from ftpipe_iot.planning.groups import GroupPlan, evaluate_groups  # noqa: E402
+from ftpipe_iot.planning.profiles import load_profile  # noqa: E402
+from ftpipe_iot.protocol.plan import TrainConfig  # noqa: E402
+from ftpipe_iot.runtime.broker import BrokerProcess, render_config  # noqa: E402
+
+MB, M = 8, 16
+BATCH = MB * M
+TRAINING = ["--model", "cnn", "--data", "digits", "--micro-batches", str(M),
+            "--micro-batch-size", str(MB), "--max-in-flight", str(M), "--epochs", "20",
+            "--replicate-every", "0", "--heartbeat-timeout", "20", "--stall-timeout", "120",
+            "--wait-devices", "900"]
+CLASSES = (("rpi-zero", "zero", 8), ("rpi4", "pi", 6), ("jetson-nano", "jet", 2))
+SLOWDOWN = 4.0
+
+
+def fleet(copies: int) -> list[tuple[str, Path]]:
+    """Device names and profile files: F16 once per copy."""
+    devices = []
+    for profile, prefix, count in CLASSES:
+        for i in range(count * copies):
+            devices.append((f"{prefix}{i}", PROFILES / f"{profile}.json"))
+    return devices
+
+
+def specs(devices: list[tuple[str, Path]], slowed: dict[str, float] | None = None
+          ) -> list[DeviceSpec]:
+    out = []
+    for name, path in devices:
+        spec = load_profile(path).device_spec(name=name)
+        factor = spec.factor * (slowed or {}).get(name, 1.0)
+        out.append(DeviceSpec(name, factor, spec.bandwidth_bytes_per_s, spec.memory_bytes))
+    return out
+
+
+def assignment_text(plan: GroupPlan) -> str:
+    """The plan as ``--assignment``: groups with the planner's micro-batch counts as weights."""
+    def members(stage) -> str:
+        if len(stage.members) == 1:
+            return stage.members[0].device
+        return "+".join(f"{m.device}*{m.micro_batches}" for m in stage.members)
+
+    return ",".join(f"{members(s)}:{s.start}-{s.end}" for s in plan.stages)
+
+
+class SysMonitor:
+    """Mosquitto's $SYS message counters as they arrive (value and arrival time)."""
+
+    TOPICS = ("$SYS/broker/messages/received", "$SYS/broker/messages/sent",
+              "$SYS/broker/publish/messages/received", "$SYS/broker/publish/messages/sent")
+
+    def __init__(self, port: int) -> None:
+        import paho.mqtt.client as mqtt
+
+        self.history: dict[str, list[tuple[float, float]]] = {t: [] for t in self.TOPICS}
+        self.lock = threading.Lock()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="bench-sys")
+        self.client.on_message = self._on_message
+        self.client.connect("127.0.0.1", port)
+        for topic in self.TOPICS:
+            self.client.subscribe(topic)
+        self.client.loop_start()
+
+    def _on_message(self, _client, _userdata, message) -> None:
+        try:
+            value = float(message.payload.decode())
+        except ValueError:
+            return
+        with self.lock:
+            self.history[message.topic].append((time.monotonic(), value))
+
+    def rates(self, start: float, end: float) -> dict:
+        """Messages/s per counter between the last update before ``start`` and the first after
+        ``end`` (Mosquitto publishes a counter every sys_interval while it changes, so a
+        window of a few steps may hold no update at all)."""
+        out: dict = {}
+        with self.lock:
+            for topic, samples in self.history.items():
+                before = [(t, v) for t, v in samples if t <= start]
+                after = [(t, v) for t, v in samples if t >= end]
+                key = topic.removeprefix("$SYS/broker/").replace("/", "_") + "_per_s"
+                if not before or not after or after[0][0] <= before[-1][0]:
+                    out[key] = None
+                    continue
+                (t0, v0), (t1, v1) = before[-1], after[0]
+                out[key] = round((v1 - v0) / (t1 - t0), 1)
+                out["window_s"] = round(t1 - t0, 2)
+        return out
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def training_window(first: int, last: int, box: dict):
+    """A ``during`` callback: the monotonic times training passed steps first and last."""
+    def during(watcher, _procs) -> None:
+        if watcher.wait_step(first, 1200):
+            box["start"] = time.monotonic()
+            if watcher.wait_step(last, 1200):
+                box["end"] = time.monotonic()
+    return during
+
+
+def emulated(costs: LayerCosts, fleet_specs: list[DeviceSpec]
+             ) -> tuple[LayerCosts, list[DeviceSpec]]:
+    """The cost model of what the device agents emulate: they sleep for the link cap on the
+    activations and gradients they send (not on what they receive, not on the group's gradient
+    exchange, ``device/pipeline.py``), while the planner's model charges a payload on both ends
+    (``2 (a_in + a_out) / bw``) and the exchange (``M P / bw``). Twice the bandwidth and no
+    parameter bytes make the model describe the emulated fleet."""
+    plain = LayerCosts(costs.layer_cost_s, costs.activation_bytes, costs.layer_memory_bytes,
+                       costs.micro_batch_size, costs.stage_overhead_s, costs.head_overhead_s)
+    return plain, [DeviceSpec(d.name, d.factor, 2 * d.bandwidth_bytes_per_s, d.memory_bytes)
+                   for d in fleet_specs]
+
+
+def scaled(costs: LayerCosts, k: float) -> LayerCosts:
+    """``costs`` with every compute figure times ``k`` (bytes unchanged)."""
+    return LayerCosts(tuple(c * k for c in costs.layer_cost_s), costs.activation_bytes,
+                      costs.layer_memory_bytes, costs.micro_batch_size,
+                      costs.stage_overhead_s * k, costs.head_overhead_s * k, costs.param_bytes)
+
+
+def calibrate(plan: GroupPlan, costs: LayerCosts, fleet_specs: list[DeviceSpec],
+              measured_step_s: float) -> float:
+    """The factor on the profile's compute figures that makes the planner's step time of
+    ``plan`` equal the measured one (bisection: the step time grows with it). The profile is
+    measured in one process while other work shares the 2 cores, the emulated devices compute
+    later under another load; link delays are emulated exactly and need no factor."""
+    def step(k: float) -> float:
+        return evaluate_groups(plan, scaled(costs, k), fleet_specs, M, MB).step_s
+
+    lo, hi = 1e-3, 1e3
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if step(mid) < measured_step_s else (lo, mid)
+    return (lo * hi) ** 0.5
+
+
+def step_rates(summary: dict) -> dict[int, float]:
+    """Samples/s of each step (from the previous step's completion to its own)."""
+    times = {h["step"]: h["t"] for h in summary["history"]}
+    return {s: BATCH / (times[s] - times[s - 1]) for s in sorted(times)
+            if s - 1 in times and times[s] > times[s - 1]}
+
+
+def steady(summary: dict, lo: int, hi: int) -> float:
+    """Samples/s over steps lo..hi."""
+    times = {h["step"]: h["t"] for h in summary["history"]}
+    return (hi - lo) * BATCH / (times[hi] - times[lo])
+
+
+def shares_by_step(summary: dict, device_set: set[str], steps: int) -> dict[str, list[float]]:
+    """Each device's share at every step, from the plan and shares events."""
+    changes = []
+    for event in summary["events"]:
+        if event["type"] == "plan_changed":
+            changes.append((event.get("resume_step", 0), event["stages"]))
+        elif event["type"] == "shares_changed":
+            changes.append((event["at_step"], event["stages"]))
+    changes.sort(key=lambda c: c[0])
+    out: dict[str, list[float]] = {d: [] for d in device_set}
+    for step in range(steps):
+        stages = [s for at, s in changes if at <= step][-1]
+        current = {m["device"]: m["share"] for s in stages for m in s["devices"]}
+        for device in device_set:
+            out[device].append(current.get(device, 0.0))
+    return out
+
+
+def run_plan(broker: BrokerProcess, monitor: SysMonitor, label: str, plan: GroupPlan,
+             devices: dict[str, Path], steps: int, window: tuple[int, int],
+             extra: list[str] = ()) -> tuple[dict, float, dict]:
+    """Run a pinned plan on the devices it uses; its summary, samples/s over the ``window``
+    steps and the broker's messages/s meanwhile."""
+    used = [(name, devices[name]) for name in plan.devices]
+    say(f"{label}: {len(used)} devices, {assignment_text(plan)}")
+    spec = JobSpec(f"fleet-{label}", used, [*TRAINING, "--max-steps", str(steps),
+                                            "--assignment", assignment_text(plan), *extra],
+                   timeout_s=1200)
+    box: dict = {}
+    summary = run_job(spec, broker, training_window(*window, box))
+    rate = steady(summary, *window)
+    say(f"{label}: {rate:.1f} samples/s")
+    return summary, rate, monitor.rates(box.get("start", 0.0), box.get("end", 0.0))
+
+
+def interruption(summary: dict, slowed: str, at: int, before_rate: float, predicted: dict,
+                 steps: int) -> dict:
+    rate = step_rates(summary)
+    retunes = [e["at_step"] for e in summary["events"] if e["type"] == "shares_changed"
+               and e["at_step"] >= at]
+    # The planner's rate for the new speeds, scaled by how far the measurement was off before.
+    target = before_rate * predicted["after"] / predicted["before"]
+    smoothed = {s: statistics.mean(rate[k] for k in (s, s + 1) if k in rate)
+                for s in rate if s >= at}
+    back = next((s for s in sorted(smoothed) if abs(smoothed[s] - target) <= 0.1 * target
+                 and all(abs(smoothed[k] - target) <= 0.1 * target
+                         for k in smoothed if s <= k < s + 3)), None)
+    after = [rate[s] for s in rate if s >= max(retunes[:1] or [at]) + 1]
+    return {"slowed_device": slowed, "slowdown": SLOWDOWN, "from_step": at,
+            "rate_before_samples_per_s": round(before_rate, 2),
+            "predicted_samples_per_s": {k: round(v, 2) for k, v in predicted.items()},
+            "target_samples_per_s": round(target, 2),
+            "shares_retuned_at_steps": retunes,
+            "steps_until_shares_retuned": (retunes[0] - at) if retunes else None,
+            "steps_until_within_10pct": (back - at) if back is not None else None,
+            "rate_after_retune_median_samples_per_s":
+                round(statistics.median(after), 2) if after else None,
+            "repartitions": summary["repartitions"],
+            "weights_moved": summary["repartitions"] > 0,
+            "per_step_samples_per_s": {s: round(r, 2) for s, r in rate.items()}}
+
+
+def planner_times(costs: LayerCosts) -> dict:
+    out = {}
+    for copies in (1, 2):
+        fleet_specs = specs(fleet(copies))
+        times, cpu = [], []
+        for _ in range(3):
+            t, c = time.perf_counter(), time.process_time()
+            plan = solve_groups(costs, fleet_specs, M, MB)
+            times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
+        out[f"F{16 * copies}"] = {"devices": len(fleet_specs), "layers": costs.n_layers,
+                                  "median_wall_s": round(statistics.median(times), 3),
+                                  "median_cpu_s": round(statistics.median(cpu), 3),
+                                  "stages": len(plan.stages), "devices_used": len(plan.devices)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).parent / "results" / "fleet_scale.json")
+    parser.add_argument("--steps", type=int, default=24, help="steps of each F16 run")
+    parser.add_argument("--slow-at", type=int, default=14,
+                        help="step of the hybrid run's 4x slow-down")
+    parser.add_argument("--no-32", action="store_true", help="skip the 32-device run")
+    args = parser.parse_args()
+    started = time.monotonic()
+    results: dict = {"fleet": {c[0]: c[2] for c in CLASSES}, "model": "cnn (digits)",
+                     "micro_batches": M, "micro_batch_size": MB,
+                     "loadavg_start": os.getloadavg()}
+    say("profiling the model (the cost model every plan below uses)")
+    profiled = prepare_job(TrainConfig(micro_batches=M, micro_batch_size=MB)).cost_model
+    devices16 = dict(fleet(1))
+    declared = specs(list(devices16.items()))
+    results["planner_decision"] = planner_times(profiled)
+    raw, f16 = emulated(profiled, declared)
+    window = (4, args.slow_at - 1)  # past the fill and the first retuning, before the slow-down
+
+    tmp = Path(tempfile.mkdtemp(prefix="fleet-scale-"))
+    broker = BrokerProcess(data_dir=tmp / "broker")
+    assert broker.data_dir is not None
+    # $SYS counters every second: the broker's messages/s during the runs
+    broker.config_text = render_config(broker.port, broker.data_dir) + "\nsys_interval 1\n"
+    broker.start()
+    monitor = SysMonitor(broker.port)
+    measured, broker_rates, decisions = {}, {}, {}
+    try:
+        # 1. the planner's single pipeline on the profile as measured: its real step time
+        # calibrates the profile's compute figures for the plans compared below
+        first = best_single_pipeline(raw, f16, M, MB)
+        summary, rate, broker_rates["F16-pipeline"] = run_plan(
+            broker, monitor, "pipeline", first, devices16, args.steps, window,
+            ["--no-repartition"])
+        decisions["F16-pipeline"] = summary.get("decision_s")
+        k = calibrate(first, raw, f16, BATCH / rate)
+        costs = scaled(raw, k)
+        plans = {"pipeline": best_single_pipeline(costs, f16, M, MB),
+                 "data_parallel": data_parallel_plan(costs, f16, M, MB),
+                 "hybrid": solve_groups(costs, f16, M, MB)}
+        every = data_parallel_plan(costs, f16, M, MB, members=list(devices16))
+        results["calibration"] = {
+            "profile_compute_factor": round(k, 4), "pipeline_run": assignment_text(first),
+            "pipeline_measured_samples_per_s": round(rate, 2),
+            "predicted_samples_per_s_uncalibrated": round(first.throughput_samples_per_s, 2)}
+        results["plans"] = {name: assignment_text(p) for name, p in plans.items()}
+        results["predicted_samples_per_s"] = {
+            **{name: round(p.throughput_samples_per_s, 2) for name, p in plans.items()},
+            "data_parallel_all_16": round(every.throughput_samples_per_s, 2)}
+        # the same plans under the planner's own link model (what real links would cost)
+        full = scaled(profiled, k)
+        results["predicted_samples_per_s_real_links"] = {
+            name: round(evaluate_groups(p.assignment, full, declared, M, MB)
+                        .throughput_samples_per_s, 2) for name, p in plans.items()}
+        if assignment_text(plans["pipeline"]) == assignment_text(first):
+            measured["pipeline"] = rate
+        else:
+            summary, measured["pipeline"], broker_rates["F16-pipeline"] = run_plan(
+                broker, monitor, "pipeline-calibrated", plans["pipeline"], devices16,
+                args.steps, window, ["--no-repartition"])
+            decisions["F16-pipeline"] = summary.get("decision_s")
+        summary, measured["data_parallel"], broker_rates["F16-data_parallel"] = run_plan(
+            broker, monitor, "data_parallel", plans["data_parallel"], devices16, args.steps,
+            window)
+        decisions["F16-data_parallel"] = summary.get("decision_s")
+
+        # 2. the hybrid plan, one member of its largest group slowed 4x from --slow-at
+        hybrid = plans["hybrid"]
+        group = max(hybrid.stages, key=lambda st: (len(st.members), -st.start))
+        slowed = min(group.members, key=lambda m: m.compute_s).device  # its fastest member
+        predicted = {"before": hybrid.throughput_samples_per_s,
+                     "after": evaluate_groups(hybrid, costs, emulated(profiled, specs(
+                         list(devices16.items()), {slowed: SLOWDOWN}))[1],
+                                              M, MB).throughput_samples_per_s}
+        profile = load_profile(devices16[slowed]).to_dict()
+        profile["step_schedule"] = [{"from_step": args.slow_at, "factor": SLOWDOWN}]
+        slowed_path = tmp / f"{slowed}-slowdown.json"
+        slowed_path.write_text(json.dumps(profile))
+        steps = args.slow_at + 12
+        summary, measured["hybrid"], broker_rates["F16-hybrid"] = run_plan(
+            broker, monitor, "hybrid", hybrid, {**devices16, slowed: slowed_path}, steps,
+            window)
+        decisions["F16-hybrid"] = summary.get("decision_s")
+        results["interruption"] = interruption(summary, slowed, args.slow_at,
+                                               measured["hybrid"], predicted, steps)
+        results["interruption"]["shares"] = shares_by_step(summary, set(group.devices), steps)
+
+        # 3. all 32 devices, the controller planning with --layout auto
+        if not args.no_32:
+            say("F32: 32 devices, --layout auto")
+            box: dict = {}
+            spec = JobSpec("fleet-f32", fleet(2), [*TRAINING, "--max-steps", "12",
+                                                   "--layout", "auto"], timeout_s=1500)
+            summary = run_job(spec, broker, training_window(2, 11, box))
+            broker_rates["F32-auto"] = monitor.rates(box.get("start", 0.0), box.get("end", 0.0))
+            decisions["F32-auto"] = summary.get("decision_s")
+            results["f32_auto"] = {
+                "stages": [{"start": st["start"], "end": st["end"],
+                            "devices": [d["device"] for d in st["devices"]]}
+                           for st in summary["stages"]],
+                "repartitions": summary["repartitions"],
+                "samples_per_s_steps_2_11": round(steady(summary, 2, 11), 2)}
+    finally:
+        monitor.close()
+        broker.cleanup()
+    results["measured_samples_per_s"] = {k: round(v, 2) for k, v in measured.items()}
+    results["hybrid_over_pipeline"] = round(measured["hybrid"] / measured["pipeline"], 2)
+    results["hybrid_over_data_parallel"] = round(measured["hybrid"] / measured["data_parallel"], 2)
+    results["targets"] = {"hybrid_over_pipeline": 1.5, "hybrid_over_data_parallel": 1.2,
+                          "steps_until_recovered": 3}
+    results["broker_messages"] = broker_rates
+    results["controller_decision_s"] = decisions
+    results["loadavg_end"] = os.getloadavg()
+    results["wall_s"] = round(time.monotonic() - started, 1)
+    write_results(results, args.out, lambda png: plot(results, png))
+
+
+def plot(results: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    inter = results["interruption"]
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4))
+    labels = ["pipeline", "data_parallel", "hybrid"]
+    x = range(len(labels))
+    left.bar([i - 0.2 for i in x], [results["predicted_samples_per_s"][k] for k in labels],
+             0.4, label="predicted")
+    left.bar([i + 0.2 for i in x], [results["measured_samples_per_s"][k] for k in labels],
+             0.4, label="measured")
+    left.set_xticks(list(x), labels)
+    left.set_ylabel("samples/s")
+    left.set_title("F16: layouts")
+    left.legend()
+    rate = {int(k): v for k, v in inter["per_step_samples_per_s"].items()}
+    middle.plot(sorted(rate), [rate[s] for s in sorted(rate)], marker=".")
+    middle.axhline(inter["target_samples_per_s"], color="grey", linestyle="--",
+                   label="planner, new speeds")
+    middle.axvline(inter["from_step"], color="red", linestyle=":", label=f"{SLOWDOWN:g}x slow-down")
+    middle.set_xlabel("step")
+    middle.set_ylabel("samples/s")
+    middle.set_title("hybrid: rate per step")
+    middle.legend()
+    for device, shares in sorted(inter["shares"].items()):
+        right.step(range(len(shares)), shares, where="post", label=device)
+    right.axvline(inter["from_step"], color="red", linestyle=":")
+    right.set_xlabel("step")
+    right.set_ylabel("share of the stage's micro-batches")
+    right.set_title(f"shares in {inter['slowed_device']}'s group")
+    right.legend(fontsize=7)
+    save_figure(fig, png)
+
+
+if __name__ == "__main__":
+    main()

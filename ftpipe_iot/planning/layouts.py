@@ -1,0 +1,110 @@
+"""The layout of a new plan (pure): one device per stage, one stage held by every device, or
+whatever the fleet planner predicts is fastest (docs/design.md §7, §8).
+
+``auto`` compares two plans under the same group cost model (``planning.groups``): the single
+pipeline the controller has always deployed (``rebalance.new_assignment``) and the fleet
+planner's plan (``group_search.solve_groups``: pipeline, data parallelism or a hybrid). The
+planner's plan wins only when it is predicted at least ``min_gain`` faster per step: the model
+leaves out what it cannot see (the broker's own load, the cores the emulated devices share), so
+a marginal predicted gain is not worth the gradient traffic a group adds.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ftpipe_iot.errors import PartitionError
+from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
+from ftpipe_iot.planning.group_search import data_parallel_plan, solve_groups
+from ftpipe_iot.planning.groups import GroupPlan, evaluate_groups
+from ftpipe_iot.planning.rebalance import new_assignment
+
+
+class Layout(str, enum.Enum):
+    """How a controller lays a new plan out over its devices."""
+
+    AUTO = "auto"  # the fleet planner's plan when predicted faster than the single pipeline
+    PIPELINE = "pipeline"  # one device per stage (the pre-group behaviour)
+    DATA = "data"  # one stage with every layer, held by every device
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The stages chosen: ``(start, end, members, micro-batches per member)`` each, the kind
+    of plan they form, the predicted seconds per step of the candidates (``pipeline``,
+    ``planner``; None when not evaluated) and a warning to log, if any."""
+
+    stages: tuple[tuple[int, int, tuple[str, ...], tuple[int, ...]], ...]
+    kind: str  # "pipeline", "data" or "hybrid"
+    pipeline_step_s: float | None = None
+    planner_step_s: float | None = None
+    warning: str | None = None
+
+    @property
+    def grouped(self) -> bool:
+        """Whether some stage is held by more than one device."""
+        return any(len(members) > 1 for _, _, members, _ in self.stages)
+
+
+def _kind(plan: GroupPlan) -> str:
+    if len(plan.stages) == 1 and len(plan.stages[0].members) > 1:
+        return "data"
+    return "hybrid" if plan.largest_group > 1 else "pipeline"
+
+
+def _stages(plan: GroupPlan) -> tuple[tuple[int, int, tuple[str, ...], tuple[int, ...]], ...]:
+    return tuple((s.start, s.end, s.devices, s.micro_batch_counts) for s in plan.stages)
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches: int,
+                  layout: Layout, min_gain: float = 0.10) -> LayoutChoice:
+    """The stages of a new plan over ``specs`` (in the controller's order) for ``layout``.
+
+    ``pipeline`` is :func:`new_assignment`'s single pipeline. ``data`` puts every device in one
+    group (the fastest ``micro_batches`` of them when there are more, with a warning); when the
+    whole model does not fit some member's memory the planner decides instead, with a
+    warning. ``auto`` takes :func:`solve_groups`' plan when it predicts a step at least
+    ``min_gain`` shorter than the single pipeline's, else the single pipeline.
+    """
+    if not 0 <= min_gain < 1:
+        raise PartitionError(f"min_gain must be in [0, 1), got {min_gain}")
+    specs = list(specs)
+    if layout is Layout.DATA:
+        members = [s.name for s in specs]
+        warning = None
+        if len(specs) > micro_batches:  # every member takes whole micro-batches
+            members = [s.name for s in sorted(specs, key=lambda s: s.factor)[:micro_batches]]
+            warning = (f"layout data: {len(specs)} devices but {micro_batches} micro-batches "
+                       f"per step; the {micro_batches} fastest hold the model")
+        plan = data_parallel_plan(costs, specs, micro_batches, members=members)
+        if plan.fits_memory:
+            return LayoutChoice(_stages(plan), "data", planner_step_s=_finite(plan.step_s),
+                                warning=warning)
+        choice = choose_layout(costs, specs, micro_batches, Layout.AUTO, min_gain)
+        return LayoutChoice(choice.stages, choice.kind, choice.pipeline_step_s,
+                            choice.planner_step_s,
+                            "layout data: the whole model does not fit every device's memory; "
+                            f"the planner chose a {choice.kind} plan instead")
+    assignment, warning = new_assignment(costs, specs)
+    single = tuple((lo, hi, (device,), (micro_batches,)) for device, lo, hi in assignment)
+    if layout is Layout.PIPELINE:
+        return LayoutChoice(single, "pipeline", warning=warning)
+    pipeline = evaluate_groups([(lo, hi, members) for lo, hi, members, _ in single], costs,
+                               specs, micro_batches)
+    try:
+        planned = solve_groups(costs, specs, micro_batches)
+    except PartitionError as exc:
+        return LayoutChoice(single, "pipeline", _finite(pipeline.step_s), None,
+                            f"fleet planner: {exc}; a single pipeline instead")
+    if planned.step_s < pipeline.step_s * (1 - min_gain):
+        return LayoutChoice(_stages(planned), _kind(planned), _finite(pipeline.step_s),
+                            _finite(planned.step_s))
+    return LayoutChoice(single, "pipeline", _finite(pipeline.step_s), _finite(planned.step_s),
+                        warning)

@@ -1,0 +1,137 @@
+"""The layout of a new plan: a single pipeline, one group of every device, or the fleet
+planner's plan when it is predicted faster (``--layout auto``); and a controller that lays its
+plan out that way still trains like one process."""
+
+from __future__ import annotations
+
+import itertools
+
+import click
+import pytest
+from helpers import MemoryJob, max_weight_diff
+
+from ftpipe_iot.control.config import ControllerConfig
+from ftpipe_iot.control.layout import LayoutInputs, choose_stages
+from ftpipe_iot.core.reference import train_reference
+from ftpipe_iot.core.routing import counts_from_shares, plan_counts
+from ftpipe_iot.errors import ConfigError
+from ftpipe_iot.planning.capacity import CapacityEstimator
+from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
+from ftpipe_iot.planning.layouts import Layout, choose_layout
+from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.specs import ModelSpec
+from ftpipe_iot.protocol.vocab import ControllerPhase
+
+
+def _costs(params: float) -> LayerCosts:
+    return LayerCosts((0.01,) * 6, (1000.0,) * 6, (1.0,) * 6, param_bytes=(params,) * 6)
+
+
+def _devices(n: int, bandwidth: float = float("inf")) -> list[DeviceSpec]:
+    return [DeviceSpec(f"d{i}", 1.0, bandwidth) for i in range(n)]
+
+
+def test_auto_takes_groups_only_when_the_planner_predicts_them_faster():
+    # free links: four equal devices share every micro-batch-sized piece of work, no bubble
+    fast = choose_layout(_costs(1000.0), _devices(4), 8, Layout.AUTO)
+    assert fast.grouped and fast.kind == "data"
+    assert fast.planner_step_s < fast.pipeline_step_s * 0.9
+    assert fast.stages == ((0, 6, ("d0", "d1", "d2", "d3"), (2, 2, 2, 2)),)
+    # slow links and large layers: exchanging gradients costs more than the bubble saves
+    slow = choose_layout(_costs(1e7), _devices(4, 1e6), 8, Layout.AUTO)
+    assert not slow.grouped and slow.kind == "pipeline"
+    assert sorted(members for _, _, members, _ in slow.stages) == \
+        [("d0",), ("d1",), ("d2",), ("d3",)]
+    # a predicted gain below the margin keeps the pipeline
+    margin = 1 - fast.planner_step_s / fast.pipeline_step_s
+    assert not choose_layout(_costs(1000.0), _devices(4), 8, Layout.AUTO,
+                             min_gain=min(0.99, margin + 0.01)).grouped
+
+
+def test_pipeline_and_data_layouts_ignore_the_prediction():
+    pipeline = choose_layout(_costs(1000.0), _devices(3), 6, Layout.PIPELINE)
+    assert [(lo, hi, m, c) for lo, hi, m, c in pipeline.stages] == \
+        [(0, 2, ("d0",), (6,)), (2, 4, ("d1",), (6,)), (4, 6, ("d2",), (6,))]
+    data = choose_layout(_costs(1e7), _devices(3, 1e6), 6, Layout.DATA)
+    assert data.stages == ((0, 6, ("d0", "d1", "d2"), (2, 2, 2)),) and data.kind == "data"
+    crowded = choose_layout(_costs(1.0), [DeviceSpec(f"d{i}", 1.0 + i) for i in range(5)], 3,
+                            Layout.DATA)
+    assert crowded.stages[0][2] == ("d0", "d1", "d2") and "3 fastest" in crowded.warning
+    # the whole model does not fit: the planner decides, and says so
+    tight = [DeviceSpec(f"d{i}", 1.0, memory_bytes=3.0) for i in range(3)]
+    split = choose_layout(_costs(1.0), tight, 6, Layout.DATA)
+    assert len(split.stages) > 1 and "does not fit" in split.warning
+
+
+def test_choose_stages_writes_the_planners_counts_as_shares():
+    costs = _costs(1000.0)
+    capacity = CapacityEstimator.for_costs(costs)
+    for device, factor in (("d0", 1.0), ("d1", 1.0), ("d2", 3.0)):  # d2 measured 3x slower
+        capacity.observe(device, 0, 6, factor * costs.stage_cost_s(0, 6), 1)
+    inputs = LayoutInputs(["d0", "d1", "d2"], None, (), costs, capacity, {},
+                          layout=Layout.AUTO, micro_batches=7)
+    stages, lines = choose_stages(inputs)
+    expected = choose_layout(costs, [DeviceSpec("d0", 1.0), DeviceSpec("d1", 1.0),
+                                     DeviceSpec("d2", 3.0)], 7, Layout.AUTO)
+    assert expected.grouped
+    assert [(s.start, s.end, s.devices) for s in stages] == \
+        [(lo, hi, members) for lo, hi, members, _ in expected.stages]
+    assert plan_counts(stages, 7) == tuple(counts for *_, counts in expected.stages)
+    assert any(line.startswith(f"layout: {expected.kind} plan") for line in lines)
+
+
+def test_shares_written_as_counts_give_the_counts_back():
+    for m in range(1, 17):
+        for g in range(1, min(m, 4) + 1):
+            for counts in itertools.product(range(1, m + 1), repeat=g):
+                if sum(counts) == m:
+                    assert counts_from_shares([n / m for n in counts], m) == counts
+
+
+def test_a_data_layout_needs_a_micro_batch_per_device():
+    with pytest.raises(ConfigError, match="needs micro_batches >= 5"):
+        ControllerConfig(train=TrainConfig(micro_batches=4), devices=5, layout=Layout.DATA)
+    # standbys do not compute: five devices with resiliency 1 put two in the group
+    ControllerConfig(train=TrainConfig(micro_batches=4, resiliency=1), devices=5,
+                     layout=Layout.DATA)
+
+
+def test_an_auto_layout_controller_uses_groups_and_trains_like_one_process():
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=6, micro_batch_size=8,
+                        max_steps=6, lr=0.05, replicate_every=3)
+    job = MemoryJob(ControllerConfig(train=train, devices=3, layout=Layout.AUTO), devices=3)
+    job.start()
+    assert job.run() is ControllerPhase.DONE
+    controller = job.controller
+    first = next(e for e in controller.summary.events if e["type"] == "plan_changed")
+    # what the controller deployed is what the planner predicted to be fastest: groups
+    expected = choose_layout(controller.model.cost_model,
+                             [DeviceSpec(d, 1.0) for d in ("d0", "d1", "d2")], 6, Layout.AUTO)
+    assert expected.grouped
+    assert [tuple(d["device"] for d in s["devices"]) for s in first["stages"]] == \
+        [members for _, _, members, _ in expected.stages]
+    gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
+    assert max_weight_diff(gathered, train_reference(train, controller.data, steps=6)) < 1e-5
+
+
+def test_a_pinned_group_carries_its_weights_as_shares():
+    from ftpipe_iot.cli.options import parse_assignment
+
+    stages = parse_assignment("a*3+b:0-2,c/d:2-6")
+    assert [(m.device, m.share) for m in stages[0].members] == [("a", 0.75), ("b", 0.25)]
+    assert plan_counts(stages, 8) == ((6, 2), (8, 0))
+    with pytest.raises(click.BadParameter, match="weight must be a number > 0"):
+        parse_assignment("a*0+b:0-6")
+    with pytest.raises(click.BadParameter, match=r"DEVICE\[\*WEIGHT\]"):
+        parse_assignment("a*x+b:0-6")
+
+
+def test_a_device_not_measured_yet_counts_as_a_typical_one():
+    costs = _costs(1000.0)
+    capacity = CapacityEstimator.for_costs(costs)
+    for device in ("d0", "d1"):  # measured 5x slower than the reference on this host
+        capacity.observe(device, 0, 6, 5 * costs.stage_cost_s(0, 6), 1)
+    stages, _ = choose_stages(LayoutInputs(["d0", "d1", "d2"], None, (), costs, capacity, {},
+                                           layout=Layout.AUTO, micro_batches=6))
+    # d2 (unmeasured) is not taken for 5x faster: the three share the work alike
+    assert plan_counts(stages, 6) == ((2, 2, 2),)
