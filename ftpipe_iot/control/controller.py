@@ -343,8 +343,7 @@ class Controller:
         if resume_step == 0 and init_weights:
             self._republish(0, tuple(range(self.model.num_layers)))
         self._since = self.plan.since
-        self.excluded = set()
-        self.ready = set()
+        self.excluded, self.ready = set(), set()
         self.training = None
         self.recorder.throughput.pause(self.clock())
         self.phase = Phase.DEPLOYING
