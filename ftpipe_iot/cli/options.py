@@ -12,7 +12,7 @@ import click
 from ftpipe_iot.errors import FtpipeError
 from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
-from ftpipe_iot.protocol.vocab import OptimizerName, WireDtype
+from ftpipe_iot.protocol.vocab import OptimizerName, ScheduleName, WireDtype
 from ftpipe_iot.transport.config import BrokerConfig, Bundle, load_bundle, parse_protocol
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -82,11 +82,16 @@ _TRAINING: list[Decorator] = [
                  help="failures each stage survives without rollback: r holders beyond the "
                       "first (group peers or warm standbys) take over late and lost "
                       "micro-batches; costs traffic (see `ftpipe-iot plan --resiliency`)"),
+    click.option("--schedule", type=click.Choice([s.value for s in ScheduleName]),
+                 default="sync", show_default=True,
+                 help="sync drains the pipeline every step; async runs 1F1B across steps "
+                      "with two weight versions (PipeDream-2BW), draining only at "
+                      "replication points and epoch ends (one device per stage)"),
 ]
 TRAINING_NAMES = ("model", "data", "data_shape", "data_classes", "data_samples", "epochs",
                   "max_steps", "micro_batches", "micro_batch_size", "optimizer", "lr",
                   "momentum", "seed", "max_in_flight", "wire_dtype", "no_compress",
-                  "replicate_every", "freeze_layers", "resiliency")
+                  "replicate_every", "freeze_layers", "resiliency", "schedule")
 
 _CONNECTION: list[Decorator] = [
     click.option("--broker", "broker_url", default="mqtt://127.0.0.1:1883", show_default=True,
@@ -151,7 +156,8 @@ def train_config(kw: dict[str, Any]) -> TrainConfig:
         seed=kw["seed"], epochs=kw["epochs"], max_steps=kw["max_steps"],
         max_in_flight=kw["max_in_flight"], wire_dtype=WireDtype(kw["wire_dtype"]),
         compress=not kw["no_compress"], replicate_every=kw["replicate_every"],
-        frozen_layers=parse_frozen(kw["freeze_layers"]), resiliency=kw["resiliency"])
+        frozen_layers=parse_frozen(kw["freeze_layers"]), resiliency=kw["resiliency"],
+        schedule=ScheduleName(kw["schedule"]))
 
 
 def parse_frozen(text: str | None) -> int:
