@@ -8,12 +8,14 @@ from dataclasses import replace
 
 import pytest
 from helpers import MemoryJob, max_weight_diff
+from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.control.checkpoint import load_weights
-from ftpipe_iot.control.controller import ControllerConfig
+from ftpipe_iot.control.controller import Controller, ControllerConfig
 from ftpipe_iot.core.data import DataSpec, load_dataset
 from ftpipe_iot.core.models import ModelSpec
 from ftpipe_iot.core.reference import train_reference
+from ftpipe_iot.device.agent import DeviceAgent, device_will
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.vocab import ControllerPhase as Phase
 from ftpipe_iot.protocol.vocab import ScheduleName
@@ -87,3 +89,44 @@ def test_async_device_processes_over_mosquitto_equal_the_simulator(mosquitto, pr
     assert max_weight_diff(gathered, train_reference(train, data, steps)) < 1e-5
     synchronous = train_reference(replace(train, schedule=ScheduleName.SYNC), data, steps)
     assert max_weight_diff(gathered, synchronous) > 1e-4
+
+
+def test_async_rejoin_repartitions_at_a_drain_point_and_stays_exact():
+    train = replace(ASYNC, model=ModelSpec("mlp"), data=DataSpec("digits"), max_steps=12,
+                    micro_batch_size=8)
+    job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
+    job.start()
+    while job.controller.summary.steps < 4:
+        job.pump_once()
+    job.devices[-1].transport.crash()
+    while job.controller.summary.recoveries < 1:
+        job.pump_once()
+    spare = DeviceAgent("spare", "t", job.broker.transport("spare", device_will("spare", "t")),
+                        CollectorRegistry())
+    spare.start()
+    job.devices.append(spare)
+    assert job.run() is Phase.DONE
+    plans = [e for e in job.controller.summary.events if e["type"] == "plan_changed"]
+    assert len(plans) >= 3 and "spare" in job.controller.plan.devices  # taken back in
+    # every plan started at a drain point (replication every 3 steps), so none broke the rule
+    assert all(e["resume_step"] % 3 == 0 for e in plans)
+    weights = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
+    assert max_weight_diff(weights, train_reference(train, job.controller.data, 12)) < 1e-5
+
+
+def test_async_controller_resume_continues_from_the_retained_checkpoint():
+    train = replace(ASYNC, model=ModelSpec("mlp"), data=DataSpec("digits"), max_steps=10,
+                    micro_batch_size=8)
+    job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
+    job.start()
+    while job.controller.summary.steps < 5:
+        job.pump_once()
+    job.controller.transport.crash()  # the controller dies mid-period (after step 4 of 6)
+    job.controller = Controller("t", ControllerConfig(devices=2, resume=True),
+                                job.broker.transport("controller2"), CollectorRegistry())
+    job.controller.start()
+    assert job.run() is Phase.DONE
+    plans = [e for e in job.controller.summary.events if e["type"] == "plan_changed"]
+    assert plans[0]["resume_step"] == 3
+    weights = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
+    assert max_weight_diff(weights, train_reference(train, job.controller.data, 10)) < 1e-5

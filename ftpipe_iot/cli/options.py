@@ -41,6 +41,32 @@ def command(name: str | None = None, **settings: Any) -> Callable[[Callable[...,
     return click.command(name, cls=CliCommand, **settings)
 
 
+AUTO = "auto"
+
+
+class CountOrAuto(click.ParamType):
+    """A whole number >= 1, or ``auto`` (chosen from the measured costs, planning.micro)."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+                ) -> int | str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        elif str(value).strip().lower() == AUTO:
+            return AUTO
+        else:
+            try:
+                number = int(str(value))
+            except ValueError:
+                self.fail(f"{value!r} is neither a whole number nor 'auto'", param, ctx)
+        if number < 1:
+            self.fail(f"{number} is not >= 1", param, ctx)
+        return number
+
+
+COUNT_OR_AUTO = CountOrAuto()
+
 _TRAINING: list[Decorator] = [
     click.option("--model", default="cnn", show_default=True,
                  help="mlp | cnn | mobilenetv2 | module:callable (returns nn.Sequential or a list "
@@ -57,9 +83,11 @@ _TRAINING: list[Decorator] = [
     click.option("--epochs", type=click.IntRange(min=1), default=6, show_default=True),
     click.option("--max-steps", type=click.IntRange(min=1), default=None,
                  help="stop after this many steps (evaluates at the end)"),
-    click.option("--micro-batches", type=click.IntRange(min=1), default=4, show_default=True,
-                 help="micro-batches per step (M)"),
-    click.option("--micro-batch-size", type=click.IntRange(min=1), default=8, show_default=True),
+    click.option("--micro-batches", type=COUNT_OR_AUTO, default=4, show_default=True,
+                 help="micro-batches per step (M); auto: chosen from the measured layer costs, "
+                      "the number of stages and the schedule (see `ftpipe-iot plan`)"),
+    click.option("--micro-batch-size", type=COUNT_OR_AUTO, default=8, show_default=True,
+                 help="samples per micro-batch; auto: chosen like --micro-batches auto"),
     click.option("--optimizer", type=click.Choice([o.value for o in OptimizerName]),
                  default="sgd", show_default=True),
     click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.05,
@@ -145,13 +173,22 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def auto_fields(kw: dict[str, Any]) -> tuple[bool, bool]:
+    """Whether --micro-batches and --micro-batch-size were given as ``auto``."""
+    return kw["micro_batches"] == AUTO, kw["micro_batch_size"] == AUTO
+
+
 def train_config(kw: dict[str, Any]) -> TrainConfig:
-    """The training config the training options describe (raises the library's errors)."""
+    """The training config the training options describe (raises the library's errors). An
+    ``auto`` value stands at its default here: ``control.job.choose_micro_batching`` replaces
+    it with the chosen one."""
+    auto_m, auto_b = auto_fields(kw)
     return TrainConfig(
         model=ModelSpec(kw["model"]),
         data=DataSpec(kw["data"], shape=parse_shape(kw["data_shape"]),
                       classes=kw["data_classes"], samples=kw["data_samples"]),
-        micro_batches=kw["micro_batches"], micro_batch_size=kw["micro_batch_size"],
+        micro_batches=4 if auto_m else kw["micro_batches"],
+        micro_batch_size=8 if auto_b else kw["micro_batch_size"],
         optimizer=OptimizerName(kw["optimizer"]), lr=kw["lr"], momentum=kw["momentum"],
         seed=kw["seed"], epochs=kw["epochs"], max_steps=kw["max_steps"],
         max_in_flight=kw["max_in_flight"], wire_dtype=WireDtype(kw["wire_dtype"]),
