@@ -205,8 +205,10 @@ def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float,
         summary_path = work / "summary.json"
         args = training if training is not None else [*TRAINING, "--max-steps",
                                                       str(warmup + steps)]
+        entry = [str(Path(__file__).with_name("cpu_profile.py")), str(work / "controller.prof")] \
+            if profile else ["-m", "ftpipe_iot"]
         procs["controller"] = subprocess.Popen(
-            [*python, "-m", "ftpipe_iot", "controller", "--job", job, "--broker", broker.url,
+            [*python, *entry, "controller", "--job", job, "--broker", broker.url,
              "--devices", str(len(names)), "--stop-devices", "--summary-json",
              str(summary_path), "--log-level", "WARNING", "--no-repartition",
              "--wait-devices", "900", "--stall-timeout", "300",
@@ -244,7 +246,7 @@ def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float,
     if profile:
         result["cpu_breakdown"] = {name: {**cpu_breakdown(work / f"{name}.prof"),
                                           "top": _top(work / f"{name}.prof")}
-                                   for name in names}
+                                   for name in [*names, "controller"]}
     return result
 
 
