@@ -154,3 +154,10 @@ def test_async_refuses_stage_groups_and_resiliency():
               StageAssignment(1, 2, 4, (Member("b", 0.5), Member("c", 0.5))))
     with pytest.raises(PlanError, match="one device per stage"):
         Plan(1, "j", stages, ASYNC, 4, (1, 8, 8), 10, steps_per_epoch=10)
+
+
+def test_async_with_a_frozen_first_stage_equals_the_simulator():
+    data = load_dataset(DataSpec("digits"))
+    config = replace(ASYNC, frozen_layers=4)  # stage 0 holds only fixed layers
+    fleet, _ = _pipeline(config, data, [4, 11], 6, seed=3, max_in_flight=4)
+    assert max_weight_diff(fleet, train_reference(config, data, 6)) < 1e-5
