@@ -268,17 +268,22 @@ def time_to_accuracy(broker: BrokerProcess, schedule: str, target: float = 0.95)
 
 
 def configuration(broker: BrokerProcess, name: str, factors: tuple[float, ...], steps: int,
-                  warmup: int, torch_steps: int) -> dict:
-    say(f"{name}: torch pipelining GPipe")
-    gpipe = torch_pipelining("gpipe", factors, torch_steps, warmup)
-    say(f"{name}: torch pipelining 1F1B")
-    one_f = torch_pipelining("1f1b", factors, torch_steps, warmup)
-    say(f"{name}: ftpipe-iot sync")
-    sync = ftpipe(broker, f"{name}-sync", "sync", factors, steps, warmup)
-    say(f"{name}: ftpipe-iot async")
-    asynchronous = ftpipe(broker, f"{name}-async", "async", factors, steps, warmup)
-    out = {"factors": list(factors), "split": SPLIT, "torch_gpipe": gpipe, "torch_1f1b": one_f,
-           "ftpipe_sync": sync, "ftpipe_async": asynchronous}
+                  warmup: int, torch_steps: int, save) -> dict:  # type: ignore[no-untyped-def]
+    """The four pipelined runs of one configuration; ``save(partial)`` after each (a long
+    benchmark on a busy host keeps what it measured)."""
+    out: dict = {"factors": list(factors), "split": SPLIT}
+    runs = (("torch_gpipe", lambda: torch_pipelining("gpipe", factors, torch_steps, warmup)),
+            ("torch_1f1b", lambda: torch_pipelining("1f1b", factors, torch_steps, warmup)),
+            ("ftpipe_sync", lambda: ftpipe(broker, f"{name}-sync", "sync", factors, steps,
+                                           warmup)),
+            ("ftpipe_async", lambda: ftpipe(broker, f"{name}-async", "async", factors, steps,
+                                            warmup)))
+    for key, run in runs:
+        say(f"{name}: {key}")
+        out[key] = run()
+        save(out)
+    gpipe, one_f = out["torch_gpipe"], out["torch_1f1b"]
+    sync, asynchronous = out["ftpipe_sync"], out["ftpipe_async"]
 
     def ratio(a: dict, b: dict) -> float | None:
         if "samples_per_s" not in a or "samples_per_s" not in b or not b["samples_per_s"]:
@@ -288,6 +293,7 @@ def configuration(broker: BrokerProcess, name: str, factors: tuple[float, ...], 
     out["ratios"] = {"sync_over_torch_gpipe": ratio(sync, gpipe),
                      "async_over_torch_1f1b": ratio(asynchronous, one_f),
                      "async_over_sync": ratio(asynchronous, sync)}
+    save(out)
     return out
 
 
@@ -305,15 +311,25 @@ def main() -> None:
     results: dict = {"model": "mobilenetv2(width=1.0)", "micro_batch_size": MB,
                      "micro_batches": M, "split": SPLIT, "cores": os.cpu_count(),
                      "loadavg_start": loadavg()}
+    if args.only is not None:
+        args.out = args.out.with_name(f"{args.out.stem}-{args.only}.json")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(key: str):  # type: ignore[no-untyped-def]
+        def store(partial: dict) -> None:
+            results[key] = partial
+            args.out.write_text(json.dumps({**results, "partial": True}, indent=2))
+        return store
+
     with BrokerProcess() as broker:
         if args.only in (None, "equal"):
             say("single process")
             results["single_process"] = single_process(max(2, args.steps // 2), 1)
-            results["equal"] = configuration(broker, "equal", (1, 1, 1, 1), args.steps,
-                                             args.warmup, args.steps)
+            configuration(broker, "equal", (1, 1, 1, 1), args.steps, args.warmup, args.steps,
+                          save("equal"))
         if args.only in (None, "h"):
-            results["scenario_h"] = configuration(broker, "h", FACTORS_H, args.steps,
-                                                  args.warmup, args.steps)
+            configuration(broker, "h", FACTORS_H, args.steps, args.warmup, args.steps,
+                          save("scenario_h"))
         if args.only in (None, "accuracy"):
             say("time to 0.95 on digits: sync, then async")
             results["time_to_accuracy"] = {s: time_to_accuracy(broker, s)
@@ -324,9 +340,6 @@ def main() -> None:
                                               max(2, args.steps // 2), 1, profile=True)
     results["wall_s"] = round(time.monotonic() - started, 1)
     results["loadavg_end"] = loadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    if args.only is not None:
-        args.out = args.out.with_name(f"{args.out.stem}-{args.only}.json")
     args.out.write_text(json.dumps(results, indent=2))
     print(json.dumps(results))
 
