@@ -253,7 +253,7 @@ def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float,
 def time_to_accuracy(broker: BrokerProcess, schedule: str, target: float = 0.95) -> dict:
     """CNN on digits until the test accuracy reaches ``target`` (evaluated every epoch)."""
     training = ["--model", "cnn", "--data", "digits", "--micro-batches", "4",
-                "--micro-batch-size", "8", "--lr", "0.05", "--epochs", "8",
+                "--micro-batch-size", "8", "--lr", "0.05", "--epochs", "4",
                 "--max-in-flight", "4"]
     run = ftpipe(broker, f"acc-{schedule}", schedule, (1, 1, 1), 0, 0, training=training,
                  assignment=False)
