@@ -5,10 +5,12 @@ micro-batch of ``b`` samples on stage ``k`` held by device ``d``, with the profi
 ``b0`` samples:
 
     t_k(b) = d.factor * (layer_cost_s[k] * b / b0 + stage_overhead_s (+ head_overhead_s))
-             + moved_bytes[k] * b / b0 / d.bandwidth
+             + message_overhead_s + moved_bytes[k] * b / b0 / d.bandwidth
 
-Layer compute scales with the samples; the per-micro-batch overhead (message handling,
-scheduling, the loss) does not, which is what makes tiny micro-batches slow.
+Layer compute scales with the samples; the per-micro-batch overheads do not, which is what
+makes tiny micro-batches slow: the profile's (scheduling, the loss, measured in one process)
+and a message's way through the wire and the broker (``message_overhead_s``, not in the
+profile; 2 ms by default, the order of one loopback hop in benchmarks/transport.py).
 
 - sync, per step: ``sum_k t_k + (M - 1) * max_k t_k`` (fill and drain every step: the bubble
   shrinks as M grows);
@@ -75,6 +77,7 @@ class MicroBatchingProblem:
     max_in_flight: int = 8
     max_batch: int | None = None  # the mini-batch may not exceed this (the training set)
     optimizer_copies: int = 1
+    message_overhead_s: float = 0.002
 
     def __post_init__(self) -> None:
         if len(self.stages) != len(self.devices) or not self.stages:
@@ -93,7 +96,8 @@ class MicroBatchingProblem:
             compute += costs.head_overhead_s
         moved = 2 * (costs.activation_bytes[start - 1] if start > 0 else 0.0) + \
             2 * (costs.activation_bytes[end - 1] if end < costs.n_layers else 0.0)
-        return device.factor * compute + moved * scale / device.bandwidth_bytes_per_s
+        return device.factor * compute + self.message_overhead_s + \
+            moved * scale / device.bandwidth_bytes_per_s
 
     def step_s(self, micro_batches: int, size: int) -> float:
         times = [self.stage_s(k, size) for k in range(len(self.stages))]
