@@ -250,17 +250,18 @@ def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float,
     return result
 
 
-def time_to_accuracy(broker: BrokerProcess, schedule: str, target: float = 0.95) -> dict:
+def time_to_accuracy(broker: BrokerProcess, schedule: str, target: float = 0.95,
+                     lr: float = 0.05, epochs: int = 4) -> dict:
     """CNN on digits until the test accuracy reaches ``target`` (evaluated every epoch)."""
     training = ["--model", "cnn", "--data", "digits", "--micro-batches", "4",
-                "--micro-batch-size", "8", "--lr", "0.05", "--epochs", "4",
+                "--micro-batch-size", "8", "--lr", str(lr), "--epochs", str(epochs),
                 "--max-in-flight", "4"]
     run = ftpipe(broker, f"acc-{schedule}", schedule, (1, 1, 1), 0, 0, training=training,
                  assignment=False)
     evals = run["summary"]["evals"]
     first_t = run["history_t"][0][1] if run["history_t"] else 0.0
     hit = next((e for e in evals if e["test_accuracy"] >= target), None)
-    return {"schedule": schedule, "target": target,
+    return {"schedule": schedule, "target": target, "lr": lr, "momentum": 0.9,
             "seconds_to_target": None if hit is None else round(hit["t"] - first_t, 2),
             "epochs_to_target": None if hit is None else hit["epoch"] + 1,
             "accuracy_by_epoch": [round(e["test_accuracy"], 4) for e in evals],
@@ -302,6 +303,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--only", choices=["equal", "h", "accuracy", "profile"], default=None)
+    parser.add_argument("--acc-lr", type=float, default=0.05)
+    parser.add_argument("--acc-epochs", type=int, default=4)
     parser.add_argument("--profile-run", action="store_true",
                         help="also one profiled ftpipe-iot sync run of 'equal'")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent /
@@ -332,7 +335,8 @@ def main() -> None:
                           save("scenario_h"))
         if args.only in (None, "accuracy"):
             say("time to 0.95 on digits: sync, then async")
-            results["time_to_accuracy"] = {s: time_to_accuracy(broker, s)
+            results["time_to_accuracy"] = {s: time_to_accuracy(broker, s, lr=args.acc_lr,
+                                                               epochs=args.acc_epochs)
                                            for s in ("sync", "async")}
         if args.profile_run or args.only == "profile":
             say("profiled ftpipe-iot sync run (equal devices)")
