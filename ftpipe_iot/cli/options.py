@@ -12,7 +12,7 @@ import click
 from ftpipe_iot.errors import FtpipeError
 from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
-from ftpipe_iot.protocol.vocab import OptimizerName, WireDtype
+from ftpipe_iot.protocol.vocab import OptimizerName, ScheduleName, WireDtype
 from ftpipe_iot.transport.config import BrokerConfig, Bundle, load_bundle, parse_protocol
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -41,6 +41,32 @@ def command(name: str | None = None, **settings: Any) -> Callable[[Callable[...,
     return click.command(name, cls=CliCommand, **settings)
 
 
+AUTO = "auto"
+
+
+class CountOrAuto(click.ParamType):
+    """A whole number >= 1, or ``auto`` (chosen from the measured costs, planning.micro)."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+                ) -> int | str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        elif str(value).strip().lower() == AUTO:
+            return AUTO
+        else:
+            try:
+                number = int(str(value))
+            except ValueError:
+                self.fail(f"{value!r} is neither a whole number nor 'auto'", param, ctx)
+        if number < 1:
+            self.fail(f"{number} is not >= 1", param, ctx)
+        return number
+
+
+COUNT_OR_AUTO = CountOrAuto()
+
 _TRAINING: list[Decorator] = [
     click.option("--model", default="cnn", show_default=True,
                  help="mlp | cnn | mobilenetv2 | module:callable (returns nn.Sequential or a list "
@@ -60,9 +86,11 @@ _TRAINING: list[Decorator] = [
     click.option("--epochs", type=click.IntRange(min=1), default=6, show_default=True),
     click.option("--max-steps", type=click.IntRange(min=1), default=None,
                  help="stop after this many steps (evaluates at the end)"),
-    click.option("--micro-batches", type=click.IntRange(min=1), default=4, show_default=True,
-                 help="micro-batches per step (M)"),
-    click.option("--micro-batch-size", type=click.IntRange(min=1), default=8, show_default=True),
+    click.option("--micro-batches", type=COUNT_OR_AUTO, default=4, show_default=True,
+                 help="micro-batches per step (M); auto: chosen from the measured layer costs, "
+                      "the number of stages and the schedule (see `ftpipe-iot plan`)"),
+    click.option("--micro-batch-size", type=COUNT_OR_AUTO, default=8, show_default=True,
+                 help="samples per micro-batch; auto: chosen like --micro-batches auto"),
     click.option("--optimizer", type=click.Choice([o.value for o in OptimizerName]),
                  default="sgd", show_default=True),
     click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.05,
@@ -85,11 +113,16 @@ _TRAINING: list[Decorator] = [
                  help="failures each stage survives without rollback: r holders beyond the "
                       "first (group peers or warm standbys) take over late and lost "
                       "micro-batches; costs traffic (see `ftpipe-iot plan --resiliency`)"),
+    click.option("--schedule", type=click.Choice([s.value for s in ScheduleName]),
+                 default="sync", show_default=True,
+                 help="sync drains the pipeline every step; async runs 1F1B across steps "
+                      "with two weight versions (PipeDream-2BW), draining only at "
+                      "replication points and epoch ends (one device per stage)"),
 ]
 TRAINING_NAMES = ("model", "model_width", "data", "data_shape", "data_classes", "data_samples",
                   "epochs", "max_steps", "micro_batches", "micro_batch_size", "optimizer", "lr",
                   "momentum", "seed", "max_in_flight", "wire_dtype", "no_compress",
-                  "replicate_every", "freeze_layers", "resiliency")
+                  "replicate_every", "freeze_layers", "resiliency", "schedule")
 
 _CONNECTION: list[Decorator] = [
     click.option("--broker", "broker_url", default="mqtt://127.0.0.1:1883", show_default=True,
@@ -143,18 +176,28 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def auto_fields(kw: dict[str, Any]) -> tuple[bool, bool]:
+    """Whether --micro-batches and --micro-batch-size were given as ``auto``."""
+    return kw["micro_batches"] == AUTO, kw["micro_batch_size"] == AUTO
+
+
 def train_config(kw: dict[str, Any]) -> TrainConfig:
-    """The training config the training options describe (raises the library's errors)."""
+    """The training config the training options describe (raises the library's errors). An
+    ``auto`` value stands at its default here: ``control.job.choose_micro_batching`` replaces
+    it with the chosen one."""
+    auto_m, auto_b = auto_fields(kw)
     return TrainConfig(
         model=ModelSpec(kw["model"], width=kw["model_width"]),
         data=DataSpec(kw["data"], shape=parse_shape(kw["data_shape"]),
                       classes=kw["data_classes"], samples=kw["data_samples"]),
-        micro_batches=kw["micro_batches"], micro_batch_size=kw["micro_batch_size"],
+        micro_batches=4 if auto_m else kw["micro_batches"],
+        micro_batch_size=8 if auto_b else kw["micro_batch_size"],
         optimizer=OptimizerName(kw["optimizer"]), lr=kw["lr"], momentum=kw["momentum"],
         seed=kw["seed"], epochs=kw["epochs"], max_steps=kw["max_steps"],
         max_in_flight=kw["max_in_flight"], wire_dtype=WireDtype(kw["wire_dtype"]),
         compress=not kw["no_compress"], replicate_every=kw["replicate_every"],
-        frozen_layers=parse_frozen(kw["freeze_layers"]), resiliency=kw["resiliency"])
+        frozen_layers=parse_frozen(kw["freeze_layers"]), resiliency=kw["resiliency"],
+        schedule=ScheduleName(kw["schedule"]))
 
 
 def parse_frozen(text: str | None) -> int:

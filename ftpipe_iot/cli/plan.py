@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from ftpipe_iot.cli.options import command
+from ftpipe_iot.cli.options import AUTO, COUNT_OR_AUTO, command
 from ftpipe_iot.errors import PartitionError
 from ftpipe_iot.planning.group_search import (
     best_single_pipeline,
@@ -17,6 +17,12 @@ from ftpipe_iot.planning.group_search import (
     solve_groups,
 )
 from ftpipe_iot.planning.groups import GradientExchange, GroupPlan
+from ftpipe_iot.planning.micro import (
+    MicroBatching,
+    MicroBatchingProblem,
+    choose_micro_batching,
+    scaled_costs,
+)
 from ftpipe_iot.planning.profiles import fleet_device_specs, load_profile
 from ftpipe_iot.planning.resilience import ResilienceOption, resilience_options
 from ftpipe_iot.planning.solver import DeviceSpec, LayerCosts, Partition, solve_partition
@@ -162,15 +168,25 @@ def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, objec
               help="Device profile JSON; the files right after it count too (one device each).")
 @click.argument("more_profiles", nargs=-1,
                 type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--micro-batch-size", type=click.IntRange(min=1), default=None,
+@click.option("--micro-batch-size", type=COUNT_OR_AUTO, default=None,
               help=f"Samples per micro-batch [--model default: {_DEFAULT_MODEL_MICRO_BATCH}; "
-                   "--costs default: the file's micro_batch_size, else 1].")
+                   "--costs default: the file's micro_batch_size, else 1]; auto: chosen to "
+                   "minimise the time per sample within every device's memory.")
 @click.option("--at-step", type=click.IntRange(min=0), default=0, show_default=True,
               help="Evaluate the profiles' step schedules at this training step.")
 @click.option("--at-time", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Evaluate the profiles' time schedules at this many seconds.")
-@click.option("--micro-batches", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Micro-batches per step; a group has at most this many members.")
+@click.option("--micro-batches", type=COUNT_OR_AUTO, default=4, show_default=True,
+              help="Micro-batches per step; a group has at most this many members; auto: "
+                   "chosen to minimise the time per sample (the sync bubble shrinks as it "
+                   "grows, held activations grow with it).")
+@click.option("--schedule", type=click.Choice(["sync", "async"]), default="sync",
+              show_default=True, help="the schedule --micro-batches/--micro-batch-size auto "
+                                      "choose for (async drains once per --drain-every steps)")
+@click.option("--drain-every", type=click.IntRange(min=1), default=10, show_default=True,
+              help="async: steps between drains (the training's --replicate-every)")
+@click.option("--max-in-flight", type=click.IntRange(min=1), default=8, show_default=True,
+              help="micro-batches in flight (their activations are held for backward)")
 @click.option("--exchange", type=click.Choice([e.value for e in GradientExchange]),
               default=GradientExchange.MICRO_BATCHES.value, show_default=True,
               help="What group members exchange: every micro-batch's gradient (M copies of a "
@@ -204,7 +220,8 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
          at_time: float, micro_batches: int, exchange: str, compare: bool,
          as_json: bool, mode: str, server_profiles: tuple[Path, ...], batch_size: int,
          aggregate_every: int, split_point: int | None, dp: bool, resiliency: int | None,
-         input_bytes: float | None) -> None:
+         input_bytes: float | None, schedule: str = "sync", drain_every: int = 10,
+         max_in_flight: int = 8) -> None:
     """Plan stages for a model over devices given by profiles (ftpipe-iot plan --costs c.json
     --profiles a.json b.json): the number of stages, their layers, the group of devices of each
     stage and every member's share of the micro-batches, minimising the time per sample.
@@ -226,6 +243,11 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         return plan_collaborative(model, costs_file, profiles,
                                   [load_profile(p) for p in server_profiles], batch_size,
                                   aggregate_every, split_point, dp, as_json)
+    auto_m, auto_b = micro_batches == AUTO, micro_batch_size == AUTO
+    if auto_b:
+        micro_batch_size = None  # profile at the default size, then choose
+    if mode == "collaborative" and (auto_m or auto_b):
+        raise click.UsageError("--mode collaborative chooses its own micro-batches")
     if costs_file is not None:
         costs = LayerCosts.from_json_file(costs_file)
         source = str(costs_file)
@@ -242,6 +264,9 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         source = f"model {model}"
     devices = fleet_device_specs(profiles, step=at_step, elapsed_s=at_time)
     if resiliency is not None:
+        if auto_m or auto_b:
+            raise click.UsageError("--resiliency predicts for a given --micro-batches and "
+                                   "--micro-batch-size, not auto")
         if input_bytes is None:
             input_bytes = (_model_input_bytes(model, micro_batch_size) if model is not None
                            else costs.activation_bytes[0])
@@ -251,6 +276,22 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
                    else _resilience_table(options, source, micro_batches))
         return
     partition = solve_partition(costs, devices)
+    auto: MicroBatching | None = None
+    if auto_m or auto_b:
+        by_name = {d.name: d for d in devices}
+        problem = MicroBatchingProblem(
+            costs, [(s.start, s.end) for s in partition.stages],
+            [by_name[s.device] for s in partition.stages], asynchronous=schedule == "async",
+            drain_every=drain_every, max_in_flight=max_in_flight)
+        auto = choose_micro_batching(problem, None if auto_m else int(micro_batches),
+                                     None if auto_b else micro_batch_size)
+        micro_batches = auto.micro_batches
+        if auto.micro_batch_size != micro_batch_size:
+            costs = _model_costs(model, auto.micro_batch_size) if model is not None else \
+                scaled_costs(costs, auto.micro_batch_size)
+            micro_batch_size = auto.micro_batch_size
+            partition = solve_partition(costs, devices)
+    assert isinstance(micro_batches, int) and isinstance(micro_batch_size, int)
     unused = [d.name for d in devices if d.name not in partition.devices]
     how = GradientExchange(exchange)
     chosen = solve_groups(costs, devices, micro_batches, micro_batch_size, exchange=how)
@@ -274,6 +315,11 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
             "param_bytes_known": bool(costs.param_bytes),
             "group_plan": {**chosen.to_dict(), "unused_devices": chosen_unused},
         }
+        if auto is not None:
+            report["micro_batching"] = {**auto.to_dict(), "schedule": schedule,
+                                        "auto": [n for n, on in (("micro_batches", auto_m),
+                                                                 ("micro_batch_size", auto_b))
+                                                 if on]}
         if compare:
             report["compare"] = {
                 "single_pipeline": _json_baseline(baselines["best single pipeline"], chosen),
@@ -281,6 +327,12 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         click.echo(json.dumps(report, indent=2))
     else:
         click.echo(_table(chosen, source, chosen_unused, costs, baselines))
+        if auto is not None:
+            click.echo(f"micro-batching ({schedule}, auto): {auto.micro_batches} micro-batches "
+                       f"of {auto.micro_batch_size}, predicted {auto.samples_per_s:.2f} "
+                       f"samples/s on the one-device-per-stage pipeline; memory per stage "
+                       + ", ".join(f"{m / 2**20:.1f}" for m in auto.stage_memory_bytes)
+                       + " MiB")
 
 
 COMMANDS: list[click.Command] = [plan]

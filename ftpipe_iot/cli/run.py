@@ -13,6 +13,7 @@ import click
 from ftpipe_iot.cli.collab import collab_choices, collab_options
 from ftpipe_iot.cli.options import (
     TRAINING_NAMES,
+    auto_fields,
     broker_settings,
     command,
     connection_options,
@@ -190,6 +191,7 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                                "exclude each other")
     train = TrainConfig.load(train_file) if train_file else train_config(training)
     collab = collab_choices(ctx, training)
+    train = _auto_micro_batching(train, training, devices, collab.pipeline)
     if not collab.pipeline:
         from ftpipe_iot.cli.collab import run_controller as run_collab
 
@@ -275,6 +277,7 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
     if broker_url and embedded_broker:
         raise click.UsageError("--broker and --embedded-broker exclude each other")
     collab = collab_choices(ctx, training)
+    train = _auto_micro_batching(train_config(training), training, devices, collab.pipeline)
     if not collab.pipeline:
         from ftpipe_iot.cli.collab import run_demo as run_collab_demo
 
@@ -285,7 +288,7 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
         if refused:
             raise click.UsageError(f"{', '.join('--' + n.replace('_', '-') for n in refused)}"
                                    " apply to --mode pipeline only")
-        return run_collab_demo(collab, train_config(training), devices, job, broker_url,
+        return run_collab_demo(collab, train, devices, job, broker_url,
                                embedded_broker, work_dir, metrics_port_base, partition,
                                device_profile, server_profile, as_json)
     if (partition != "iid" or device_profile or server_profile):
@@ -298,7 +301,7 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
         raise click.UsageError("broker-restart needs Mosquitto: the embedded broker keeps "
                                "nothing across a restart")
     options = DemoOptions(devices=devices, job=job, broker_url=broker_url,
-                          embedded=embedded_broker, train=train_config(training),
+                          embedded=embedded_broker, train=train,
                           work_dir=Path(work_dir) if work_dir else None,
                           metrics_port_base=metrics_port_base, faults=schedule,
                           restart_devices=restart_devices, max_message_bytes=max_message_bytes,
@@ -321,6 +324,25 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
     if as_json:
         summary.pop("history", None)
         click.echo(json.dumps(summary))
+
+
+def _auto_micro_batching(train: TrainConfig, training: dict[str, Any], devices: int,
+                         pipeline: bool) -> TrainConfig:
+    """Replace ``auto`` micro-batching values by the chosen ones (and say what was chosen)."""
+    auto_m, auto_b = auto_fields(training)
+    if not (auto_m or auto_b):
+        return train
+    if not pipeline:
+        raise click.UsageError("--micro-batches/--micro-batch-size auto are for --mode "
+                               "pipeline; the collaborative modes choose with "
+                               "--auto-micro-batches")
+    from ftpipe_iot.control.job import choose_job_micro_batching
+
+    train, choice = choose_job_micro_batching(train, devices, auto_m, auto_b)
+    click.echo(f"micro-batching: {choice.micro_batches} micro-batches of "
+               f"{choice.micro_batch_size} (predicted {choice.samples_per_s:.1f} samples/s on "
+               f"{devices} equal devices, {train.schedule.value} schedule)", err=True)
+    return train
 
 
 def _summary_text(summary: dict) -> str:

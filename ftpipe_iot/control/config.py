@@ -11,7 +11,7 @@ from ftpipe_iot.planning.layouts import Layout
 from ftpipe_iot.protocol.messages import ControllerState, envelope
 from ftpipe_iot.protocol.plan import StageAssignment, TrainConfig
 from ftpipe_iot.protocol.topics import Topics
-from ftpipe_iot.protocol.vocab import ControllerStatus
+from ftpipe_iot.protocol.vocab import ControllerStatus, ScheduleName
 from ftpipe_iot.protocol.wire import encode
 from ftpipe_iot.transport.base import Will
 
@@ -56,6 +56,11 @@ class ControllerConfig:
         pinned = {d for stage in self.assignment for d in stage.devices}
         if self.assignment and self.device_names and pinned != set(self.device_names):
             raise ConfigError("assignment and device_names name different devices")
+        grouped = [s.stage for s in self.assignment if len(s.members) > 1]
+        if grouped and self.train.schedule is ScheduleName.ASYNC:
+            raise ConfigError(f"--schedule async needs one device per stage; the assignment "
+                              f"gives stages {grouped} several (use --schedule sync for stage "
+                              "groups and standbys)")
 
 
 def controller_will(job: str) -> Will:

@@ -4,7 +4,7 @@ solver reads, and the step arithmetic."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -12,8 +12,16 @@ from ftpipe_iot.core.data import Dataset, load_dataset
 from ftpipe_iot.core.models import build_layers, cut_shapes
 from ftpipe_iot.core.profiling import profile_stages
 from ftpipe_iot.core.schedule import SyncSchedule
+from ftpipe_iot.planning.costs import DeviceSpec
+from ftpipe_iot.planning.micro import (
+    MicroBatching,
+    MicroBatchingProblem,
+    balanced_stages,
+    choose_micro_batching,
+)
 from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.vocab import OptimizerName, ScheduleName
 
 
 @dataclass(frozen=True)
@@ -66,3 +74,25 @@ def prepare_job(train: TrainConfig, data: Dataset | None = None) -> JobModel:
                             train.seed)
     return JobModel(train, data, shapes, costs, cost_model, schedule,
                     schedule.total_steps(train.epochs, train.max_steps))
+
+
+def choose_job_micro_batching(train: TrainConfig, n_stages: int, auto_m: bool, auto_b: bool,
+                              data: Dataset | None = None) -> tuple[TrainConfig, MicroBatching]:
+    """``--micro-batches auto`` / ``--micro-batch-size auto`` for a job about to start: the
+    reference costs measured here, ``n_stages`` equal devices on the balanced split (the plan
+    and the devices' budgets are not known before they connect), the job's schedule. Returns
+    the config with the chosen values and the choice."""
+    data = data if data is not None else load_dataset(train.data)
+    model = prepare_job(train, data)
+    costs = model.cost_model
+    stages = balanced_stages(costs, n_stages)
+    problem = MicroBatchingProblem(
+        costs, stages, [DeviceSpec(f"device{k}") for k in range(len(stages))],
+        asynchronous=train.schedule is ScheduleName.ASYNC,
+        drain_every=train.replicate_every or model.schedule.steps_per_epoch,
+        max_in_flight=train.max_in_flight, max_batch=len(data.x_train),
+        optimizer_copies=2 if train.optimizer is OptimizerName.ADAM else 1)
+    choice = choose_micro_batching(problem, None if auto_m else train.micro_batches,
+                                   None if auto_b else train.micro_batch_size)
+    return replace(train, micro_batches=choice.micro_batches,
+                   micro_batch_size=choice.micro_batch_size), choice

@@ -207,7 +207,8 @@ def next_plan(job: str, model: JobModel, stages: Sequence[StageAssignment],
                 num_layers=model.num_layers, input_shape=model.data.input_shape,
                 num_classes=model.data.num_classes, resume_step=resume_step,
                 since=version if since is None else since, max_message_bytes=max_message_bytes,
-                init_weights=init_weights)
+                init_weights=init_weights,
+                steps_per_epoch=model.schedule.steps_per_epoch)
 
 
 def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: CapacityEstimator,

@@ -13,6 +13,7 @@ from ftpipe_iot.control.recorder import EpochResult, Recorder
 from ftpipe_iot.control.replan import retuned
 from ftpipe_iot.core.feed import EvalRound, StepSummary, TrainFeed
 from ftpipe_iot.core.routing import Counts, StepRoutes, counts_without, eval_route, plan_counts
+from ftpipe_iot.core.schedule import StepVersions
 from ftpipe_iot.errors import TrainingDiverged
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.costs import LayerCosts
@@ -43,8 +44,9 @@ class PlanTraining:
         self._capacity = capacity
         self._clock = clock
         self._step_done = step_done
+        self.versions = StepVersions.of(self.train, model.schedule.steps_per_epoch)
         self.feed = TrainFeed(model.schedule, plan.n_stages, plan.resume_step,
-                              model.total_steps, self.train.max_in_flight)
+                              model.total_steps, self.train.max_in_flight, self.versions)
         self.eval_round: EvalRound | None = None
         self.counts: Counts = plan_counts(plan.stages, self.train.micro_batches)
         self.stages = plan.stages  # the plan's stages with the shares in force
@@ -158,6 +160,8 @@ class PlanTraining:
                                    f"{step.loss} (try a lower --lr)")
         self._recorder.step_completed(step, self.plan.version)
         self._step_done(step.step)
+        if not self.versions.drains_after(step.step) and not self.feed.finished:
+            return None  # asynchronous: the next step is already under way, no boundary here
         if self.model.schedule.is_last_of_epoch(step.step) or self.feed.finished:
             self._recorder.throughput.pause(self._clock())
             self.eval_round = EvalRound(len(self.model.data.x_test), self.train.eval_batch_size,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ftpipe_iot.core.schedule import MicroBatch, SyncSchedule, eval_batches
+from ftpipe_iot.core.schedule import MicroBatch, StepVersions, SyncSchedule, eval_batches
 
 
 @dataclass(frozen=True)
@@ -25,80 +25,104 @@ class StepSummary:
 @dataclass
 class TrainFeed:
     """Feeds steps ``start_step .. end_step-1`` with at most ``max_in_flight`` micro-batches
-    between the controller and the end of their backward pass. Step ``s+1`` starts only when
-    every stage has applied its optimizer for step ``s`` (the synchronous contract): one holder
-    of each stage reporting it is enough, since the holders of a stage apply the same update
-    from the same contributions and a holder that is behind holds the next step's inputs until
-    it gets there (a hung or dead holder does not stop the job)."""
+    between the controller and the end of their backward pass, in (step, micro-batch) order.
+
+    Synchronous (``versions`` None or sync): step ``s+1`` starts only when every stage has
+    applied its optimizer for step ``s``. One holder of each stage reporting it is enough,
+    since the holders of a stage apply the same update from the same contributions and a
+    holder that is behind holds the next step's inputs until it gets there (a hung or dead
+    holder does not stop the job). Asynchronous: step ``s+1`` is fed while ``s`` finishes,
+    except after a drain point (``StepVersions``); steps still complete in order."""
 
     schedule: SyncSchedule
     n_stages: int
     start_step: int
     end_step: int
     max_in_flight: int
+    versions: StepVersions | None = None
     step: int = field(init=False)
+    ahead: int = field(init=False, default=0)  # micro-batches sent before the previous step ended
+    _sending: int = field(init=False)
     _unsent: list[MicroBatch] = field(init=False, default_factory=list)
-    _in_flight: set[int] = field(init=False, default_factory=set)
-    _losses: dict[int, tuple[float, int, int]] = field(init=False, default_factory=dict)
-    _stages_done: dict[int, float] = field(init=False, default_factory=dict)
+    _in_flight: set[tuple[int, int]] = field(init=False, default_factory=set)
+    _losses: dict[int, dict[int, tuple[float, int, int]]] = field(init=False,
+                                                                   default_factory=dict)
+    _stages_done: dict[int, dict[int, float]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.step = self.start_step
-        self._load_step()
+        self._sending = self.start_step
+        self._unsent = self._micro_batches(self._sending)
 
-    def _load_step(self) -> None:
-        self._unsent = self.schedule.micro_batches_of(self.step) if not self.finished else []
-        self._in_flight = set()
-        self._losses = {}
-        self._stages_done = {}
+    def _micro_batches(self, step: int) -> list[MicroBatch]:
+        return self.schedule.micro_batches_of(step) if step < self.end_step else []
 
     @property
     def finished(self) -> bool:
         return self.step >= self.end_step
 
+    def _may_send(self, step: int) -> bool:
+        if step >= self.end_step:
+            return False
+        if self.versions is None:
+            return step == self.step
+        return self.versions.may_start(step, self.step)
+
     def next_to_send(self) -> list[MicroBatch]:
         """Micro-batches that may be sent now (marks them in flight)."""
         out = []
-        while self._unsent and len(self._in_flight) < self.max_in_flight:
+        while len(self._in_flight) < self.max_in_flight:
+            if not self._unsent and self._may_send(self._sending + 1):
+                self._sending += 1
+                self._unsent = self._micro_batches(self._sending)
+            if not self._unsent or not self._may_send(self._sending):
+                break
             mb = self._unsent.pop(0)
-            self._in_flight.add(mb.index)
+            self.ahead += mb.step > self.step
+            self._in_flight.add((mb.step, mb.index))
             out.append(mb)
         return out
 
     def on_micro_batch_done(self, step: int, micro_batch: int) -> bool:
         """The first stage finished backward of a micro-batch; False when not expected."""
-        if step != self.step or micro_batch not in self._in_flight:
+        if (step, micro_batch) not in self._in_flight:
             return False
-        self._in_flight.discard(micro_batch)
+        self._in_flight.discard((step, micro_batch))
         return True
+
+    def _open(self, step: int) -> bool:
+        return self.step <= step <= self._sending
 
     def on_loss(self, step: int, micro_batch: int, loss: float, correct: int, count: int
                 ) -> bool:
-        if step != self.step or micro_batch in self._losses:
+        losses = self._losses.setdefault(step, {}) if self._open(step) else None
+        if losses is None or micro_batch in losses:
             return False
         if not 0 <= micro_batch < self.schedule.micro_batches:
             return False
-        self._losses[micro_batch] = (loss, correct, count)
+        losses[micro_batch] = (loss, correct, count)
         return True
 
     def on_stage_step_done(self, step: int, stage: int, compute_s: float) -> StepSummary | None:
         """A holder of ``stage`` applied its optimizer; returns the summary when the whole step
-        is complete."""
-        if step != self.step or not 0 <= stage < self.n_stages:
+        is complete (steps complete in order: a stage applies them in order)."""
+        if not self._open(step) or not 0 <= stage < self.n_stages:
             return None
-        self._stages_done.setdefault(stage, compute_s)
-        if len(self._stages_done) < self.n_stages or \
-                len(self._losses) < self.schedule.micro_batches:
+        self._stages_done.setdefault(step, {}).setdefault(stage, compute_s)
+        if step != self.step:
             return None
-        losses = list(self._losses.values())
+        done, losses = self._stages_done[step], self._losses.get(step, {})
+        if len(done) < self.n_stages or len(losses) < self.schedule.micro_batches:
+            return None
         summary = StepSummary(
             step=self.step, epoch=self.schedule.epoch_of(self.step),
-            loss=float(np.mean([loss for loss, _, _ in losses])),
-            correct=sum(c for _, c, _ in losses), samples=sum(n for _, _, n in losses),
-            compute_s=dict(self._stages_done),
+            loss=float(np.mean([loss for loss, _, _ in losses.values()])),
+            correct=sum(c for _, c, _ in losses.values()),
+            samples=sum(n for _, _, n in losses.values()), compute_s=dict(done),
         )
+        del self._stages_done[step]
+        self._losses.pop(step, None)
         self.step += 1
-        self._load_step()
         return summary
 
 

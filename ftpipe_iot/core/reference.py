@@ -1,7 +1,10 @@
 """Single-process training with the same micro-batching, seed and data order as the pipeline.
 
 This is the yardstick of the exactness contract: after K steps the pipeline's weights must equal
-what this produces (to float tolerance).
+what this produces (to float tolerance). For ``--schedule async`` it is a simulator of the
+asynchronous schedule: each step computes with the weight version ``StepVersions`` gives it
+(held by a ``WeightStash`` over the whole model, as each stage holds one over its layers), so a
+fleet that never drains between steps still has one single-process answer.
 """
 
 from __future__ import annotations
@@ -14,15 +17,17 @@ import torch
 from ftpipe_iot.core.data import Dataset
 from ftpipe_iot.core.models import build_layers
 from ftpipe_iot.core.rng import seed_layer
-from ftpipe_iot.core.schedule import SyncSchedule
+from ftpipe_iot.core.schedule import StepVersions, SyncSchedule
 from ftpipe_iot.core.stage import freeze, make_optimizer, micro_batch_loss, train_mode
+from ftpipe_iot.core.stash import WeightStash
 from ftpipe_iot.protocol.plan import TrainConfig
 
 
 def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int = 1,
                     initial: Mapping[int, Mapping[str, np.ndarray]] | None = None
                     ) -> list[dict[str, np.ndarray]]:
-    """Train ``steps`` synchronous steps in one process; return each layer's state as numpy.
+    """Train ``steps`` steps in one process; return each layer's state as numpy. The steps are
+    synchronous or, with ``config.schedule`` async, the asynchronous schedule's.
 
     Runs with ``threads`` intra-op threads (devices use one by default): CPU kernels split their
     reductions by thread count, so a different count gives last-bit differences that training
@@ -48,15 +53,25 @@ def _train(config: TrainConfig, data: Dataset, steps: int,
     optimizers = [make_optimizer(layer, config) for layer in layers]
     schedule = SyncSchedule(len(data.x_train), config.micro_batches, config.micro_batch_size,
                             config.seed)
+    versions = StepVersions.of(config, schedule.steps_per_epoch)
+    stash = WeightStash(layers, versions, 0) if versions.asynchronous else None
     for step in range(steps):
         train_mode(layers, config.frozen_layers)
+        weights = stash.weights(step) if stash is not None else None
         for mb in schedule.micro_batches_of(step):
             h = torch.from_numpy(data.x_train[mb.sample_indices])
             y = torch.from_numpy(data.y_train[mb.sample_indices])
             for index, layer in enumerate(layers):  # random draws keyed as in a stage
                 seed_layer(config.seed, step, mb.index, index)
-                h = layer(h)
+                h = layer(h) if weights is None else \
+                    torch.func.functional_call(layer, weights[index], (h,))
+            if stash is not None:
+                stash.gradients(step).before(step, mb.index)
             micro_batch_loss(h, y, config.micro_batches).backward()
+            if stash is not None:
+                stash.gradients(step).after(step, mb.index)
+        if stash is not None:
+            stash.before_update(step)
         for optimizer in optimizers:
             if optimizer is not None:
                 optimizer.step()

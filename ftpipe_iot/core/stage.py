@@ -37,6 +37,9 @@ from ftpipe_iot.core.outputs import (
 )
 from ftpipe_iot.core.replicas import export_layer, import_layer
 from ftpipe_iot.core.rng import seed_layer
+from ftpipe_iot.core.schedule import StepVersions
+from ftpipe_iot.core.stash import WeightStash
+from ftpipe_iot.core.timings import StageTimings
 from ftpipe_iot.errors import StageInputError
 from ftpipe_iot.protocol.messages import LayerReplica
 from ftpipe_iot.protocol.plan import TrainConfig
@@ -91,33 +94,6 @@ class _Pending:
 
 
 @dataclass
-class StageTimings:
-    """Compute seconds accumulated over the current step (reported in StepDone/heartbeats)."""
-
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    layer_forward_s: list[float] = field(default_factory=list)
-    layer_backward_s: list[float] = field(default_factory=list)
-    micro_batch_s: dict[int, float] = field(default_factory=dict)
-
-    @property
-    def typical_s(self) -> float:
-        """The step's compute as if every micro-batch took the median one's time: a process
-        descheduled during one micro-batch (another process took the core) barely moves it."""
-        times = sorted(self.micro_batch_s.values())
-        if not times:
-            return self.forward_s + self.backward_s
-        middle = len(times) // 2
-        median = times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) / 2
-        return median * len(times)
-
-    def per_layer(self, n_layers: int) -> None:
-        if len(self.layer_forward_s) != n_layers:
-            self.layer_forward_s = [0.0] * n_layers
-            self.layer_backward_s = [0.0] * n_layers
-
-
-@dataclass
 class Stage:
     """Compute state of stage ``index`` of ``n_stages`` holding ``layers`` (global ids from
     ``first_layer``). ``expected_shape`` is the per-sample input shape the stage accepts.
@@ -141,6 +117,7 @@ class Stage:
     start_step: int = 0
     group_size: int = 1
     member: int = 0
+    versions: StepVersions | None = None  # asynchronous: which version each step uses
     module: nn.Sequential = field(init=False)
     optimizers: list[torch.optim.Optimizer | None] = field(init=False)
     pending: dict[tuple[int, int], _Pending] = field(init=False, default_factory=dict)
@@ -176,6 +153,9 @@ class Stage:
         # training inputs of a later step than the weights: held until the stage gets there
         self._future: dict[int, dict[int, tuple[np.ndarray, np.ndarray, int | None]]] = {}
         self.computed: dict[int, int] = {}  # step -> micro-batches this holder computed
+        asynchronous = self.versions is not None and self.versions.asynchronous
+        self.stash = WeightStash(self.layers, self.versions, self.start_step) \
+            if asynchronous and self.versions is not None else None
 
     @property
     def is_first(self) -> bool:
@@ -256,7 +236,7 @@ class Stage:
         if self.contributed(step, micro_batch):
             raise StageInputError(DropReason.LATE, f"micro-batch {key} was already computed by "
                                   "another holder")
-        if step > self.version:  # a holder behind its peers: catch up first
+        if not self._has_version(step):  # a holder behind its peers: catch up first
             self._future.setdefault(step, {})[micro_batch] = (x, y, expected)
             return []
         if step not in self.expected:
@@ -271,6 +251,11 @@ class Stage:
             out += self._forward_one(step, index, *early.pop(index))
             self._next_forward[step] = index + 1
         return out
+
+    def _has_version(self, step: int) -> bool:
+        """Whether this stage holds the weights ``step`` computes with (synchronous: its
+        version is ``step``; asynchronous: ``StepVersions.forward_version``)."""
+        return self.stash.available(step) if self.stash is not None else step <= self.version
 
     def _forward_one(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray
                      ) -> list[StageOutput]:
@@ -328,11 +313,13 @@ class Stage:
         the arithmetic is exactly the unhooked one. Each layer draws its random numbers from a
         generator keyed by (seed, step, micro-batch, layer) (``core.rng``)."""
         self.timings.per_layer(len(self.layers))
+        weights = self.stash.weights(step) if self.stash is not None else None
         h = inputs
         for index, layer in enumerate(self.layers):
             seed_layer(self.config.seed, step, micro_batch, self.first_layer + index)
             start = time.perf_counter()
-            h = layer(h)
+            h = layer(h) if weights is None else \
+                torch.func.functional_call(layer, weights[index], (h,))
             self.timings.layer_forward_s[index] += time.perf_counter() - start
             if h.requires_grad:
                 h.register_hook(_stamp(arrivals, index))
@@ -370,11 +357,13 @@ class Stage:
         grad_tensor = None if grad is None else torch.from_numpy(
             np.array(grad, dtype=np.float32, copy=True))
 
+        gradients = self.stash.gradients(step) if self.stash is not None else self.gradients
+
         def run() -> torch.Tensor:
-            self.gradients.before(step, micro_batch)
+            gradients.before(step, micro_batch)
             if pending.outputs.requires_grad:  # else only parameter-free layers, nothing to do
                 pending.outputs.backward(grad_tensor)
-            self.gradients.after(step, micro_batch)
+            gradients.after(step, micro_batch)
             pending.grad_arrivals[-1] = time.perf_counter()  # end of this backward
             return pending.outputs
 
@@ -453,7 +442,9 @@ class Stage:
             self.timings.layer_backward_s[index] += max(0.0, until - arrivals[index])
 
     def _optimizer_step(self, step: int) -> list[StageOutput]:
-        """Apply the step; then the inputs of the next step that came early."""
+        """Apply the step; then the inputs of later steps that came early."""
+        if self.stash is not None:
+            self.stash.before_update(step)
         for optimizer in self.optimizers:
             if optimizer is not None:
                 optimizer.step()
@@ -470,8 +461,9 @@ class Stage:
             tuple(self.timings.layer_forward_s), tuple(self.timings.layer_backward_s),
             self.timings.typical_s, self.computed.pop(step, 0))]
         self.timings = StageTimings()
-        for micro_batch, (x, y, expected) in sorted(self._future.pop(step + 1, {}).items()):
-            out += self.forward(step + 1, micro_batch, x, y, True, expected)
+        for later in sorted(s for s in self._future if self._has_version(s)):
+            for micro_batch, (x, y, expected) in sorted(self._future.pop(later, {}).items()):
+                out += self.forward(later, micro_batch, x, y, True, expected)
         return out
 
     def _evaluate(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray

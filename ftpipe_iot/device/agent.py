@@ -22,6 +22,7 @@ from ftpipe_iot.core.loader import StageLoader
 from ftpipe_iot.core.models import build_layers, cut_shapes
 from ftpipe_iot.core.outputs import StepDone
 from ftpipe_iot.core.replicas import replica_misfit
+from ftpipe_iot.core.schedule import StepVersions
 from ftpipe_iot.core.stage import Stage
 from ftpipe_iot.device.copies import LayerCopies
 from ftpipe_iot.device.link import LinkMeter
@@ -320,7 +321,8 @@ class DeviceAgent:
                       expected_shape=shapes[assignment.start], num_classes=plan.num_classes,
                       compute_hook=self._emulate_compute, start_step=plan.resume_step,
                       group_size=len(assignment.members),
-                      member=assignment.member_index(self.name) or 0)
+                      member=assignment.member_index(self.name) or 0,
+                      versions=StepVersions.of(plan.train, plan.steps_per_epoch))
         if replicas:
             stage.load(replicas)
         self._set_stage(stage)

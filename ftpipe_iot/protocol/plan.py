@@ -14,7 +14,7 @@ from typing import Any
 
 from ftpipe_iot.errors import ConfigError, PlanError
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
-from ftpipe_iot.protocol.vocab import OptimizerName, WireDtype
+from ftpipe_iot.protocol.vocab import OptimizerName, ScheduleName, WireDtype
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class TrainConfig:
     # failures a stage survives without rollback: each stage gets r holders beyond the first
     # (group peers or warm standbys) that watch each other and take over late micro-batches
     resiliency: int = 0
+    schedule: ScheduleName = ScheduleName.SYNC
 
     def __post_init__(self) -> None:
         checks = [
@@ -60,6 +61,10 @@ class TrainConfig:
             (self.replicate_every >= 0,
              f"replicate_every must be >= 0 (0 = only at plan changes), got "
              f"{self.replicate_every}"),
+            # Takeovers recompute a late micro-batch from the step's inputs and the holders'
+            # shared version; with two versions in flight that bookkeeping is not built.
+            (self.schedule is ScheduleName.SYNC or self.resiliency == 0,
+             "--schedule async does not support --resiliency >= 1 (use --schedule sync)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -73,6 +78,7 @@ class TrainConfig:
         data = asdict(self)
         data["optimizer"] = self.optimizer.value
         data["wire_dtype"] = self.wire_dtype.value
+        data["schedule"] = self.schedule.value
         data["data"]["shape"] = list(self.data.shape)
         return data
 
@@ -104,6 +110,7 @@ class TrainConfig:
             values["data"] = DataSpec(**data)
             values["optimizer"] = OptimizerName(values["optimizer"])
             values["wire_dtype"] = WireDtype(values["wire_dtype"])
+            values["schedule"] = ScheduleName(values.get("schedule", ScheduleName.SYNC.value))
             return cls(**values)
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"bad training config: {exc}") from exc
@@ -213,6 +220,9 @@ class Plan:
     since: int = 0
     max_message_bytes: int = 256 * 1024
     init_weights: bool = False  # version 0 is the controller's --init-from, not the seed
+    # steps per epoch of the job's data: under --schedule async the epoch ends are drain
+    # points, which every stage must know to pick each step's weight version (0: unknown)
+    steps_per_epoch: int = 0
 
     def __post_init__(self) -> None:
         if self.train.frozen_layers >= self.num_layers:
@@ -235,6 +245,13 @@ class Plan:
         devices = self.devices
         if len(set(devices)) != len(devices):
             raise PlanError(f"a device may hold only one place in a plan: {list(devices)}")
+        if self.train.schedule is ScheduleName.ASYNC:
+            grouped = [s.stage for s in self.stages if len(s.members) > 1]
+            if grouped:
+                raise PlanError(f"--schedule async needs one device per stage; stages {grouped} "
+                                "have several (use --schedule sync for stage groups)")
+            if self.steps_per_epoch < 1:
+                raise PlanError("a plan of --schedule async needs its steps per epoch")
 
     @property
     def n_stages(self) -> int:
@@ -256,7 +273,7 @@ class Plan:
                 "input_shape": list(self.input_shape), "num_classes": self.num_classes,
                 "resume_step": self.resume_step, "since": self.since,
                 "max_message_bytes": self.max_message_bytes, "init_weights": self.init_weights,
-                "train": self.train.to_dict(),
+                "steps_per_epoch": self.steps_per_epoch, "train": self.train.to_dict(),
                 "stages": [s.to_dict() for s in self.stages]}
 
     @classmethod
@@ -270,7 +287,8 @@ class Plan:
                        num_classes=int(raw["num_classes"]), resume_step=int(raw["resume_step"]),
                        since=int(raw.get("since", 0)),
                        max_message_bytes=int(raw.get("max_message_bytes", 256 * 1024)),
-                       init_weights=bool(raw.get("init_weights", False)))
+                       init_weights=bool(raw.get("init_weights", False)),
+                       steps_per_epoch=int(raw.get("steps_per_epoch", 0)))
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError) as exc:

@@ -50,6 +50,15 @@ class OptimizerName(str, Enum):
     ADAM = "adam"
 
 
+class ScheduleName(str, Enum):
+    """How steps follow each other (docs/design.md §5): ``sync`` drains the pipeline every step;
+    ``async`` runs 1F1B across steps with two weight versions (PipeDream-2BW) and drains only
+    where a consistent version is needed (replication points, epoch ends)."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+
+
 class DeviceState(str, Enum):
     """A device agent as published on its retained status topic (and its Last Will)."""
 

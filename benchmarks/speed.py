@@ -1,0 +1,352 @@
+"""Speed benchmark (prints JSON, writes it): one run, side by side, on the same split.
+
+Configuration (issue 14): CIFAR-style MobileNetV2 at full width on synthetic 32x32 data,
+micro-batches of 32, M = 8, 4 stages on the split [0,3),[3,5),[5,12),[12,22):
+
+* ``equal``: 4 equal devices; ``scenario_h``: slow-down factors 1, 2, 4, 10 (stage order);
+* single process, one thread (the whole model, the same micro-batching);
+* torch.distributed.pipelining (gloo) ScheduleGPipe and Schedule1F1B
+  (benchmarks/torch_pipelining.py);
+* ftpipe-iot ``--schedule sync`` and ``--schedule async`` (devices and controller as processes
+  over a Mosquitto on loopback), rate over the steps after the warm-up;
+* per ftpipe-iot stage process, where its CPU goes: the main thread profiled with cProfile
+  (self time split into layer compute, wire encode/decode and compression, array copies,
+  transport and queues, other Python, idle waits) and every thread's CPU seconds from
+  /proc (the network thread is not seen by cProfile). ``--profile-run`` adds one profiled
+  sync run of ``equal`` (profiling slows Python, so rates come from the unprofiled runs);
+* time to 0.95 test accuracy on digits, sync vs async (CNN, wall time of the job).
+
+The host has 2 cores shared with other work: ``loadavg`` is recorded before and after every
+run; rates are noisy at the 10-20% level.
+
+    python benchmarks/speed.py [--steps 8] [--out benchmarks/results/speed.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import PROFILES, say, steady_rate  # noqa: E402
+from ftpipe_iot.runtime.broker import BrokerProcess  # noqa: E402
+
+SPLIT = [(0, 3), (3, 5), (5, 12), (12, 22)]
+MB, M = 32, 8
+BATCH = MB * M
+FACTORS_H = (1, 2, 4, 10)
+TRAINING = ["--model", "mobilenetv2", "--data", "synthetic", "--data-shape", "3,32,32",
+            "--data-samples", "4096", "--micro-batches", str(M), "--micro-batch-size", str(MB),
+            "--lr", "0.01", "--epochs", "1", "--max-in-flight", str(M)]
+
+
+def loadavg() -> list[float]:
+    return [round(v, 2) for v in os.getloadavg()]
+
+
+# ------------------------------------------------------------------ single process
+
+
+def single_process(steps: int, warmup: int) -> dict:
+    """The whole model in this process, one intra-op thread, the same micro-batching."""
+    import torch
+
+    from ftpipe_iot.core.models import ModelSpec, build_layers
+    from ftpipe_iot.core.stage import micro_batch_loss
+
+    torch.set_num_threads(1)
+    layers = build_layers(ModelSpec("mobilenetv2"), (3, 32, 32), 10, 0)
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    rng = torch.Generator().manual_seed(0)
+    x = torch.randn(MB, 3, 32, 32, generator=rng)
+    y = torch.randint(0, 10, (MB,), generator=rng)
+    before = loadavg()
+    for step in range(warmup + steps):
+        if step == warmup:
+            started = time.perf_counter()
+        for _ in range(M):
+            micro_batch_loss(model(x), y, M).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    elapsed = time.perf_counter() - started
+    return {"samples_per_s": steps * BATCH / elapsed, "loadavg_before": before,
+            "loadavg_after": loadavg()}
+
+
+# ------------------------------------------------------------------ torch pipelining
+
+
+def torch_pipelining(schedule: str, factors: tuple[float, ...], steps: int, warmup: int) -> dict:
+    from benchmarks.torch_pipelining import TorchPipeliningConfig, run_torch_pipelining
+
+    before = loadavg()
+    try:
+        result = run_torch_pipelining(TorchPipeliningConfig(
+            width=1.0, factors=[float(f) for f in factors], micro_batches=M,
+            micro_batch_size=MB, steps=steps, warmup=warmup, split=SPLIT, schedule=schedule,
+            clock="cpu"))
+    except Exception as exc:  # reported as missing, not dropped
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"samples_per_s": result["samples_per_s"], "schedule": result["schedule"],
+            "clock": "cpu", "loadavg_before": before, "loadavg_after": loadavg()}
+
+
+# ------------------------------------------------------------------ ftpipe-iot
+
+
+class _ThreadCpu:
+    """Per-thread CPU seconds of a process, the last values read before it exited."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.threads: dict[int, float] = {}
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def sample(self) -> None:
+        try:
+            tids = os.listdir(f"/proc/{self.pid}/task")
+        except OSError:
+            return
+        for tid in tids:
+            try:
+                with open(f"/proc/{self.pid}/task/{tid}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            self.threads[int(tid)] = (int(fields[11]) + int(fields[12])) / self.tick
+
+    def split(self) -> dict[str, float]:
+        main = self.threads.get(self.pid, 0.0)
+        return {"main_thread_cpu_s": round(main, 2),
+                "other_threads_cpu_s": round(sum(self.threads.values()) - main, 2)}
+
+
+_CATEGORIES = (
+    ("idle", ("acquire' of '_thread.lock", "method 'acquire'", "time.sleep", "select.",
+              "method 'poll'", "'wait' of", "threading.py:", "queue.py:")),
+    ("layer_compute", ("torch", "conv", "batch_norm", "linear", "relu", "hardtanh",
+                       "adaptive_avg", "run_backward", "cross_entropy", "addmm")),
+    ("wire_encode_decode", ("ftpipe_iot/protocol/wire", "msgpack", "lz4", "zlib",
+                            "protocol/messages", "protocol/fields", "transport/messenger")),
+    ("array_copies", ("numpy", "method 'copy'", "tobytes", "frombuffer", "built-in method "
+                      "numpy", "ndarray")),
+    ("transport_queues", ("paho", "ftpipe_iot/transport", "socket", "ssl")),
+)
+
+
+def _category(filename: str, name: str) -> str:
+    text = f"{filename}:{name}"
+    for category, needles in _CATEGORIES:
+        if any(needle in text for needle in needles):
+            return category
+    return "other_python"
+
+
+def cpu_breakdown(profile: Path) -> dict[str, float]:
+    """Self time of the main thread by category (seconds)."""
+    stats = pstats.Stats(str(profile))
+    totals: dict[str, float] = {}
+    for (filename, _line, name), (_cc, _nc, tottime, _ct, _callers) in stats.stats.items():
+        category = _category(filename, name)
+        totals[category] = totals.get(category, 0.0) + tottime
+    busy = sum(v for k, v in totals.items() if k != "idle")
+    out = {k: round(v, 2) for k, v in sorted(totals.items())}
+    out["busy_s"] = round(busy, 2)
+    out["beyond_compute_share"] = round(1 - totals.get("layer_compute", 0.0) / busy, 3) \
+        if busy else 0.0
+    return out
+
+
+def _top(profile: Path, n: int = 12) -> list[str]:
+    stats = pstats.Stats(str(profile))
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)
+    return [f"{tottime:.2f}s {Path(f).name}:{line}:{name}"
+            for (f, line, name), (_cc, _nc, tottime, _ct, _c) in rows
+            if _category(f, name) != "idle"][:n]
+
+
+def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float, ...],
+           steps: int, warmup: int, profile: bool = False,
+           training: list[str] | None = None, assignment: bool = True,
+           timeout_s: float = 1200.0) -> dict:
+    """One ftpipe-iot job on the fixed split; devices optionally under cProfile."""
+    work = Path(tempfile.mkdtemp(prefix=f"speed-{job}-"))
+    names = [f"{job}-d{k}" for k in range(len(factors))]
+    procs: dict[str, subprocess.Popen] = {}
+    cpu: dict[str, _ThreadCpu] = {}
+    python = [sys.executable]
+    env = dict(os.environ)
+    before = loadavg()
+    try:
+        for name, factor in zip(names, factors):
+            extra = ["--profile", str(PROFILES / f"bench-h-{factor}.json")] if factor != 1 \
+                else []
+            entry = [str(Path(__file__).with_name("cpu_profile.py")), str(work / f"{name}.prof")] \
+                if profile else ["-m", "ftpipe_iot"]
+            procs[name] = subprocess.Popen(
+                [*python, *entry, "device", "--name", name, "--job", job,
+                 "--broker", broker.url, "--log-level", "INFO", *extra],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=open(work / f"{name}.log", "w"), start_new_session=True, env=env)
+            cpu[name] = _ThreadCpu(procs[name].pid)
+        cpu["broker"] = _ThreadCpu(broker.proc.pid)
+        cpu["broker"].sample()
+        broker_before = sum(cpu["broker"].threads.values())
+        pinned = ",".join(f"{n}:{a}-{b}" for n, (a, b) in zip(names, SPLIT))
+        summary_path = work / "summary.json"
+        args = training if training is not None else [*TRAINING, "--max-steps",
+                                                      str(warmup + steps)]
+        entry = [str(Path(__file__).with_name("cpu_profile.py")), str(work / "controller.prof")] \
+            if profile else ["-m", "ftpipe_iot"]
+        procs["controller"] = subprocess.Popen(
+            [*python, *entry, "controller", "--job", job, "--broker", broker.url,
+             "--devices", str(len(names)), "--stop-devices", "--summary-json",
+             str(summary_path), "--log-level", "WARNING", "--no-repartition",
+             "--wait-devices", "900", "--stall-timeout", "300",
+             "--schedule", schedule, *(["--assignment", pinned] if assignment else []),
+             *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=open(work / "controller.log", "w"), start_new_session=True, env=env)
+        cpu["controller"] = _ThreadCpu(procs["controller"].pid)
+        started = time.monotonic()
+        while procs["controller"].poll() is None:
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"{job} did not finish in {timeout_s}s; see {work}")
+            for sampler in cpu.values():
+                sampler.sample()
+            time.sleep(0.5)
+        if procs["controller"].returncode != 0:
+            raise RuntimeError(f"{job}: controller failed; see {work}/controller.log")
+        for name in names:
+            procs[name].wait(60)
+        summary = json.loads(summary_path.read_text())
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+    result = {"samples_per_s": steady_rate(summary, BATCH, steps) if training is None
+              else summary["samples_per_s"],
+              "schedule": schedule, "steps": summary["steps"],
+              "loadavg_before": before, "loadavg_after": loadavg(),
+              "process_cpu": {name: sampler.split() for name, sampler in cpu.items()
+                              if name != "broker"},
+              "broker_cpu_s": round(sum(cpu["broker"].threads.values()) - broker_before, 2),
+              "summary": {k: summary[k] for k in ("wall_s", "train_s", "test_accuracy",
+                                                  "evals", "wire_bytes_per_step")},
+              "history_t": [(h["step"], round(h["t"], 2)) for h in summary["history"]]}
+    if profile:
+        result["cpu_breakdown"] = {name: {**cpu_breakdown(work / f"{name}.prof"),
+                                          "top": _top(work / f"{name}.prof")}
+                                   for name in [*names, "controller"]}
+    return result
+
+
+def time_to_accuracy(broker: BrokerProcess, schedule: str, target: float = 0.95,
+                     lr: float = 0.05, epochs: int = 4) -> dict:
+    """CNN on digits until the test accuracy reaches ``target`` (evaluated every epoch)."""
+    training = ["--model", "cnn", "--data", "digits", "--micro-batches", "4",
+                "--micro-batch-size", "8", "--lr", str(lr), "--epochs", str(epochs),
+                "--max-in-flight", "4"]
+    run = ftpipe(broker, f"acc-{schedule}", schedule, (1, 1, 1), 0, 0, training=training,
+                 assignment=False)
+    evals = run["summary"]["evals"]
+    first_t = run["history_t"][0][1] if run["history_t"] else 0.0
+    hit = next((e for e in evals if e["test_accuracy"] >= target), None)
+    return {"schedule": schedule, "target": target, "lr": lr, "momentum": 0.9,
+            "seconds_to_target": None if hit is None else round(hit["t"] - first_t, 2),
+            "epochs_to_target": None if hit is None else hit["epoch"] + 1,
+            "accuracy_by_epoch": [round(e["test_accuracy"], 4) for e in evals],
+            "train_samples_per_s": run["samples_per_s"], "loadavg_after": run["loadavg_after"]}
+
+
+def configuration(broker: BrokerProcess, name: str, factors: tuple[float, ...], steps: int,
+                  warmup: int, torch_steps: int, save) -> dict:  # type: ignore[no-untyped-def]
+    """The four pipelined runs of one configuration; ``save(partial)`` after each (a long
+    benchmark on a busy host keeps what it measured)."""
+    out: dict = {"factors": list(factors), "split": SPLIT}
+    runs = (("torch_gpipe", lambda: torch_pipelining("gpipe", factors, torch_steps, warmup)),
+            ("torch_1f1b", lambda: torch_pipelining("1f1b", factors, torch_steps, warmup)),
+            ("ftpipe_sync", lambda: ftpipe(broker, f"{name}-sync", "sync", factors, steps,
+                                           warmup)),
+            ("ftpipe_async", lambda: ftpipe(broker, f"{name}-async", "async", factors, steps,
+                                            warmup)))
+    for key, run in runs:
+        say(f"{name}: {key}")
+        out[key] = run()
+        save(out)
+    gpipe, one_f = out["torch_gpipe"], out["torch_1f1b"]
+    sync, asynchronous = out["ftpipe_sync"], out["ftpipe_async"]
+
+    def ratio(a: dict, b: dict) -> float | None:
+        if "samples_per_s" not in a or "samples_per_s" not in b or not b["samples_per_s"]:
+            return None
+        return round(a["samples_per_s"] / b["samples_per_s"], 3)
+
+    out["ratios"] = {"sync_over_torch_gpipe": ratio(sync, gpipe),
+                     "async_over_torch_1f1b": ratio(asynchronous, one_f),
+                     "async_over_sync": ratio(asynchronous, sync)}
+    save(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--only", choices=["equal", "h", "accuracy", "profile"], default=None)
+    parser.add_argument("--acc-lr", type=float, default=0.05)
+    parser.add_argument("--acc-epochs", type=int, default=4)
+    parser.add_argument("--profile-run", action="store_true",
+                        help="also one profiled ftpipe-iot sync run of 'equal'")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent /
+                        "results" / "speed.json")
+    args = parser.parse_args()
+    started = time.monotonic()
+    results: dict = {"model": "mobilenetv2(width=1.0)", "micro_batch_size": MB,
+                     "micro_batches": M, "split": SPLIT, "cores": os.cpu_count(),
+                     "loadavg_start": loadavg()}
+    if args.only is not None:
+        args.out = args.out.with_name(f"{args.out.stem}-{args.only}.json")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(key: str):  # type: ignore[no-untyped-def]
+        def store(partial: dict) -> None:
+            results[key] = partial
+            args.out.write_text(json.dumps({**results, "partial": True}, indent=2))
+        return store
+
+    with BrokerProcess() as broker:
+        if args.only in (None, "equal"):
+            say("single process")
+            results["single_process"] = single_process(max(2, args.steps // 2), 1)
+            configuration(broker, "equal", (1, 1, 1, 1), args.steps, args.warmup, args.steps,
+                          save("equal"))
+        if args.only in (None, "h"):
+            configuration(broker, "h", FACTORS_H, args.steps, args.warmup, args.steps,
+                          save("scenario_h"))
+        if args.only in (None, "accuracy"):
+            say("time to 0.95 on digits: sync, then async")
+            results["time_to_accuracy"] = {s: time_to_accuracy(broker, s, lr=args.acc_lr,
+                                                               epochs=args.acc_epochs)
+                                           for s in ("sync", "async")}
+        if args.profile_run or args.only == "profile":
+            say("profiled ftpipe-iot sync run (equal devices)")
+            results["profiled_sync"] = ftpipe(broker, "prof-sync", "sync", (1, 1, 1, 1),
+                                              max(2, args.steps // 2), 1, profile=True)
+    results["wall_s"] = round(time.monotonic() - started, 1)
+    results["loadavg_end"] = loadavg()
+    args.out.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

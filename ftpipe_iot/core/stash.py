@@ -1,0 +1,110 @@
+"""Weight stashing for the asynchronous schedule: PipeDream-2BW's double buffering.
+
+Step ``s`` computes with version ``StepVersions.forward_version(s)`` while the optimizer
+updates the newest weights, so a micro-batch's forward and backward must see the same
+parameter values even though the live parameters change in between. Each step gets its own
+leaf tensors aliasing the storage of its version (``torch.func.functional_call`` runs a layer
+with them); the live parameters never appear in a graph. When a step is applied and the next
+step computes with the version being replaced, the live parameters move to fresh storage and
+the old storage stays behind as that version: at most two versions exist at once (the one
+the in-flight micro-batches of the next step use and the live one), and the older one is
+dropped the moment the step that used it is applied. Buffers (BatchNorm's running
+statistics) are not versioned: they stay the module's own and are updated in forward order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ftpipe_iot.core.grouping import OrderedGradients
+from ftpipe_iot.core.schedule import StepVersions
+from ftpipe_iot.errors import PlanError
+
+LayerWeights = dict[str, torch.Tensor]
+
+
+class WeightStash:
+    """The weight versions of one stage's ``layers`` (or of a whole model, in the simulator),
+    whose live weights are at version ``start_version``."""
+
+    def __init__(self, layers: Sequence[nn.Module], versions: StepVersions,
+                 start_version: int) -> None:
+        if versions.forward_version(start_version) != start_version:
+            raise PlanError(f"the asynchronous schedule cannot start at step {start_version}: "
+                            "it is not a drain point")
+        self.versions = versions
+        self.params = [[(name, p) for name, p in layer.named_parameters() if p.requires_grad]
+                       for layer in layers]
+        self.live_version = start_version
+        self._kept: dict[int, list[list[torch.Tensor]]] = {}  # version -> storage, by layer
+        self._steps: dict[int, list[LayerWeights]] = {}
+        self._gradients: dict[int, OrderedGradients] = {}
+
+    def weights(self, step: int) -> list[LayerWeights]:
+        """Per layer, the parameters step ``step`` computes with (the same leaves for all its
+        micro-batches, so autograd sums their gradients there)."""
+        leaves = self._steps.get(step)
+        if leaves is not None:
+            return leaves
+        version = self.versions.forward_version(step)
+        if version == self.live_version:
+            # ``.data`` aliases the storage with its own version counter: a later in-place
+            # update of the live parameter cannot reach it (the storage moves first, ``apply``)
+            storage = [[p.data for _, p in layer] for layer in self.params]
+        elif version in self._kept:
+            storage = self._kept[version]
+        else:
+            raise PlanError(f"step {step} needs weight version {version}; this stage holds "
+                            f"{sorted({self.live_version, *self._kept})}")
+        leaves = [{name: tensor.detach().requires_grad_(True)
+                   for (name, _), tensor in zip(layer, kept)}
+                  for layer, kept in zip(self.params, storage)]
+        self._steps[step] = leaves
+        self._gradients[step] = OrderedGradients([t for layer in leaves for t in layer.values()])
+        return leaves
+
+    def gradients(self, step: int) -> OrderedGradients:
+        """Sums step ``step``'s micro-batch gradients in micro-batch order (call ``weights``
+        first)."""
+        return self._gradients[step]
+
+    def available(self, step: int) -> bool:
+        """Whether this stage holds the version step ``step`` computes with."""
+        version = self.versions.forward_version(step)
+        return version == self.live_version or version in self._kept
+
+    def before_update(self, step: int) -> None:
+        """Step ``step`` is complete: its gradients go to the live parameters, its leaves are
+        forgotten, and the live weights move to fresh storage if the next step computes with
+        them as they are. Call right before the optimizer step."""
+        leaves = self._steps.pop(step, None)
+        gradients = self._gradients.pop(step, None)
+        if gradients is not None:
+            gradients.finish(step)
+        for layer, layer_leaves in zip(self.params, leaves or [{} for _ in self.params]):
+            for name, p in layer:
+                leaf = layer_leaves.get(name)
+                p.grad = None if leaf is None else leaf.grad
+        version = step  # the live version before this update
+        for old in [v for v in self._kept if v < version]:
+            del self._kept[old]
+        if not self.versions.drains_after(step):
+            self._kept[version] = [[p.data for _, p in layer] for layer in self.params]
+            for layer in self.params:
+                for _, p in layer:
+                    p.data = p.data.clone()
+        self.live_version = step + 1
+
+    @property
+    def versions_held(self) -> int:
+        """Weight versions in memory: the live one and those kept for in-flight steps."""
+        return 1 + len(self._kept)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of parameter storage beyond the live weights (the cost of stashing)."""
+        return sum(t.numel() * t.element_size() for kept in self._kept.values()
+                   for layer in kept for t in layer)

@@ -1,0 +1,33 @@
+"""A stage's compute times over one step: what StepDone and heartbeats report and what the
+capacity estimate reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StageTimings:
+    """Compute seconds accumulated over the current step (reported in StepDone/heartbeats)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    layer_forward_s: list[float] = field(default_factory=list)
+    layer_backward_s: list[float] = field(default_factory=list)
+    micro_batch_s: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def typical_s(self) -> float:
+        """The step's compute as if every micro-batch took the median one's time: a process
+        descheduled during one micro-batch (another process took the core) barely moves it."""
+        times = sorted(self.micro_batch_s.values())
+        if not times:
+            return self.forward_s + self.backward_s
+        middle = len(times) // 2
+        median = times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) / 2
+        return median * len(times)
+
+    def per_layer(self, n_layers: int) -> None:
+        if len(self.layer_forward_s) != n_layers:
+            self.layer_forward_s = [0.0] * n_layers
+            self.layer_backward_s = [0.0] * n_layers

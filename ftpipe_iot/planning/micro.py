@@ -1,0 +1,177 @@
+"""Choosing the number of micro-batches M and the micro-batch size b (pure, no I/O, no torch).
+
+``--micro-batches auto`` / ``--micro-batch-size auto`` (docs/design.md §7). The model, per
+micro-batch of ``b`` samples on stage ``k`` held by device ``d``, with the profile measured at
+``b0`` samples:
+
+    t_k(b) = d.factor * (layer_cost_s[k] * b / b0 + stage_overhead_s (+ head_overhead_s))
+             + message_overhead_s + moved_bytes[k] * b / b0 / d.bandwidth
+
+Layer compute scales with the samples; the per-micro-batch overheads do not, which is what
+makes tiny micro-batches slow: the profile's (scheduling, the loss, measured in one process)
+and a message's way through the wire and the broker (``message_overhead_s``, not in the
+profile; 2 ms by default, the order of one loopback hop in benchmarks/transport.py).
+
+- sync, per step: ``sum_k t_k + (M - 1) * max_k t_k`` (fill and drain every step: the bubble
+  shrinks as M grows);
+- async, per step: ``M * max_k t_k + (sum_k t_k - max_k t_k) / F``, the fill and drain paid
+  once per ``F`` steps (the drain interval, ``core.schedule.StepVersions``);
+- time per sample = step time / (M * b).
+
+Memory of stage ``k`` (bytes): its parameters times the copies training keeps (weights,
+gradients, optimizer state, and a second weight version under async), plus the activations
+its in-flight micro-batches keep for backward (``min(M, W)`` micro-batches in sync, ``W``
+under async, where ``W`` is ``--max-in-flight``), each ``b / b0`` times the layer outputs.
+
+Time per sample keeps falling, ever more slowly, as M or b grows, while a larger mini-batch
+``M * b`` changes the optimisation (fewer updates per epoch). So among the choices that fit
+every device's memory the chooser takes the smallest mini-batch whose time per sample is
+within ``tolerance`` of the best one found.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ftpipe_iot.errors import PartitionError
+from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_MICRO_BATCHES = 64
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """A choice of M and b with what the model predicts for it."""
+
+    micro_batches: int
+    micro_batch_size: int
+    time_per_sample_s: float
+    step_s: float
+    stage_memory_bytes: tuple[float, ...]
+
+    @property
+    def samples_per_s(self) -> float:
+        return 1.0 / self.time_per_sample_s if self.time_per_sample_s > 0 else math.inf
+
+    def to_dict(self) -> dict[str, object]:
+        return {"micro_batches": self.micro_batches, "micro_batch_size": self.micro_batch_size,
+                "predicted_samples_per_s": None if math.isinf(self.samples_per_s)
+                else self.samples_per_s, "step_s": self.step_s,
+                "stage_memory_bytes": list(self.stage_memory_bytes)}
+
+
+@dataclass(frozen=True)
+class MicroBatchingProblem:
+    """What the choice depends on: the profile, the stages ``[start, end)`` and the device of
+    each, the schedule, and the limits. ``optimizer_copies``: optimizer state per parameter
+    (1 for SGD with momentum, 2 for Adam)."""
+
+    costs: LayerCosts
+    stages: Sequence[tuple[int, int]]
+    devices: Sequence[DeviceSpec]
+    asynchronous: bool = False
+    drain_every: int = 10
+    max_in_flight: int = 8
+    max_batch: int | None = None  # the mini-batch may not exceed this (the training set)
+    optimizer_copies: int = 1
+    message_overhead_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        if len(self.stages) != len(self.devices) or not self.stages:
+            raise PartitionError("one device per stage is needed to choose micro-batching")
+
+    @property
+    def profiled_size(self) -> int:
+        return self.costs.micro_batch_size or 1
+
+    def stage_s(self, k: int, size: int) -> float:
+        start, end = self.stages[k]
+        costs, device = self.costs, self.devices[k]
+        scale = size / self.profiled_size
+        compute = math.fsum(costs.layer_cost_s[start:end]) * scale + costs.stage_overhead_s
+        if end == costs.n_layers:
+            compute += costs.head_overhead_s
+        moved = 2 * (costs.activation_bytes[start - 1] if start > 0 else 0.0) + \
+            2 * (costs.activation_bytes[end - 1] if end < costs.n_layers else 0.0)
+        return device.factor * compute + self.message_overhead_s + \
+            moved * scale / device.bandwidth_bytes_per_s
+
+    def step_s(self, micro_batches: int, size: int) -> float:
+        times = [self.stage_s(k, size) for k in range(len(self.stages))]
+        slowest, total = max(times), math.fsum(times)
+        if self.asynchronous:
+            return micro_batches * slowest + (total - slowest) / max(self.drain_every, 1)
+        return total + (micro_batches - 1) * slowest
+
+    def stage_memory(self, k: int, micro_batches: int, size: int) -> float:
+        start, end = self.stages[k]
+        costs = self.costs
+        params = costs.stage_param_bytes(start, end)
+        copies = 2 + self.optimizer_copies + (1 if self.asynchronous else 0)
+        in_flight = self.max_in_flight if self.asynchronous else \
+            min(micro_batches, self.max_in_flight)
+        activations = math.fsum(costs.activation_bytes[start:end]) * size / self.profiled_size
+        return params * copies + in_flight * activations
+
+    def evaluate(self, micro_batches: int, size: int) -> MicroBatching:
+        step = self.step_s(micro_batches, size)
+        return MicroBatching(micro_batches, size, step / (micro_batches * size), step,
+                             tuple(self.stage_memory(k, micro_batches, size)
+                                   for k in range(len(self.stages))))
+
+    def fits(self, choice: MicroBatching) -> bool:
+        return all(memory <= device.memory_bytes * (1 + 1e-12)
+                   for memory, device in zip(choice.stage_memory_bytes, self.devices))
+
+
+def choose_micro_batching(problem: MicroBatchingProblem, micro_batches: int | None,
+                          micro_batch_size: int | None, tolerance: float = 0.05
+                          ) -> MicroBatching:
+    """The (M, b) to train with; a given value (not None) is kept, a None one is chosen.
+    Raises PartitionError when nothing fits the devices' memory."""
+    counts = [micro_batches] if micro_batches is not None else \
+        list(range(1, MAX_MICRO_BATCHES + 1))
+    sizes = [micro_batch_size] if micro_batch_size is not None else list(SIZES)
+    candidates = [problem.evaluate(m, b) for m in counts for b in sizes
+                  if problem.max_batch is None or m * b <= problem.max_batch]
+    feasible = [c for c in candidates if problem.fits(c)]
+    if not feasible:
+        raise PartitionError(
+            "no micro-batching fits the devices' memory"
+            + ("" if candidates else f" within a mini-batch of {problem.max_batch} samples"))
+    best = min(c.time_per_sample_s for c in feasible)
+    good = [c for c in feasible if c.time_per_sample_s <= best * (1 + tolerance)]
+    return min(good, key=lambda c: (c.micro_batches * c.micro_batch_size, c.micro_batches))
+
+
+def balanced_stages(costs: LayerCosts, n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous ranges of near-equal compute: the stages equal devices would get, used when
+    the plan is not known yet (the controller chooses before devices connect)."""
+    n = min(n_stages, costs.n_layers)
+    total = math.fsum(costs.layer_cost_s)
+    bounds, acc, k = [0], 0.0, 1
+    for i, cost in enumerate(costs.layer_cost_s[:-1]):
+        acc += cost
+        left = costs.n_layers - (i + 1)
+        if k < n and (acc >= total * k / n or left == n - k):
+            bounds.append(i + 1)
+            k += 1
+    bounds.append(costs.n_layers)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def scaled_costs(costs: LayerCosts, size: int) -> LayerCosts:
+    """``costs`` as the chooser predicts them at ``size`` samples per micro-batch: layer
+    compute, outputs and held activations scale with the samples, parameters and the
+    per-micro-batch overheads do not."""
+    scale = size / (costs.micro_batch_size or 1)
+    params = costs.param_bytes or (0.0,) * costs.n_layers
+    return LayerCosts(
+        tuple(c * scale for c in costs.layer_cost_s),
+        tuple(a * scale for a in costs.activation_bytes),
+        tuple(p + (m - p) * scale for m, p in zip(costs.layer_memory_bytes, params)),
+        micro_batch_size=size, stage_overhead_s=costs.stage_overhead_s,
+        head_overhead_s=costs.head_overhead_s, param_bytes=costs.param_bytes)
