@@ -24,7 +24,7 @@ demo: system-deps install
 
 test: system-deps install
 	$(BIN)/ruff check ftpipe_iot tests benchmarks
-	$(BIN)/pytest -q -p no:cacheprovider --timeout 300
+	$(BIN)/pytest -q -p no:cacheprovider --timeout 300 -n 2 --dist loadfile
 
 lint: install
 	$(BIN)/ruff check ftpipe_iot tests benchmarks
