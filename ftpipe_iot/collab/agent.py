@@ -6,6 +6,7 @@ heartbeats, and a worker loop that never computes on the network thread (docs/de
 
 from __future__ import annotations
 
+import abc
 import logging
 import queue
 import threading
@@ -66,7 +67,7 @@ class AgentOptions:
     allowed_model_modules: tuple[str, ...] = ()
 
 
-class CollabAgent:
+class CollabAgent(abc.ABC):
     """Base of ``DataDevice`` and ``ServerAgent``; subclasses say what they offer and what they
     do with a plan, a round and the data of an iteration."""
 
@@ -165,7 +166,9 @@ class CollabAgent:
         return -1
 
     def work(self) -> None:
-        """Compute that is not triggered by a message (the fedavg device's iterations)."""
+        """Compute that is not triggered by a message (the fedavg device's iterations); none
+        by default."""
+        return None
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -338,21 +341,25 @@ class CollabAgent:
     def epsilon(self) -> float | None:
         return None
 
+    @abc.abstractmethod
     def check_job(self, job: CollabJob) -> int:
         """Check this process can take part; returns its sample count (raises FtpipeError)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def held_layers(self, plan: CollabPlan) -> tuple[int, ...]:
-        raise NotImplementedError
+        """The layers this role holds under ``plan`` (their global weights are followed)."""
 
+    @abc.abstractmethod
     def on_plan(self, plan: CollabPlan) -> None:
-        raise NotImplementedError
+        """Build this role's part of the model for ``plan`` (raises FtpipeError)."""
 
+    @abc.abstractmethod
     def on_round(self, rnd: Round) -> None:
-        raise NotImplementedError
+        """A FedAvg round began: load its global model, then train."""
 
+    @abc.abstractmethod
     def on_global_loaded(self, version: int, states: dict[int, dict]) -> None:
-        raise NotImplementedError
+        """Every held layer of the global model at ``version`` is here."""
 
     def on_data(self, inbound: Inbound, message: Message) -> None:
         self.messenger.drops.drop(DropReason.UNEXPECTED_KIND, inbound.kind.value)
