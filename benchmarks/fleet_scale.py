@@ -2,23 +2,22 @@
 devices over one Mosquitto.
 
 1. Fleet F16 = 8x rpi-zero, 6x rpi4, 2x jetson-nano (devices/profiles/*.json: slow-down factors,
-   link caps and memory budgets the device agents emulate), the digits CNN, M=16 micro-batches
-   of 8. The fleet planner plans three layouts from the profiles and one cost profile measured
-   here: the best single pipeline (one device per stage), the best pure data-parallel group
-   (the fastest devices holding the whole model; all 16 as replicas is predicted too) and the
-   hybrid plan. Each runs as a pinned plan (``--assignment`` with the planner's shares; the
-   pipeline without repartitioning, the groups with share retuning) and its steady-state
-   samples/s is measured.
+   link caps and memory budgets the device agents emulate), CIFAR-style MobileNetV2 at width
+   0.25 on synthetic 32x32 data, M=16 micro-batches of 8. The fleet planner plans three layouts
+   from the profiles and one cost profile measured here: the best single pipeline (one device
+   per stage), the best pure data-parallel group (the fastest devices holding the whole model;
+   all 16 as replicas is predicted too) and the hybrid plan. Each runs as a pinned plan
+   (``--assignment`` with the planner's shares; the pipeline without repartitioning, the groups
+   with share retuning) and its steady-state samples/s is measured.
    Only the devices a plan uses are started: the others would idle.
-   Link model: the device agents sleep for their link cap on what they send, not on what they
-   receive nor on the group's gradient exchange, so plans are made for that (``emulated``;
-   their predictions under the planner's full link model are reported too).
-   Calibration: the profile is measured in one process while other work shares the 2 cores, so
-   its compute figures are off by a large factor (10x in a first run) while the emulated link
-   delays are exact; a planner that believes compute 10x dearer than it is groups devices over
-   slow links. The planner's pipeline therefore runs first, the factor that makes its predicted
-   step equal the measured one scales the profile's compute figures, and the three layouts are
-   planned again with the scaled profile (the pipeline runs again only if it changed).
+   Link model: the device agents sleep for their link cap on every payload they send and take
+   in, the group's gradient exchange included, which is the planner's link model.
+   Calibration: the profile is measured in one process, the emulated devices compute later
+   with up to 16 processes sharing the 2 cores, so its compute figures are off by a factor
+   while the emulated link delays are exact. The planner's pipeline therefore runs first, the
+   factor that makes its predicted step equal the measured one scales the profile's compute
+   figures, and the three layouts are planned again with the scaled profile (the pipeline
+   runs again only if it changed).
 2. Interruption (Stannis): in the hybrid run the fastest member of the largest group slows 4x
    from a set step (a profile step schedule; deterministic where a time schedule would depend
    on each process's start-up). Reported: the steps until its group's shares were retuned, the
@@ -30,9 +29,6 @@ devices over one Mosquitto.
    Mosquitto's $SYS counters (``sys_interval 1``) during each run, including a short run of all
    32 devices under ``--layout auto`` (the controller plans with unmeasured speeds, then
    rebalances its pipeline on measured ones).
-
-The digits CNN stands in for MobileNetV2: every controller profiles its model before planning,
-which for MobileNetV2 took 80-100 s per run under this machine's shared load.
 
     python benchmarks/fleet_scale.py [--out benchmarks/results/fleet_scale.json] [--no-32]
 """
@@ -69,11 +65,15 @@ from ftpipe_iot.planning.group_search import (  # noqa: E402
 from ftpipe_iot.planning.groups import GroupPlan, evaluate_groups  # noqa: E402
 from ftpipe_iot.planning.profiles import load_profile  # noqa: E402
 from ftpipe_iot.protocol.plan import TrainConfig  # noqa: E402
+from ftpipe_iot.protocol.specs import DataSpec, ModelSpec  # noqa: E402
 from ftpipe_iot.runtime.broker import BrokerProcess, render_config  # noqa: E402
 
 MB, M = 8, 16
 BATCH = MB * M
-TRAINING = ["--model", "cnn", "--data", "digits", "--micro-batches", str(M),
+WIDTH = 0.25
+MODEL = ["--model", "mobilenetv2", "--model-width", str(WIDTH), "--data", "synthetic",
+         "--data-shape", "3,32,32", "--data-samples", "8192"]
+TRAINING = [*MODEL, "--micro-batches", str(M),
             "--micro-batch-size", str(MB), "--max-in-flight", str(M), "--epochs", "20",
             "--replicate-every", "0", "--heartbeat-timeout", "20", "--stall-timeout", "120",
             "--wait-devices", "900"]
@@ -167,19 +167,6 @@ def training_window(first: int, last: int, box: dict):
             if watcher.wait_step(last, 1200):
                 box["end"] = time.monotonic()
     return during
-
-
-def emulated(costs: LayerCosts, fleet_specs: list[DeviceSpec]
-             ) -> tuple[LayerCosts, list[DeviceSpec]]:
-    """The cost model of what the device agents emulate: they sleep for the link cap on the
-    activations and gradients they send (not on what they receive, not on the group's gradient
-    exchange, ``device/pipeline.py``), while the planner's model charges a payload on both ends
-    (``2 (a_in + a_out) / bw``) and the exchange (``M P / bw``). Twice the bandwidth and no
-    parameter bytes make the model describe the emulated fleet."""
-    plain = LayerCosts(costs.layer_cost_s, costs.activation_bytes, costs.layer_memory_bytes,
-                       costs.micro_batch_size, costs.stage_overhead_s, costs.head_overhead_s)
-    return plain, [DeviceSpec(d.name, d.factor, 2 * d.bandwidth_bytes_per_s, d.memory_bytes)
-                   for d in fleet_specs]
 
 
 def scaled(costs: LayerCosts, k: float) -> LayerCosts:
@@ -307,15 +294,19 @@ def main() -> None:
     parser.add_argument("--no-32", action="store_true", help="skip the 32-device run")
     args = parser.parse_args()
     started = time.monotonic()
-    results: dict = {"fleet": {c[0]: c[2] for c in CLASSES}, "model": "cnn (digits)",
+    results: dict = {"fleet": {c[0]: c[2] for c in CLASSES},
+                     "model": f"mobilenetv2(width={WIDTH}), synthetic 3x32x32",
                      "micro_batches": M, "micro_batch_size": MB,
                      "loadavg_start": os.getloadavg()}
     say("profiling the model (the cost model every plan below uses)")
-    profiled = prepare_job(TrainConfig(micro_batches=M, micro_batch_size=MB)).cost_model
+    profiled = prepare_job(TrainConfig(
+        model=ModelSpec("mobilenetv2", width=WIDTH),
+        data=DataSpec("synthetic", shape=(3, 32, 32), samples=8192),
+        micro_batches=M, micro_batch_size=MB)).cost_model
     devices16 = dict(fleet(1))
     declared = specs(list(devices16.items()))
     results["planner_decision"] = planner_times(profiled)
-    raw, f16 = emulated(profiled, declared)
+    raw, f16 = profiled, declared
     window = (4, args.slow_at - 1)  # past the fill and the first retuning, before the slow-down
 
     tmp = Path(tempfile.mkdtemp(prefix="fleet-scale-"))
@@ -348,11 +339,6 @@ def main() -> None:
         results["predicted_samples_per_s"] = {
             **{name: round(p.throughput_samples_per_s, 2) for name, p in plans.items()},
             "data_parallel_all_16": round(every.throughput_samples_per_s, 2)}
-        # the same plans under the planner's own link model (what real links would cost)
-        full = scaled(profiled, k)
-        results["predicted_samples_per_s_real_links"] = {
-            name: round(evaluate_groups(p.assignment, full, declared, M, MB)
-                        .throughput_samples_per_s, 2) for name, p in plans.items()}
         if assignment_text(plans["pipeline"]) == assignment_text(first):
             measured["pipeline"] = rate
         else:
@@ -370,8 +356,8 @@ def main() -> None:
         group = max(hybrid.stages, key=lambda st: (len(st.members), -st.start))
         slowed = min(group.members, key=lambda m: m.compute_s).device  # its fastest member
         predicted = {"before": hybrid.throughput_samples_per_s,
-                     "after": evaluate_groups(hybrid, costs, emulated(profiled, specs(
-                         list(devices16.items()), {slowed: SLOWDOWN}))[1],
+                     "after": evaluate_groups(hybrid, costs, specs(
+                         list(devices16.items()), {slowed: SLOWDOWN}),
                                               M, MB).throughput_samples_per_s}
         profile = load_profile(devices16[slowed]).to_dict()
         profile["step_schedule"] = [{"from_step": args.slow_at, "factor": SLOWDOWN}]

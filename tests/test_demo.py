@@ -111,12 +111,12 @@ def _start_demo(job: str, tmp_path, *args: str) -> subprocess.Popen:
 
 def test_a_device_killed_from_outside_is_the_controllers_business(tmp_path):
     job = _job()
-    proc = _start_demo(job, tmp_path, "--max-steps", "150", "--replicate-every", "5")
+    proc = _start_demo(job, tmp_path, "--max-steps", "60", "--replicate-every", "5")
     os.kill(_pid(job, "--name dev1"), signal.SIGKILL)  # as a user would, from another terminal
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["steps"] == 150 and summary["error"] is None
+    assert summary["steps"] == 60 and summary["error"] is None
     assert summary["failures_detected"] >= 1 and summary["recoveries"] >= 1
     assert "dev1" in summary["exited"] and "SIGKILL" in summary["exited"]["dev1"]
     assert summary["devices"] == 2  # finished on the two that were left
@@ -125,7 +125,7 @@ def test_a_device_killed_from_outside_is_the_controllers_business(tmp_path):
 
 def test_the_demo_restarts_a_killed_controller_and_with_the_option_a_killed_device(tmp_path):
     job = _job()
-    proc = _start_demo(job, tmp_path, "--max-steps", "150", "--replicate-every", "5",
+    proc = _start_demo(job, tmp_path, "--max-steps", "60", "--replicate-every", "5",
                        "--restart-devices")
     os.kill(_pid(job, "controller"), signal.SIGKILL)
     os.kill(_pid(job, "--name dev2"), signal.SIGKILL)
@@ -134,7 +134,7 @@ def test_the_demo_restarts_a_killed_controller_and_with_the_option_a_killed_devi
     assert "restarting it with --resume" in err and "dev2 was killed by SIGKILL" in err
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["restarts"]["controller"] == 1 and summary["restarts"]["devices"] == 1
-    assert summary["steps"] == 150 and summary["error"] is None
+    assert summary["steps"] == 60 and summary["error"] is None
     assert _leftovers(job) == []
 
 

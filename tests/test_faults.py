@@ -25,7 +25,7 @@ from ftpipe_iot.transport.mqtt import MqttTransport
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
-STEPS = 60
+STEPS = 36
 REPLICATE_EVERY = 5
 _REFERENCE: dict[int, list] = {}
 

@@ -20,6 +20,7 @@ from ftpipe_iot.planning.solver import (
     evaluate_partition,
     exhaustive_partition,
     predict_bottleneck,
+    prune_dominated,
     solve_partition,
     stage_for,
 )
@@ -309,3 +310,41 @@ def test_uniform_devices_match_balanced_split(layer_costs, n_devices):
     ranges = balanced_split(layer_costs, min(n_devices, len(layer_costs)))
     expected = max(math.fsum(layer_costs[s:e]) for s, e in ranges)
     assert close(solve_partition(costs, devices).bottleneck_s, expected)
+
+
+@st.composite
+def crowded_problems(draw):
+    """Few layers, many devices from few kinds: most devices are dominated."""
+    n = draw(st.integers(1, 3))
+    costs = LayerCosts(tuple(draw(st.lists(st.floats(0, 10), min_size=n, max_size=n))),
+                       tuple(draw(st.lists(st.integers(0, 10**6), min_size=n, max_size=n))),
+                       tuple(draw(st.lists(st.integers(0, 100), min_size=n, max_size=n))))
+    devices = [DeviceSpec(f"d{i}", draw(st.sampled_from([1.0, 2.0, 4.0])),
+                          draw(st.sampled_from([INF, 1e5])), draw(st.sampled_from([INF, 150])))
+               for i in range(draw(st.integers(1, 8)))]
+    return costs, devices
+
+
+@PROPERTY
+@given(crowded_problems())
+def test_dropping_dominated_devices_keeps_the_optimum(problem):
+    costs, devices = problem
+    kept = prune_dominated(devices, costs.n_layers)
+    assert len(kept) <= len(devices)
+    try:
+        everything = solve_partition(costs, devices, max_exact_devices=16)
+    except InfeasiblePartitionError:
+        with pytest.raises(InfeasiblePartitionError):
+            solve_partition(costs, kept, max_exact_devices=16)
+        return
+    assert close(solve_partition(costs, kept, max_exact_devices=16).bottleneck_s,
+                 everything.bottleneck_s)
+
+
+def test_a_large_uniform_fleet_is_pruned_to_the_fastest_devices():
+    costs = compute_only([1.0] * 4)
+    devices = [DeviceSpec(f"slow{i}", 8.0) for i in range(20)] + \
+        [DeviceSpec(f"fast{i}", 1.0) for i in range(6)]
+    assert [d.name for d in prune_dominated(devices, 4)] == ["fast0", "fast1", "fast2", "fast3"]
+    solved = solve_partition(costs, devices)
+    assert sorted(solved.devices) == ["fast0", "fast1", "fast2", "fast3"]

@@ -350,7 +350,7 @@ class DeviceAgent:
                 self.name, self.plan, stage, self.messenger, self.transport.inbox,
                 self.metrics, self.link,
                 RunnerHooks(report=self._report, step_done=self._on_step_done,
-                            after_send=self._emulate_link, computing=self._computing),
+                            link=self._emulate_link, computing=self._computing),
                 clock=self.clock)
             self._subscribed = self.runner.topics_to_follow
             for topic in self._subscribed:

@@ -44,11 +44,12 @@ StageMessage = Activation | Gradient | GroupPartial | Progress
 @dataclass(frozen=True)
 class RunnerHooks:
     """What the runner asks of its agent: reports to the controller, the end of a step, the
-    emulated link after a send, and the step being computed (profiles schedule by step)."""
+    emulated link for a payload of ``n`` bytes sent or taken in, and the step being computed
+    (profiles schedule by step)."""
 
     report: Callable[[ResultBody, int, int], None]
     step_done: Callable[[StepDone], None]
-    after_send: Callable[[int], None]
+    link: Callable[[int], None]
     computing: Callable[[int], None]
 
 
@@ -106,6 +107,7 @@ class StageRunner:
                                  message, now)
             if addressee != self.name:
                 return  # another holder's: watched only
+            self.hooks.link(message.nbytes)
             self._forward(inbound.step, inbound.micro_batch, message, inbound.sender,
                           inbound.timestamp)
         else:
@@ -115,6 +117,7 @@ class StageRunner:
                 if Topics.addressee(inbound.topic) != self.name or item is not None:
                     return  # kept in case its holder needs replacing
             self.link.observe(inbound.timestamp, message.nbytes, time.time())
+            self.hooks.link(message.nbytes)
             self.hooks.computing(inbound.step)
             self._absorb_contributions()
             self._emit_all(stage.backward(inbound.step, inbound.micro_batch, message.g))
@@ -141,6 +144,7 @@ class StageRunner:
             return  # our own contribution, echoed back: already counted
         if self.watch is not None:
             self.watch.contributed(inbound.step, inbound.micro_batch, self.clock())
+        self.hooks.link(message.nbytes)
         self._emit_all(self.stage.offer_partial(inbound.step, SendPartial(
             inbound.step, inbound.micro_batch, message.grads, message.batch_norm)))
 
@@ -217,7 +221,7 @@ class StageRunner:
                 self.routes.pop(key, None)
             member = route[index + 1] if index + 1 < len(route) else 0
             device = self.plan.stages[index + 1].members[member].device
-            self.hooks.after_send(self.messenger.send(
+            self.hooks.link(self.messenger.send(
                 self.topics.stage_act(index + 1, device),
                 Activation(output.x, output.y, output.train, route, counts), version,
                 output.step, output.micro_batch))
@@ -228,16 +232,16 @@ class StageRunner:
         elif isinstance(output, SendGradient):
             came = self.routes.pop(key, None)
             device = came[1] if came else self.plan.stages[index - 1].leader
-            self.hooks.after_send(self.messenger.send(
+            self.hooks.link(self.messenger.send(
                 self.topics.stage_grad(index - 1, device), Gradient(output.grad), version,
                 output.step, output.micro_batch))
         elif isinstance(output, SendPartial):
             if self.watch is not None:
                 self.watch.contributed(output.step, output.micro_batch, self.clock())
-            self.messenger.send(self.topics.stage_reduce(index),
-                                GroupPartial(index, self.stage.member, output.grads,
-                                             output.batch_norm), version, output.step,
-                                output.micro_batch)
+            self.hooks.link(self.messenger.send(
+                self.topics.stage_reduce(index),
+                GroupPartial(index, self.stage.member, output.grads, output.batch_norm),
+                version, output.step, output.micro_batch))
         elif isinstance(output, MicroBatchResult):
             if not output.train:
                 self.routes.pop(key, None)

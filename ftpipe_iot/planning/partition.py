@@ -101,6 +101,10 @@ class RepartitionPolicy:
         and ``proposed`` are bottlenecks in seconds per micro-batch (``predict_bottleneck`` of
         the running plan under the latest capacities vs. a fresh ``solve_partition``);
         ``last_change_step`` is the step of the previous plan change (``None``: never)."""
-        if last_change_step is not None and step - last_change_step < self.cooldown_steps:
+        if self.cooling_down(step, last_change_step):
             return False
         return should_repartition(current, proposed, self.threshold)
+
+    def cooling_down(self, step: int, last_change_step: int | None) -> bool:
+        """Whether the previous plan change is too recent for another at ``step``."""
+        return last_change_step is not None and step - last_change_step < self.cooldown_steps

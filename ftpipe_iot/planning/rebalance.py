@@ -84,8 +84,9 @@ def propose_rebalance(cost_model: LayerCosts, current: Assignment, candidates: S
     The current plan is judged with each device's best recent speed and the proposal with its
     worst, so measurement noise among equal devices does not move layers back and forth.
     """
-    if not capacity.settled([d for d, _, _ in current]):
-        return None
+    if not capacity.settled([d for d, _, _ in current]) or \
+            policy.cooling_down(at.step, at.last_change_step):
+        return None  # checked first: solving is the costly part at large fleets
     try:
         proposed = solve_partition(cost_model, device_specs(candidates, capacity, capabilities))
         new = [(s.device, s.start, s.end) for s in proposed.stages]

@@ -53,7 +53,7 @@ from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
 
 __all__ = ["DeviceSpec", "InfeasiblePartitionError", "LayerCosts", "Partition", "PartitionError",
            "Stage", "evaluate_partition", "exhaustive_partition", "predict_bottleneck",
-           "solve_partition", "stage_for"]
+           "prune_dominated", "solve_partition", "stage_for"]
 
 #: Above this many devices the exact O(2^D * D * L^2) DP gets slow; a heuristic takes over.
 DEFAULT_MAX_EXACT_DEVICES = 10
@@ -355,15 +355,48 @@ def solve_partition(
     solver prefers fewer devices. Raises :class:`InfeasiblePartitionError` when nothing fits.
     """
     _check_devices(devices)
-    tables = _stage_tables(costs, devices)
-    if len(devices) <= max_exact_devices:
-        value, stages = _exact(tables)
-    else:
-        value, stages = _heuristic(tables, devices)
+    if len(devices) > max_exact_devices:
+        return _solve_large(costs, devices, max_exact_devices)
+    value, stages = _exact(_stage_tables(costs, devices))
     if not math.isfinite(value):
         raise infeasible_error(costs, devices)
     return evaluate_partition(
         [(devices[d].name, s, e) for d, s, e in stages], costs, devices)
+
+
+def _dominates(a: DeviceSpec, b: DeviceSpec) -> bool:
+    """``a`` is at least as fast, as well linked and as large as ``b``: every stage ``b`` can
+    hold, ``a`` holds at least as fast."""
+    return a.factor <= b.factor and a.bandwidth_bytes_per_s >= b.bandwidth_bytes_per_s and \
+        a.memory_bytes >= b.memory_bytes
+
+
+def prune_dominated(devices: Sequence[DeviceSpec], n_layers: int) -> list[DeviceSpec]:
+    """The devices an optimal partition may need (in the given order). A pipeline uses at most
+    ``n_layers`` devices, so a device that ``n_layers`` others dominate is never needed: in any
+    partition using it, one of its dominators is idle and can take its stage, no slower."""
+    # Equal devices dominate each other: of a tie, only the earlier ones count against a device.
+    return [device for i, device in enumerate(devices)
+            if sum(1 for j, other in enumerate(devices) if j != i and _dominates(other, device)
+                   and (j < i or not _dominates(device, other))) < n_layers]
+
+
+def _solve_large(costs: LayerCosts, devices: Sequence[DeviceSpec],
+                 max_exact_devices: int) -> Partition:
+    """Many devices: drop the dominated ones (exact), then the exact DP when few are left, else
+    the better of the exact DP over the fastest ``max_exact_devices`` and the order heuristic."""
+    candidates = prune_dominated(devices, costs.n_layers)
+    fastest = sorted(candidates, key=lambda d: (d.factor, -d.bandwidth_bytes_per_s))
+    results = []
+    if max_exact_devices > 0:
+        results.append(_exact(_stage_tables(costs, fastest[:max_exact_devices])) + (fastest,))
+    if len(candidates) > max_exact_devices:
+        results.append(_heuristic(_stage_tables(costs, candidates), candidates) + (candidates,))
+    value, stages, chosen = min(results, key=lambda r: r[0])
+    if not math.isfinite(value):
+        raise infeasible_error(costs, devices)
+    return evaluate_partition(
+        [(chosen[d].name, s, e) for d, s, e in stages], costs, devices)
 
 
 def exhaustive_partition(costs: LayerCosts, devices: Sequence[DeviceSpec]) -> Partition:

@@ -285,6 +285,11 @@ class GroupPartial:
     grads: dict[str, np.ndarray]
     batch_norm: dict[str, np.ndarray] = field(default_factory=dict)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(int(v.nbytes) for part in (self.grads, self.batch_norm)
+                   for v in part.values())
+
     def to_body(self) -> dict[str, Any]:
         return {"stage": self.stage, "member": self.member, "grads": self.grads,
                 "batch_norm": self.batch_norm}
