@@ -120,3 +120,34 @@ def test_per_layer_times_are_reported_and_add_up_to_the_stage_time():
     assert done.layer_backward_s[0] == 0 and all(t > 0 for t in done.layer_backward_s[1:])
     assert sum(done.layer_forward_s) <= done.forward_s
     assert sum(done.layer_backward_s) <= done.backward_s  # sub-intervals of the whole
+
+
+def test_a_stage_behind_a_group_forwards_out_of_order_and_keeps_batchnorm_exact():
+    """Behind a group, inputs arrive in any order: the stage computes them as they come and its
+    running statistics and weights end as if they had come in order."""
+    config = TrainConfig(model=ModelSpec("mobilenetv2", width=0.25), micro_batches=4,
+                         micro_batch_size=4)
+
+    def last_stage(ordered: bool) -> Stage:
+        layers = build_layers(config.model, (3, 32, 32), 10, seed=0)
+        shapes = cut_shapes(layers, (3, 32, 32), 10)
+        return Stage(1, 2, layers[16:], 16, config, shapes[16], 10, ordered_inputs=ordered)
+
+    rng = np.random.default_rng(0)
+    in_order, as_they_come = last_stage(True), last_stage(False)
+    shape = in_order.expected_shape
+    inputs = [(rng.standard_normal((4, *shape)).astype(np.float32), rng.integers(0, 10, 4))
+              for _ in range(4)]
+    outputs = {}
+    for stage, order in ((in_order, [0, 1, 2, 3]), (as_they_come, [3, 1, 0, 2])):
+        for mb in order:
+            outputs.setdefault(id(stage), []).extend(stage.forward(0, mb, *inputs[mb], True))
+        assert any(isinstance(o, StepDone) for o in outputs[id(stage)])
+    # out of order, the first output is micro-batch 3's: nothing was held back
+    first = next(o for o in outputs[id(as_they_come)] if isinstance(o, MicroBatchResult))
+    assert first.micro_batch == 3
+    expected = in_order.module.state_dict()
+    got = as_they_come.module.state_dict()
+    assert any("running_mean" in key for key in expected)
+    for key, value in expected.items():
+        assert torch.allclose(value.float(), got[key].float(), atol=1e-6), key

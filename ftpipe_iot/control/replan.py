@@ -216,7 +216,13 @@ def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: Capacit
             ) -> tuple[Counts, tuple[StageAssignment, ...]] | None:
     """Cheaper shares for the groups (no layer moves): each group's micro-batches apportioned
     to its members' measured speeds, when that shortens the slowest stage's busy time per step
-    by more than ``threshold``; None otherwise (or while a member is unmeasured)."""
+    by more than ``threshold``; None otherwise (or while a member is unmeasured).
+
+    The current counts are judged at each member's typical recent speed (the median), the new
+    ones at its slowest recent step: a member whose time per micro-batch grows with the number
+    it takes (two processes sharing cores) then keeps its counts instead of trading them back
+    and forth every step, while a real slow-down, once it is the median, still moves shares.
+    """
     computing = [[i for i, m in enumerate(s.members) if m.share > 0] for s in stages]
     members = [s.members[i].device for s, active in zip(stages, computing) if len(active) > 1
                for i in active]
@@ -226,12 +232,13 @@ def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: Capacit
     for stage, current, active in zip(stages, counts, computing):
         cost = costs.stage_cost_s(stage.start, stage.end)
         times = [capacity.factor(m.device) * cost for m in stage.members]
+        slowest = [capacity.bounds(m.device)[1] * cost for m in stage.members]
         better = list(current)
         if len(active) > 1:  # standbys (share 0) stay out: they compute only what they take over
             for i, n in zip(active, apportion(micro_batches, [times[i] for i in active])):
                 better[i] = n
         busy_now = max(busy_now, max(n * t for n, t in zip(current, times)))
-        busy_new = max(busy_new, max(n * t for n, t in zip(better, times)))
+        busy_new = max(busy_new, max(n * t for n, t in zip(better, slowest)))
         new_counts.append(tuple(better))
     if busy_now <= 0 or (busy_now - busy_new) / busy_now <= threshold:
         return None

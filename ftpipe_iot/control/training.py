@@ -143,7 +143,11 @@ class PlanTraining:
         stage = self.plan.stage_of(sender)
         if stage is None or stage.stage != done.stage:
             return None
-        if step == self.feed.step and done.micro_batches > 0:  # a standby computed nothing
+        # The step completes with the first holder of each stage to report; the other members
+        # of a group report the same step just after, and their speeds count as much (shares
+        # are retuned from them). A standby computed nothing: no measurement.
+        if self.feed.step - 1 <= step <= self.feed.step and step >= self.plan.resume_step \
+                and done.micro_batches > 0:
             if len(done.layer_times) == stage.end - stage.start:
                 self._recorder.layer_seconds(sender, stage.start, done.layer_times)
             factor = self._capacity.observe(sender, stage.start, stage.end,

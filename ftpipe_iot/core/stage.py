@@ -118,6 +118,8 @@ class Stage:
     group_size: int = 1
     member: int = 0
     versions: StepVersions | None = None  # asynchronous: which version each step uses
+    # False when an earlier stage has several holders: inputs then arrive out of order
+    ordered_inputs: bool = True
     module: nn.Sequential = field(init=False)
     optimizers: list[torch.optim.Optimizer | None] = field(init=False)
     pending: dict[tuple[int, int], _Pending] = field(init=False, default_factory=dict)
@@ -141,19 +143,25 @@ class Stage:
         self.named = trainable(self.layers, self.first_layer)
         self.exchanges = self.group_size > 1
         self.gradients = OrderedGradients([p for _, p in self.named], self.exchanges)
+        asynchronous = self.versions is not None and self.versions.asynchronous
+        # BatchNorm's running statistics are updated in forward order. Holders that exchange,
+        # and a synchronous stage alone behind a group, record each micro-batch's batch
+        # statistics and replay them in index order at the step end, so the stage behind a
+        # group forwards its micro-batches as they come instead of waiting for the slowest
+        # member's. Otherwise (inputs in order, or async, whose steps' forwards interleave) a
+        # stage alone feeds its layers in index order: no recording cost.
+        running = has_running_statistics(self.layers)
         self.recorder = BatchNormRecorder(self.layers, self.first_layer) \
-            if self.exchanges else None
+            if self.exchanges or (running and not asynchronous and not self.ordered_inputs) \
+            else None
         if self.recorder is not None:
             self.recorder.step_started()
-        # BatchNorm's running statistics are updated in forward order: a stage alone feeds its
-        # micro-batches to its layers in index order (holders that exchange replay them).
-        self._in_order = not self.exchanges and has_running_statistics(self.layers)
+        self._in_order = not self.exchanges and running and self.recorder is None
         self._early: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
         self._next_forward: dict[int, int] = {}
         # training inputs of a later step than the weights: held until the stage gets there
         self._future: dict[int, dict[int, tuple[np.ndarray, np.ndarray, int | None]]] = {}
         self.computed: dict[int, int] = {}  # step -> micro-batches this holder computed
-        asynchronous = self.versions is not None and self.versions.asynchronous
         self.stash = WeightStash(self.layers, self.versions, self.start_step) \
             if asynchronous and self.versions is not None else None
 
@@ -389,6 +397,10 @@ class Stage:
         done.add(micro_batch)
         if len(done) == self.expected.get(step, self.config.micro_batches):
             self.gradients.finish(step)
+            if self.recorder is not None:  # alone: its own records, in micro-batch order
+                self.recorder.replay({k: v for m in range(self.config.micro_batches)
+                                      for k, v in self.recorder.partial(m).items()},
+                                     self.config.micro_batches)
             out.extend(self._optimizer_step(step))
         return out
 

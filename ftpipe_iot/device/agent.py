@@ -322,7 +322,9 @@ class DeviceAgent:
                       compute_hook=self._emulate_compute, start_step=plan.resume_step,
                       group_size=len(assignment.members),
                       member=assignment.member_index(self.name) or 0,
-                      versions=StepVersions.of(plan.train, plan.steps_per_epoch))
+                      versions=StepVersions.of(plan.train, plan.steps_per_epoch),
+                      ordered_inputs=all(len(s.members) == 1
+                                         for s in plan.stages[:assignment.stage]))
         if replicas:
             stage.load(replicas)
         self._set_stage(stage)
