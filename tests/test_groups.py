@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import pytest
 from helpers import MemoryJob, max_weight_diff
+from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.replan import retuned
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.core.routing import StepRoutes, counts_from_shares, interleave
+from ftpipe_iot.device.agent import DeviceAgent, device_will
 from ftpipe_iot.errors import PlanError
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.groups import apportion
+from ftpipe_iot.planning.profiles import parse_profile
 from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
@@ -128,3 +131,23 @@ def test_shares_do_not_trade_back_and_forth_on_noise_but_follow_a_real_slow_down
     slowed = measured({"a": [1.0, 1.0, 1.0], "b": [1.0, 4.0, 4.0]})
     counts, _ = retuned(stages, ((2, 2),), slowed, costs, 4, 0.05)
     assert counts == ((3, 1),)
+
+
+def test_a_slow_member_loses_share_once_and_training_stays_exact():
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=4, micro_batch_size=8,
+                        max_steps=8, lr=0.05)
+    stages = (_group(0, 0, 3, "d0", "d1"), StageAssignment.single(1, "d2", 3, 6))
+    job = MemoryJob(ControllerConfig(train=train, devices=3, assignment=stages), devices=3)
+    slow = parse_profile({"version": 1, "name": "slow", "factor": 8})
+    job.devices[1] = DeviceAgent("d1", "t", job.broker.transport("d1", device_will("d1", "t")),
+                                 CollectorRegistry(), profile=slow)
+    job.start()
+    assert job.run() is ControllerPhase.DONE
+    summary = job.controller.summary
+    changes = [e for e in summary.events if e["type"] == "shares_changed"]
+    # proposed at one boundary, confirmed at the next, then left alone: no trading back
+    assert len(changes) == 1
+    final = {d["device"]: d["share"] for d in summary.stages[0]["devices"]}
+    assert final == {"d0": 0.75, "d1": 0.25}
+    gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
+    assert max_weight_diff(gathered, train_reference(train, job.controller.data, 8)) < 1e-5

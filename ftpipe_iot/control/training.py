@@ -49,17 +49,27 @@ class PlanTraining:
                               model.total_steps, self.train.max_in_flight, self.versions)
         self.eval_round: EvalRound | None = None
         self.counts: Counts = plan_counts(plan.stages, self.train.micro_batches)
+        self._proposed: Counts | None = None  # counts a retune asked for at the last boundary
         self.stages = plan.stages  # the plan's stages with the shares in force
         self._routes: dict[int, StepRoutes] = {}
         self._eval_sent: dict[int, tuple[int, ...]] = {}  # evaluation batch -> its route
 
     def retune(self, costs: LayerCosts, threshold: float) -> bool:
         """Cheap rebalancing first: a group's micro-batches follow its members' measured speeds
-        (no layer moves). True when the shares changed."""
+        (no layer moves). True when the shares changed.
+
+        A change must be proposed at two boundaries in a row, moving every member's count the
+        same way both times (the second proposal is taken): on shared cores a member's speed
+        moves with the work it takes, and counts that one step of noise calls for are called
+        back the next (the demo's two members traded 1:3 and 3:1 every few steps)."""
         change = retuned(self.stages, self.counts, self._capacity, costs,
                          self.train.micro_batches, threshold)
-        if change is None:
+        confirmed = change is not None and self._proposed is not None and \
+            _same_way(self.counts, self._proposed, change[0])
+        self._proposed = None if change is None or confirmed else change[0]
+        if not confirmed:
             return False
+        assert change is not None
         self.counts, self.stages = change
         return True
 
@@ -184,3 +194,12 @@ class PlanTraining:
         self._eval_sent = {}
         self._recorder.throughput.resume(self._clock())
         return step
+
+
+def _same_way(current: Counts, first: Counts, second: Counts) -> bool:
+    """Whether two proposed counts move every member's count in the same direction."""
+    def way(a: int, b: int) -> int:
+        return (b > a) - (b < a)
+
+    return all(way(c, f) == way(c, g) for cs, fs, gs in zip(current, first, second)
+               for c, f, g in zip(cs, fs, gs))
