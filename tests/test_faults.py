@@ -150,8 +150,10 @@ def test_replacement_device_that_was_not_there_at_start(fault_job):
         lambda w: "spare" in {d for s in w.job.stages for d in s.devices}, 90), \
         "the replacement device was never taken into the plan"
     summary = fault_job.finish()
-    assert "spare" in {d["device"] for s in summary["stages"] for d in s["devices"]}
-    assert len(summary["stages"]) == 3
+    final = {d["device"] for s in summary["stages"] for d in s["devices"]}
+    # the survivors' speeds are measured and the newcomer's is not: the solver may leave a
+    # survivor out when it would not shorten the bottleneck, but never the newcomer or the dead
+    assert "spare" in final and final <= {"spare", "dev1", "dev2"} and len(final) >= 2
 
 
 def test_controller_killed_and_resumed(fault_job):
