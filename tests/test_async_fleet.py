@@ -91,13 +91,19 @@ def test_async_device_processes_over_mosquitto_equal_the_simulator(mosquitto, pr
     assert max_weight_diff(gathered, synchronous) > 1e-4
 
 
-def test_async_rejoin_repartitions_at_a_drain_point_and_stays_exact():
-    train = replace(ASYNC, model=ModelSpec("mlp"), data=DataSpec("digits"), max_steps=12,
+def _two_device_job(max_steps: int, run_until_step: int) -> tuple[TrainConfig, MemoryJob]:
+    """An async MLP job on two in-memory devices, pumped until ``run_until_step`` steps."""
+    train = replace(ASYNC, model=ModelSpec("mlp"), data=DataSpec("digits"), max_steps=max_steps,
                     micro_batch_size=8)
     job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
     job.start()
-    while job.controller.summary.steps < 4:
+    while job.controller.summary.steps < run_until_step:
         job.pump_once()
+    return train, job
+
+
+def test_async_rejoin_repartitions_at_a_drain_point_and_stays_exact():
+    train, job = _two_device_job(max_steps=12, run_until_step=4)
     job.devices[-1].transport.crash()
     while job.controller.summary.recoveries < 1:
         job.pump_once()
@@ -115,12 +121,7 @@ def test_async_rejoin_repartitions_at_a_drain_point_and_stays_exact():
 
 
 def test_async_controller_resume_continues_from_the_retained_checkpoint():
-    train = replace(ASYNC, model=ModelSpec("mlp"), data=DataSpec("digits"), max_steps=10,
-                    micro_batch_size=8)
-    job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
-    job.start()
-    while job.controller.summary.steps < 5:
-        job.pump_once()
+    train, job = _two_device_job(max_steps=10, run_until_step=5)
     job.controller.transport.crash()  # the controller dies mid-period (after step 4 of 6)
     job.controller = Controller("t", ControllerConfig(devices=2, resume=True),
                                 job.broker.transport("controller2"), CollectorRegistry())

@@ -99,6 +99,11 @@ class BatchNormRecorder:
             out[f"{micro_batch}:{key}:var"] = var
         return out
 
+    def replay_own(self, micro_batches: int) -> None:
+        """``replay`` from this stage's own records (a stage alone behind a group)."""
+        self.replay({key: value for micro_batch in self.stats
+                     for key, value in self.partial(micro_batch).items()}, micro_batches)
+
     def replay(self, records: Mapping[str, np.ndarray], micro_batches: int) -> None:
         """Set every BatchNorm's running statistics as if the step's micro-batches had been
         seen in order by one module (``records`` merges every member's ``partial``)."""

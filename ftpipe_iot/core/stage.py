@@ -397,10 +397,8 @@ class Stage:
         done.add(micro_batch)
         if len(done) == self.expected.get(step, self.config.micro_batches):
             self.gradients.finish(step)
-            if self.recorder is not None:  # alone: its own records, in micro-batch order
-                self.recorder.replay({k: v for m in range(self.config.micro_batches)
-                                      for k, v in self.recorder.partial(m).items()},
-                                     self.config.micro_batches)
+            if self.recorder is not None:  # alone behind a group: in micro-batch order
+                self.recorder.replay_own(self.config.micro_batches)
             out.extend(self._optimizer_step(step))
         return out
 

@@ -3,6 +3,7 @@ capacity estimate reads."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 
@@ -20,12 +21,10 @@ class StageTimings:
     def typical_s(self) -> float:
         """The step's compute as if every micro-batch took the median one's time: a process
         descheduled during one micro-batch (another process took the core) barely moves it."""
-        times = sorted(self.micro_batch_s.values())
+        times = list(self.micro_batch_s.values())
         if not times:
             return self.forward_s + self.backward_s
-        middle = len(times) // 2
-        median = times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) / 2
-        return median * len(times)
+        return statistics.median(times) * len(times)
 
     def per_layer(self, n_layers: int) -> None:
         if len(self.layer_forward_s) != n_layers:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from ftpipe_iot.errors import PartitionError
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
+from ftpipe_iot.planning.partition import balanced_split
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_MICRO_BATCHES = 64
@@ -150,17 +151,7 @@ def choose_micro_batching(problem: MicroBatchingProblem, micro_batches: int | No
 def balanced_stages(costs: LayerCosts, n_stages: int) -> list[tuple[int, int]]:
     """Contiguous ranges of near-equal compute: the stages equal devices would get, used when
     the plan is not known yet (the controller chooses before devices connect)."""
-    n = min(n_stages, costs.n_layers)
-    total = math.fsum(costs.layer_cost_s)
-    bounds, acc, k = [0], 0.0, 1
-    for i, cost in enumerate(costs.layer_cost_s[:-1]):
-        acc += cost
-        left = costs.n_layers - (i + 1)
-        if k < n and (acc >= total * k / n or left == n - k):
-            bounds.append(i + 1)
-            k += 1
-    bounds.append(costs.n_layers)
-    return list(zip(bounds[:-1], bounds[1:]))
+    return balanced_split(costs.layer_cost_s, min(n_stages, costs.n_layers))
 
 
 def scaled_costs(costs: LayerCosts, size: int) -> LayerCosts:
