@@ -100,6 +100,18 @@ class Oversized(WireError):
     reason = DropReason.OVERSIZED
 
 
+class BadSignature(WireError):
+    """A frame without a valid signature of its sender (docs/security.md)."""
+
+    reason = DropReason.BAD_SIGNATURE
+
+
+class Replayed(WireError):
+    """A validly signed message seen before, or from an earlier session of its sender."""
+
+    reason = DropReason.REPLAYED
+
+
 class BadBody(WireError):
     """A well-formed frame whose body misses a field or holds a value of the wrong type/range."""
 

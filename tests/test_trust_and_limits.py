@@ -95,7 +95,8 @@ def test_a_device_takes_no_forged_plan_and_imports_no_model_a_plan_names(
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the module would import if asked to
     forger = _Forger(mosquitto.port)
     forger.watch(Topics.dev_heartbeat("dev0"), forger.topics.results)
-    processes.device("dev0", JOB, mosquitto.url)
+    # unsigned: this is the plan gate on its own, the second line behind signatures
+    processes.device("dev0", JOB, mosquitto.url, "--insecure-unsigned")
     forger.next(Heartbeat)
     now = int(time.time() * 1000)
     forger.plan(_plan(now + 1), sender="dev7")              # not the controller

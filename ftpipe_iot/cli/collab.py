@@ -121,7 +121,7 @@ def print_summary(summary: dict, as_json: bool) -> None:
 def run_demo(choices: CollabChoices, train: TrainConfig, devices: int, job: str,
              broker_url: str | None, embedded: bool, work_dir: str | None,
              metrics_port_base: int, partition: str, device_profile: str | None,
-             server_profile: str | None, as_json: bool) -> None:
+             server_profile: str | None, as_json: bool, signed: bool = True) -> None:
     """``ftpipe-iot demo --mode collaborative|fedavg``."""
     from ftpipe_iot.collab.demo import CollabDemo, CollabDemoOptions
     from ftpipe_iot.collab.partition import PartitionSpec
@@ -131,7 +131,7 @@ def run_demo(choices: CollabChoices, train: TrainConfig, devices: int, job: str,
         embedded=embedded, work_dir=Path(work_dir) if work_dir else None,
         metrics_port_base=metrics_port_base, partition=PartitionSpec.parse(partition),
         device_profile=Path(device_profile) if device_profile else None,
-        server_profile=Path(server_profile) if server_profile else None)
+        server_profile=Path(server_profile) if server_profile else None, signed=signed)
     try:
         summary = CollabDemo(options).run()
     except KeyboardInterrupt:
@@ -146,7 +146,7 @@ def run_controller(choices: CollabChoices, train: TrainConfig, job: str, broker:
                    devices: int, wait_devices: float, heartbeat_timeout: float,
                    stall_timeout: float, stop_devices: bool, save_weights: str | None,
                    summary_json: str | None, as_json: bool, client_id: str | None,
-                   process: Any, pipeline_only: list[str]) -> None:
+                   process: Any, pipeline_only: list[str], credentials: Any = None) -> None:
     """``ftpipe-iot controller --mode collaborative|fedavg``: the coordinator."""
     from ftpipe_iot.collab.entry import run_coordinator
     from ftpipe_iot.observability.progress import default_progress
@@ -160,7 +160,8 @@ def run_controller(choices: CollabChoices, train: TrainConfig, job: str, broker:
                            stop_devices=stop_devices,
                            save_weights=Path(save_weights) if save_weights else None)
     summary = run_coordinator(config, job, broker, process, default_progress(),
-                              Path(summary_json) if summary_json else None, client_id)
+                              Path(summary_json) if summary_json else None, client_id,
+                              credentials)
     if as_json:
         click.echo(json.dumps(summary.to_dict(with_history=False)))
     if summary.error:

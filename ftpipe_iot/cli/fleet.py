@@ -109,6 +109,23 @@ def add_device_cmd(name: str, fleet_dir: Path, role: str, job: str | None, profi
     _add(fleet_dir, name, Role(role), job, profile, options, reload)
 
 
+@fleet.command("rotate-key")
+@click.argument("name")
+@_dir_option
+@click.option("--revoke-previous", is_flag=True,
+              help="accept only the new key from now on (by default the previous key stays "
+                   "accepted until the next rotation, so the running process switches without "
+                   "a gap)")
+def rotate_key_cmd(name: str, fleet_dir: Path, revoke_previous: bool) -> None:
+    """Give identity NAME a new signing key without stopping the job (a controller identity
+    rotates the controller key): the roster in every controller bundle names it; copy the
+    bundle's signing.key and roster.json to the device, where the running agent takes them."""
+    identity = fleet_ops.rotate_key(fleet_dir, name, revoke_previous)
+    click.echo(f"{identity.role.value} {name!r}: new signing key in "
+               f"{bundle_mod.bundle_dir(fleet_dir, name)}; the running controller republishes "
+               "the roster within a second")
+
+
 @fleet.command("add-controller")
 @click.argument("name")
 @_dir_option

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import click
 
-from ftpipe_iot.errors import FtpipeError
+from ftpipe_iot.errors import ConfigError, FtpipeError
 from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
+from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
 from ftpipe_iot.protocol.vocab import OptimizerName, ScheduleName, WireDtype
 from ftpipe_iot.transport.config import BrokerConfig, Bundle, load_bundle, parse_protocol
@@ -137,6 +139,20 @@ _CONNECTION: list[Decorator] = [
                  help="MQTT keepalive seconds (the broker fires the Last Will after 1.5x)"),
 ]
 
+_SIGNING: list[Decorator] = [
+    click.option("--signing-key", type=click.Path(dir_okay=False), default=None,
+                 help="this identity's Ed25519 private key (the bundle's, or the demo's keys/)"),
+    click.option("--roster", type=click.Path(dir_okay=False), default=None,
+                 help="the public keys of the job's identities (roster.json) to verify against"),
+    click.option("--insecure-unsigned", is_flag=True,
+                 help="neither sign nor verify messages (debugging only: anyone who can publish "
+                      "on the broker can then steer the job)"),
+]
+
+INSECURE_WARNING = ("WARNING: --insecure-unsigned: messages are neither signed nor verified; "
+                    "anyone who can publish on this broker can send this job plans, weights and "
+                    "commands (docs/security.md)")
+
 _PROCESS: list[Decorator] = [
     click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=0,
                  show_default=True, help="serve /metrics on this port (0 = off)"),
@@ -162,6 +178,29 @@ connection_options = _group(_CONNECTION)
 """--broker/--config/--mqtt-protocol/--max-message-bytes/--keepalive."""
 process_options = _group(_PROCESS)
 """--metrics-port/--threads/--log-level of a long-running process."""
+signing_options = _group(_SIGNING)
+"""--signing-key/--roster/--insecure-unsigned."""
+
+
+def credentials(bundle: Bundle, signing_key: str | None, roster: str | None, insecure: bool,
+                publishes_roster: bool = False) -> Credentials:
+    """What the process signs with and verifies against: the options, else the bundle's files;
+    unsigned only when asked (said loudly on stderr)."""
+    key_file = signing_key or bundle.signing_key
+    roster_file = roster or bundle.roster
+    if insecure:
+        if signing_key or roster:
+            raise click.UsageError("--insecure-unsigned and --signing-key/--roster exclude "
+                                   "each other")
+        click.echo(INSECURE_WARNING, err=True)
+        return Credentials.unsigned()
+    if not key_file or not roster_file:
+        missing = "--signing-key" if not key_file else "--roster"
+        raise ConfigError(
+            f"messages are signed and {missing} is missing: give --signing-key and --roster "
+            "(or --config with a bundle from `ftpipe-iot fleet add-device`); "
+            "--insecure-unsigned turns signing off for debugging")
+    return Credentials.load(Path(key_file), Path(roster_file), publishes_roster)
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

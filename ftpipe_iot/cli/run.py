@@ -12,15 +12,17 @@ import click
 
 from ftpipe_iot.cli.collab import collab_choices, collab_options
 from ftpipe_iot.cli.options import (
+    INSECURE_WARNING,
     TRAINING_NAMES,
     auto_fields,
-    broker_settings,
     command,
     connection_options,
+    credentials,
     explicit,
     identity,
     parse_assignment,
     process_options,
+    signing_options,
     train_config,
     training_options,
 )
@@ -75,11 +77,13 @@ def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
 @click.option("--server", is_flag=True,
               help="collaborative mode: offer to hold the server part of the model")
 @connection_options
+@signing_options
 @process_options
 def device(name: str | None, job: str | None, heartbeat_interval: float,
            profile_file: str | None, real_link: bool, controller_name: str,
            allowed_modules: tuple[str, ...], data: str | None, server: bool, broker_url: str,
            config_file: str | None, mqtt_protocol: str, max_message_bytes: int, keepalive: int,
+           signing_key: str | None, roster: str | None, insecure_unsigned: bool,
            metrics_port: int, threads: int, log_level: str) -> None:
     """Run a device agent: announce, take a stage from the plan, compute, report (with --data
     or --server: a data device or the server of the collaborative modes)."""
@@ -92,6 +96,7 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
     if not name:
         raise click.UsageError("give --name or a --config bundle")
     profile = load_profile(profile_file) if profile_file else None
+    keys = credentials(bundle, signing_key, roster, insecure_unsigned)
     process = ProcessOptions(metrics_port, threads, log_level)
     if data is not None or server:
         from ftpipe_iot.collab.agent import AgentOptions
@@ -102,12 +107,12 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
         sys.exit(run_collab_device(
             name, bundle.job, bundle.broker, process, data, server, profile,
             AgentOptions(heartbeat_interval, allowed_model_modules=(
-                *bundle.allow_model_modules, *allowed_modules))))
+                *bundle.allow_model_modules, *allowed_modules)), keys))
     options = DeviceOptions(heartbeat_interval_s=heartbeat_interval, controller=controller_name,
                             allowed_model_modules=(*bundle.allow_model_modules,
                                                    *allowed_modules),
                             emulate_link=not real_link)
-    sys.exit(run_device(name, bundle.job, bundle.broker, process, options, profile))
+    sys.exit(run_device(name, bundle.job, bundle.broker, process, options, profile, keys))
 
 
 # Controller options the collaborative modes do not implement: refused, not ignored.
@@ -160,6 +165,7 @@ _PIPELINE_ONLY = ("resume", "assignment", "checkpoint_dir", "device_names", "ini
 @click.option("--train-config", "train_file", type=click.Path(dir_okay=False), default=None,
               help="training settings as a JSON file (instead of the training options)")
 @connection_options
+@signing_options
 @process_options
 @training_options
 @collab_options
@@ -172,15 +178,17 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                summary_json: str | None,
                stop_devices: bool,
                as_json: bool, train_file: str | None, broker_url: str, config_file: str | None,
-               mqtt_protocol: str, max_message_bytes: int, keepalive: int, metrics_port: int,
-               threads: int, log_level: str, **training: Any) -> None:
+               mqtt_protocol: str, max_message_bytes: int, keepalive: int,
+               signing_key: str | None, roster: str | None, insecure_unsigned: bool,
+               metrics_port: int, threads: int, log_level: str, **training: Any) -> None:
     """Run a job's controller: plan, feed data, collect losses, evaluate, snapshot."""
     from ftpipe_iot.control.config import ControllerConfig
     from ftpipe_iot.observability.progress import default_progress
     from ftpipe_iot.runtime.entry import ProcessOptions, run_controller
 
-    config, bundle_name, job = broker_settings(broker_url, config_file, mqtt_protocol,
-                                               max_message_bytes, keepalive, job)
+    bundle = identity(broker_url, config_file, mqtt_protocol, max_message_bytes, keepalive, job)
+    config, bundle_name, job = bundle.broker, bundle.name or None, bundle.job
+    keys = credentials(bundle, signing_key, roster, insecure_unsigned, publishes_roster=True)
     names = tuple(n.strip() for n in device_names.split(",")) if device_names else ()
     if names and len(names) != devices:
         raise click.UsageError(f"--device-names lists {len(names)} devices, --devices is "
@@ -198,7 +206,7 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
         return run_collab(collab, train, job, config, devices, wait_devices, heartbeat_timeout,
                           stall_timeout, stop_devices, save_weights, summary_json, as_json,
                           bundle_name, ProcessOptions(metrics_port, threads, log_level),
-                          explicit(ctx, _PIPELINE_ONLY))
+                          explicit(ctx, _PIPELINE_ONLY), keys)
     ctrl_config = ControllerConfig(
         train=train, devices=devices, device_names=names,
         wait_devices_s=wait_devices, stall_timeout_s=stall_timeout,
@@ -213,7 +221,8 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
     summary = run_controller(job, config, ctrl_config,
                              ProcessOptions(metrics_port, threads, log_level),
                              default_progress(), client_id=bundle_name,
-                             summary_path=Path(summary_json) if summary_json else None)
+                             summary_path=Path(summary_json) if summary_json else None,
+                             credentials=keys)
     if as_json:
         click.echo(summary.to_json(with_history=False))
     if summary.error:
@@ -260,6 +269,9 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
               help="collaborative/fedavg: profile of every data device")
 @click.option("--server-profile", type=click.Path(dir_okay=False, exists=True), default=None,
               help="collaborative: profile of the server")
+@click.option("--insecure-unsigned", is_flag=True,
+              help="run every process without signing or verifying messages (debugging only; "
+                   "by default the demo makes keys in its work dir and signs everything)")
 @training_options
 @collab_options
 @click.pass_context
@@ -267,8 +279,8 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
          job: str, work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...],
          restart_devices: bool, max_message_bytes: int | None, init_from: str | None,
          save_model: str | None, layout: str, as_json: bool, partition: str,
-         device_profile: str | None,
-         server_profile: str | None, **training: Any) -> None:
+         device_profile: str | None, server_profile: str | None, insecure_unsigned: bool,
+         **training: Any) -> None:
     """Train the CNN on digits with a broker, a controller and N device processes (with --mode
     collaborative or fedavg: N data devices, each with its share of the digits)."""
     from ftpipe_iot.runtime.demo import Demo, DemoOptions
@@ -276,6 +288,8 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
 
     if broker_url and embedded_broker:
         raise click.UsageError("--broker and --embedded-broker exclude each other")
+    if insecure_unsigned:
+        click.echo(INSECURE_WARNING, err=True)
     collab = collab_choices(ctx, training)
     train = _auto_micro_batching(train_config(training), training, devices, collab.pipeline)
     if not collab.pipeline:
@@ -290,7 +304,8 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
                                    " apply to --mode pipeline only")
         return run_collab_demo(collab, train, devices, job, broker_url,
                                embedded_broker, work_dir, metrics_port_base, partition,
-                               device_profile, server_profile, as_json)
+                               device_profile, server_profile, as_json,
+                               signed=not insecure_unsigned)
     if (partition != "iid" or device_profile or server_profile):
         raise click.UsageError("--partition, --device-profile and --server-profile need "
                                "--mode collaborative or fedavg")
@@ -306,7 +321,7 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
                           metrics_port_base=metrics_port_base, faults=schedule,
                           restart_devices=restart_devices, max_message_bytes=max_message_bytes,
                           save_model=Path(save_model) if save_model else None,
-                          layout=Layout(layout),
+                          layout=Layout(layout), signed=not insecure_unsigned,
                           controller_args=["--init-from", str(Path(init_from).resolve())]
                           if init_from else [])
     try:

@@ -38,6 +38,7 @@ from ftpipe_iot.protocol.collab import (
 )
 from ftpipe_iot.protocol.messages import Command, Heartbeat, Inbound, LayerReplica, Message
 from ftpipe_iot.protocol.results import DeviceError, Result
+from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import CollabRole, CommandOp, DeviceState, DropReason
 from ftpipe_iot.protocol.wire import WireOptions
@@ -74,13 +75,14 @@ class CollabAgent(abc.ABC):
     role: CollabRole = CollabRole.DATA
 
     def __init__(self, name: str, job: str, transport: Transport, registry: CollectorRegistry,
-                 profile: DeviceProfile | None = None, options: AgentOptions = AgentOptions()
-                 ) -> None:
+                 profile: DeviceProfile | None = None, options: AgentOptions = AgentOptions(),
+                 credentials: Credentials | None = None) -> None:
         self.name = name
         self.topics = Topics(job)
         self.transport = transport
         self.metrics = CollabAgentMetrics(registry)
-        self.messenger = Messenger(transport, name, job, self.metrics, logger=log)
+        self.messenger = Messenger(transport, name, job, self.metrics, logger=log,
+                                   credentials=credentials)
         self.profile = profile
         self.options = options
         self.stopped = threading.Event()
@@ -103,6 +105,7 @@ class CollabAgent(abc.ABC):
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self.transport.connect()
+        self.messenger.start_trust()
         self._announce()
         for topic in (self.topics.collab_job, self.topics.collab_plan, self.topics.collab_round,
                       self.topics.cmd(self.name)):
@@ -172,6 +175,7 @@ class CollabAgent(abc.ABC):
 
     def tick(self) -> None:
         now = time.monotonic()
+        self.messenger.tick_trust(now)
         if self.plan is not None and self.round is not None and now >= self._next_report:
             self._next_report = now + self.options.report_interval_s
             self.report(CollabReport(self.role, self.meter.busy_s, epsilon=self.epsilon))

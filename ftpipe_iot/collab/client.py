@@ -32,6 +32,7 @@ from ftpipe_iot.protocol.collab import (
     Smashed,
 )
 from ftpipe_iot.protocol.messages import Gradient, Inbound, Message
+from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.specs import DataSpec
 from ftpipe_iot.protocol.vocab import CollabMode, CollabRole, DropReason
 from ftpipe_iot.transport.base import Transport
@@ -74,8 +75,9 @@ class DataDevice(CollabAgent):
 
     def __init__(self, name: str, job: str, transport: Transport, registry: CollectorRegistry,
                  data: LocalData, profile: DeviceProfile | None = None,
-                 options: AgentOptions = AgentOptions()) -> None:
-        super().__init__(name, job, transport, registry, profile, options)
+                 options: AgentOptions = AgentOptions(),
+                 credentials: Credentials | None = None) -> None:
+        super().__init__(name, job, transport, registry, profile, options, credentials)
         self.data = data
         self.part: DevicePart | LocalModel | None = None
         self.schedule: SyncSchedule | None = None

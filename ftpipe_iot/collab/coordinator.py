@@ -56,9 +56,9 @@ from ftpipe_iot.protocol.messages import (
     Event,
     Heartbeat,
     LayerReplica,
-    envelope,
 )
 from ftpipe_iot.protocol.results import DeviceError, Result
+from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import (
     CollabMode,
@@ -70,18 +70,18 @@ from ftpipe_iot.protocol.vocab import (
     FailureCause,
     MemberState,
 )
-from ftpipe_iot.protocol.wire import WireOptions, encode
+from ftpipe_iot.protocol.wire import WireOptions
 from ftpipe_iot.transport.base import Incoming, Transport, Will, serve
-from ftpipe_iot.transport.messenger import Messenger
+from ftpipe_iot.transport.messenger import Messenger, will_of
 
 log = logging.getLogger("ftpipe_iot.collab")
 Phase = ControllerPhase
 
 
-def coordinator_will(job: str) -> Will:
+def coordinator_will(job: str, credentials: Credentials | None = None) -> Will:
     """The retained state says offline if the coordinator vanishes."""
-    frame = encode(envelope(ControllerState(ControllerStatus.OFFLINE, job), job, "coordinator"))
-    return Will(Topics(job).state, frame[0], qos=1, retain=True)
+    return will_of(Topics(job).state, ControllerState(ControllerStatus.OFFLINE, job), job,
+                   COORDINATOR_NAME, credentials)
 
 
 class Coordinator:
@@ -89,15 +89,16 @@ class Coordinator:
 
     def __init__(self, job: str, config: CollabConfig, transport: Transport,
                  registry: CollectorRegistry, progress: ProgressReporter | None = None,
-                 clock: Callable[[], float] = time.monotonic, data: Dataset | None = None
-                 ) -> None:
+                 clock: Callable[[], float] = time.monotonic, data: Dataset | None = None,
+                 credentials: Credentials | None = None) -> None:
         self.job = job
         self.config = config
         self.topics = Topics(job)
         self.transport = transport
         self.metrics = CoordinatorMetrics(registry)
         self.messenger = Messenger(transport, COORDINATOR_NAME, job, self.metrics, logger=log,
-                                   options=WireOptions(compress=config.train.compress))
+                                   options=WireOptions(compress=config.train.compress),
+                                   credentials=credentials)
         self.clock = clock
         self.recorder = CollabRecorder(job, config.mode.value, self.metrics,
                                        progress or SilentProgress(), self._publish_event, clock)
@@ -128,6 +129,7 @@ class Coordinator:
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self.transport.connect()
+        self.messenger.start_trust()
         for topic in (Topics.ALL_STATUS, Topics.ALL_HEARTBEATS, self.topics.collab_offers,
                       self.topics.collab_update, self.topics.collab_report, self.topics.results):
             self.transport.subscribe(topic)
@@ -254,6 +256,10 @@ class Coordinator:
     # -- periodic -------------------------------------------------------------------------------
     def tick(self) -> None:
         now = self.clock()
+        if self.messenger.tick_trust(now):
+            # Statuses of identities the old roster did not know were dropped: take them again.
+            self.transport.unsubscribe(Topics.ALL_STATUS)
+            self.transport.subscribe(Topics.ALL_STATUS)
         if self.phase is Phase.WAITING_DEVICES:
             if self.plan is None:
                 self._maybe_plan()

@@ -48,6 +48,7 @@ class CollabDemoOptions:
     server_profile: Path | None = None
     device_args: list[str] = field(default_factory=list)
     coordinator_args: list[str] = field(default_factory=list)
+    signed: bool = True  # False: --insecure-unsigned (keys otherwise made in work_dir/keys)
 
 
 def coordinator_args(config: CollabConfig) -> list[str]:
@@ -89,7 +90,7 @@ class CollabDemo:
         self.options = options
         self.work_dir = options.work_dir or default_work_dir(options.job)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.children = ProcessGroup(self.work_dir)
+        self.children = ProcessGroup(self.work_dir, signed=options.signed)
         self.broker: BrokerProcess | None = None
         self.summary_path = self.work_dir / "summary.json"
 

@@ -18,6 +18,7 @@ from ftpipe_iot.device.agent import device_will
 from ftpipe_iot.observability.metrics import serve_metrics
 from ftpipe_iot.observability.progress import ProgressReporter
 from ftpipe_iot.planning.profiles import DeviceProfile
+from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.topics import check_name
 from ftpipe_iot.runtime.entry import ProcessOptions, _on_signals, setup_process
 from ftpipe_iot.transport.base import Will
@@ -36,18 +37,20 @@ def _connect(options: ProcessOptions, broker: BrokerConfig, client_id: str, will
 
 def run_collab_device(name: str, job: str, broker: BrokerConfig, options: ProcessOptions,
                       data: str | None, server: bool, profile: DeviceProfile | None = None,
-                      agent_options: AgentOptions = AgentOptions()) -> int:
+                      agent_options: AgentOptions = AgentOptions(),
+                      credentials: Credentials | None = None) -> int:
     """Run a data device (``data`` names its samples) or a server until shut down."""
     check_name("device", name)
     check_name("job", job)
     local = LocalData.load(data) if data is not None else None  # refuse bad data before connecting
-    transport, registry = _connect(options, broker, name, device_will(name, job))
+    transport, registry = _connect(options, broker, name, device_will(name, job, credentials))
     agent: CollabAgent
     if local is not None:
-        agent = DataDevice(name, job, transport, registry, local, profile, agent_options)
+        agent = DataDevice(name, job, transport, registry, local, profile, agent_options,
+                           credentials)
     else:
         assert server
-        agent = ServerAgent(name, job, transport, registry, profile, agent_options)
+        agent = ServerAgent(name, job, transport, registry, profile, agent_options, credentials)
     _on_signals(agent.stopped.set)
     agent.serve_until_shutdown()
     return 0
@@ -55,14 +58,15 @@ def run_collab_device(name: str, job: str, broker: BrokerConfig, options: Proces
 
 def run_coordinator(config: CollabConfig, job: str, broker: BrokerConfig,
                     options: ProcessOptions, progress: ProgressReporter,
-                    summary_path: Path | None = None, client_id: str | None = None
-                    ) -> CollabSummary:
+                    summary_path: Path | None = None, client_id: str | None = None,
+                    credentials: Credentials | None = None) -> CollabSummary:
     """The coordinator of one collaborative or federated job, to the job's end; the summary
     goes to ``summary_path`` as JSON when given."""
     check_name("job", job)
     transport, registry = _connect(options, broker, client_id or f"ftpipe-coordinator-{job}",
-                                   coordinator_will(job))
-    coordinator = Coordinator(job, config, transport, registry, progress)
+                                   coordinator_will(job, credentials))
+    coordinator = Coordinator(job, config, transport, registry, progress,
+                              credentials=credentials)
     _on_signals(lambda: coordinator.fail("interrupted"))
     try:
         summary = coordinator.run()

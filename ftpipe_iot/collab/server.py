@@ -25,6 +25,7 @@ from ftpipe_iot.errors import CollabError
 from ftpipe_iot.planning.profiles import DeviceProfile
 from ftpipe_iot.protocol.collab import CollabJob, CollabPlan, LocalUpdate, Round, Smashed
 from ftpipe_iot.protocol.messages import Gradient, Inbound, Message
+from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.vocab import CollabMode, CollabRole, DropReason
 from ftpipe_iot.transport.base import Transport
 
@@ -40,9 +41,9 @@ class ServerAgent(CollabAgent):
     role = CollabRole.SERVER
 
     def __init__(self, name: str, job: str, transport: Transport, registry: CollectorRegistry,
-                 profile: DeviceProfile | None = None, options: AgentOptions = AgentOptions()
-                 ) -> None:
-        super().__init__(name, job, transport, registry, profile, options)
+                 profile: DeviceProfile | None = None, options: AgentOptions = AgentOptions(),
+                 credentials: Credentials | None = None) -> None:
+        super().__init__(name, job, transport, registry, profile, options, credentials)
         self.replicas: dict[str, ServerReplica] = {}
         self.global_states: dict[int, dict] | None = None
         self._loaded_round = -1

@@ -8,12 +8,13 @@ from pathlib import Path
 
 from ftpipe_iot.errors import ConfigError
 from ftpipe_iot.planning.layouts import Layout
-from ftpipe_iot.protocol.messages import ControllerState, envelope
+from ftpipe_iot.protocol.messages import ControllerState
 from ftpipe_iot.protocol.plan import StageAssignment, TrainConfig
+from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import ControllerStatus, ScheduleName
-from ftpipe_iot.protocol.wire import encode
 from ftpipe_iot.transport.base import Will
+from ftpipe_iot.transport.messenger import will_of
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class ControllerConfig:
                               "groups and standbys)")
 
 
-def controller_will(job: str) -> Will:
+def controller_will(job: str, credentials: Credentials | None = None) -> Will:
     """Last Will on the retained state topic: the controller vanished."""
-    env = envelope(ControllerState(ControllerStatus.OFFLINE, job), job, "controller")
-    return Will(Topics(job).state, encode(env)[0], qos=1, retain=True)
+    return will_of(Topics(job).state, ControllerState(ControllerStatus.OFFLINE, job), job,
+                   "controller", credentials)

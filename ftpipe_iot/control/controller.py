@@ -46,6 +46,7 @@ from ftpipe_iot.protocol.messages import (
 )
 from ftpipe_iot.protocol.plan import Plan, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.results import DeviceError, Missing, Ready, Replicated, Result
+from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import (
     CommandOp,
@@ -77,13 +78,14 @@ class Controller:
     def __init__(self, job: str, config: ControllerConfig, transport: Transport,
                  registry: CollectorRegistry, progress: ProgressReporter | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 data: Dataset | None = None) -> None:
+                 data: Dataset | None = None, credentials: Credentials | None = None) -> None:
         self.job = job
         self.config = config
         self.topics = Topics(job)
         self.transport = transport
         self.metrics = ControllerMetrics(registry)
-        self.messenger = Messenger(transport, "controller", job, self.metrics, logger=log)
+        self.messenger = Messenger(transport, "controller", job, self.metrics, logger=log,
+                                   credentials=credentials)
         self.out = JobOutbox(self.messenger, self.topics)
         self.clock = clock
         self.recorder = Recorder(job, self.metrics, progress or SilentProgress(),
@@ -139,6 +141,7 @@ class Controller:
         if problem is not None:
             self.fail(problem)
             return
+        self.messenger.start_trust()
         topics = [Topics.ALL_STATUS, Topics.ALL_HEARTBEATS, self.topics.results,
                   self.topics.weights_all]
         if self.config.resume:
@@ -288,6 +291,10 @@ class Controller:
     def tick(self) -> None:
         """Periodic work: deploy when devices are there, feed, detect failures."""
         now = self.clock()
+        if self.messenger.tick_trust(now):
+            # Statuses of identities the old roster did not know were dropped: take them again.
+            self.transport.unsubscribe(Topics.ALL_STATUS)
+            self.transport.subscribe(Topics.ALL_STATUS)
         if self.phase is Phase.RESUMING:
             self._tick_resume(now)
         elif self.phase is Phase.WAITING_DEVICES:

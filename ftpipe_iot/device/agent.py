@@ -44,7 +44,6 @@ from ftpipe_iot.protocol.messages import (
     LayerReplica,
     PlanMessage,
     Progress,
-    envelope,
 )
 from ftpipe_iot.protocol.plan import Plan
 from ftpipe_iot.protocol.results import (
@@ -56,11 +55,12 @@ from ftpipe_iot.protocol.results import (
     ResultBody,
     StageStepDone,
 )
+from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import CommandOp, DeviceState, DropReason
-from ftpipe_iot.protocol.wire import WireOptions, encode
+from ftpipe_iot.protocol.wire import WireOptions
 from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, Transport, Will, serve
-from ftpipe_iot.transport.messenger import Messenger
+from ftpipe_iot.transport.messenger import Messenger, will_of
 
 log = logging.getLogger("ftpipe_iot.device")
 
@@ -75,11 +75,10 @@ def device_status(job: str, state: DeviceState, profile: DeviceProfile | None = 
     return DeviceStatus(state, job, __version__, capabilities)
 
 
-def device_will(name: str, job: str) -> Will:
+def device_will(name: str, job: str, credentials: Credentials | None = None) -> Will:
     """Last Will: the broker marks the device offline (retained) if it vanishes."""
-    frame = encode(envelope(device_status(job, DeviceState.OFFLINE), job, name,
-                            timestamp=time.time()))[0]
-    return Will(Topics.dev_status(name), frame, qos=1, retain=True)
+    return will_of(Topics.dev_status(name), device_status(job, DeviceState.OFFLINE), job, name,
+                   credentials)
 
 
 @dataclass(frozen=True)
@@ -103,13 +102,15 @@ class DeviceAgent:
                  options: DeviceOptions = DeviceOptions(),
                  profile: DeviceProfile | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep,
+                 credentials: Credentials | None = None) -> None:
         self.name = name
         self.job = job
         self.topics = Topics(job)
         self.transport = transport
         self.metrics = DeviceMetrics(registry)
-        self.messenger = Messenger(transport, name, job, self.metrics, logger=log)
+        self.messenger = Messenger(transport, name, job, self.metrics, logger=log,
+                                   credentials=credentials)
         self.options = options
         self.profile = profile
         self.clock = clock
@@ -139,6 +140,7 @@ class DeviceAgent:
     def start(self) -> None:
         """Connect, announce (retained status), and listen for the plan and commands."""
         self.transport.connect()
+        self.messenger.start_trust()
         self._announce()
         self.transport.subscribe(self.topics.state)
         self.transport.subscribe(self.topics.plan)
@@ -470,6 +472,7 @@ class DeviceAgent:
         if self.runner is not None:
             self.runner.take_over_due()
         now = self.clock()
+        self.messenger.tick_trust(now)
         if self.loader is not None and now - self._loader_since > self.options.missing_request_s:
             self._loader_since = now
             assert self.plan is not None

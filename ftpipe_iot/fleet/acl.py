@@ -68,6 +68,7 @@ def role_rules(role: Role, job: str) -> list[Rule]:
         rules = [
             Rule(Access.READ, t.plan),
             Rule(Access.READ, t.state),          # notice a controller that went offline (LWT)
+            Rule(Access.READ, t.roster),         # the public keys messages are checked with
             Rule(Access.READWRITE, f"{t.base}/stage/#"),   # any stage: plans move stages
             Rule(Access.READWRITE, f"{t.base}/weights/#"),  # replicate, and load on takeover
             Rule(Access.WRITE, t.results),

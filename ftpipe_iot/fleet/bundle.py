@@ -2,7 +2,8 @@
 
 Contents: ``<role>.json`` (loadable by ``ftpipe_iot.transport.config.load_bundle``; paths
 inside are relative to it so the directory can be installed anywhere), ``password`` (0600, the
-only clear-text copy of the password), ``ca.crt``, ``client.crt``, ``client.key`` (0600), and for
+only clear-text copy of the password), ``ca.crt``, ``client.crt``, ``client.key`` (0600), for
+identities that sign messages ``signing.key`` (0600) and ``roster.json`` (``fleet.keys``), and for
 devices a systemd unit rendered from ``devices/ftpipe-device.service.template``.
 """
 
@@ -25,6 +26,8 @@ PASSWORD_FILE = "password"
 CA_FILE = "ca.crt"
 CERT_FILE = "client.crt"
 KEY_FILE = "client.key"
+SIGNING_KEY_FILE = "signing.key"  # written by fleet.keys
+ROSTER_FILE = "roster.json"
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,10 @@ def bundle_config(identity: Identity, settings: BrokerSettings) -> Bundle:
                           ca_file=CA_FILE, cert_file=CERT_FILE, key_file=KEY_FILE,
                           username=identity.name, password_file=PASSWORD_FILE,
                           max_message_bytes=settings.max_message_bytes)
-    return Bundle(name=identity.name, job=identity.job, broker=broker, profile=identity.profile)
+    signs = identity.role in (Role.DEVICE, Role.SERVER, Role.CONTROLLER)
+    return Bundle(name=identity.name, job=identity.job, broker=broker, profile=identity.profile,
+                  signing_key=SIGNING_KEY_FILE if signs else None,
+                  roster=ROSTER_FILE if signs else None)
 
 
 def write_bundle(directory: Path, identity: Identity, settings: BrokerSettings, password: str,
@@ -99,7 +105,8 @@ def _readme(identity: Identity, options: InstallOptions) -> str:
              f"Install this directory as {options.install_dir} (mode 0700) on the target.",
              f"Check it with: ftpipe-iot fleet check --config "
              f"{options.install_dir}/{config_name(identity.role)}",
-             "'password' and 'client.key' are secrets: never copy them anywhere else."]
+             "'password', 'client.key' and 'signing.key' are secrets: never copy them anywhere "
+             "else."]
     if identity.role in (Role.DEVICE, Role.SERVER):
         lines.append(f"Then install {UNIT_NAME} into /etc/systemd/system/ and enable it.")
     return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ Layout of a fleet directory (modes in parentheses)::
     DIR/broker/ (0750)     mosquitto.conf, ca.crt, server.crt, server.key, passwd, acl,
                            data/ (persistence), log/mosquitto.log, mosquitto.pid
     DIR/bundles/ (0700)    <name>/ per identity (see bundle.py)
+    DIR/keys/ (0700)       controller.key, roster.json: message signing (see keys.py)
 
 When run as root, ``DIR/broker`` is handed to the broker's user so Mosquitto can read its key,
 password and ACL files after dropping privileges (and re-read them on SIGHUP).
@@ -21,7 +22,7 @@ import signal
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ftpipe_iot.fleet import acl, brokerconf, bundle, ca, passwd, site
+from ftpipe_iot.fleet import acl, brokerconf, bundle, ca, keys, passwd, site
 from ftpipe_iot.fleet.errors import FleetError
 from ftpipe_iot.fleet.model import (
     BrokerSettings,
@@ -100,6 +101,7 @@ def init_fleet(fleet_dir: Path, settings: BrokerSettings, job: str = "default") 
     _write_acl(paths, state)
     write_broker_config(fleet_dir, state)
     _hand_to_broker_user(paths, settings.run_as_user)
+    keys.init_keys(fleet_dir)
     save_state(fleet_dir, state)
     return state
 
@@ -138,13 +140,36 @@ def add_identity(fleet_dir: Path, name: str, role: Role = Role.DEVICE, job: str 
     config = bundle.write_bundle(bundle.bundle_dir(fleet_dir, name), identity, state.broker,
                                  password, paths.ca_cert.read_bytes(), client,
                                  options or bundle.InstallOptions())
+    keys.provision(fleet_dir, identity, config.parent)
     entries = passwd.read_password_file(paths.broker.password_file)
     entries[name] = passwd.hash_password(password)
     passwd.write_password_file(paths.broker.password_file, entries)
     state.identities[name] = identity
     _write_acl(paths, state)
     save_state(fleet_dir, state)
+    keys.publish_to_bundles(fleet_dir, state, fleet_dir / "bundles")
     return Provisioned(identity, config)
+
+
+def rotate_key(fleet_dir: Path, name: str, revoke_previous: bool = False) -> Identity:
+    """A new signing key for ``name`` without stopping the job: the roster (in every controller
+    bundle, republished by the running controller) accepts the new key next to the previous
+    one (unless ``revoke_previous``); the running process switches to the new key file once
+    the roster it follows carries it. A controller identity rotates the controller key."""
+    fleet_dir = Path(fleet_dir)
+    state = load_state(fleet_dir)
+    identity = state.get(name, fleet_dir)
+    directory = bundle.bundle_dir(fleet_dir, name)
+    # The controllers' roster before the device's key file: nobody may meet the new key before
+    # the roster that names it.
+    pending = directory / f".{keys.KEY_FILE}.new"
+    keys.rotate(fleet_dir, identity, pending.parent, revoke_previous, key_file=pending.name)
+    keys.publish_to_bundles(fleet_dir, state, fleet_dir / "bundles")
+    if pending.exists():
+        pending.replace(directory / keys.KEY_FILE)
+    if directory.is_dir() and identity.role is not Role.CONTROLLER:
+        keys.roster_copy(fleet_dir, directory)
+    return identity
 
 
 SITE_CONFIG = "mosquitto-site.conf"
@@ -197,6 +222,8 @@ def remove_identity(fleet_dir: Path, name: str) -> Identity:
     _write_acl(paths, state)
     save_state(fleet_dir, state)
     shutil.rmtree(bundle.bundle_dir(fleet_dir, name), ignore_errors=True)
+    keys.forget(fleet_dir, name)
+    keys.publish_to_bundles(fleet_dir, state, fleet_dir / "bundles")
     return identity
 
 

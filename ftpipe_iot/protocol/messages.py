@@ -14,13 +14,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ftpipe_iot.errors import BadBody, PlanError
+from ftpipe_iot.errors import BadBody, ConfigError, PlanError
 from ftpipe_iot.protocol.collab import COLLAB_BODIES, CollabMessage
 from ftpipe_iot.protocol.fields import REQUIRED, BodyReader
 from ftpipe_iot.protocol.plan import Plan, StageAssignment
 from ftpipe_iot.protocol.results import (
     Result,
 )
+from ftpipe_iot.protocol.signing import Roster
 from ftpipe_iot.protocol.vocab import (
     CommandOp,
     ControllerPhase,
@@ -409,12 +410,32 @@ class Heartbeat:
                    f.int("takeovers", 0, low=0))
 
 
+@dataclass(frozen=True)
+class RosterMessage:
+    """The public keys of the job's identities, retained and signed by the controller: how
+    devices learn the keys of devices added or re-keyed after their bundle was made."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.ROSTER
+    roster: Roster
+
+    def to_body(self) -> dict[str, Any]:
+        return {"roster": self.roster.to_dict()}
+
+    @classmethod
+    def from_body(cls, raw: object) -> RosterMessage:
+        fields = BodyReader(raw, "roster")
+        try:
+            return cls(Roster.from_dict(fields._get("roster", REQUIRED)))
+        except ConfigError as exc:
+            raise BadBody(str(exc)) from exc
+
+
 Message = PlanMessage | Command | ControllerState | Event | Activation | Gradient | LayerReplica \
-    | GroupPartial | Progress | DeviceStatus | Heartbeat | Result | CollabMessage
+    | GroupPartial | Progress | DeviceStatus | Heartbeat | Result | RosterMessage | CollabMessage
 _BY_KIND: dict[MessageKind, Any] = {
     cls.KIND: cls for cls in (PlanMessage, Command, ControllerState, Event, Activation, Gradient,
                               LayerReplica, GroupPartial, Progress, DeviceStatus, Heartbeat,
-                              Result)
+                              Result, RosterMessage)
 } | COLLAB_BODIES
 
 
@@ -437,10 +458,12 @@ class Inbound:
 
 
 def envelope(message: Message, job: str, sender: str, plan_version: int = 0, step: int = -1,
-             micro_batch: int = -1, seq: int = 0, timestamp: float | None = None) -> Envelope:
+             micro_batch: int = -1, seq: int = 0, timestamp: float | None = None,
+             session: int = 0, will: bool = False) -> Envelope:
     """The envelope that carries ``message``."""
     env = Envelope(kind=message.KIND, job=job, sender=sender, plan_version=plan_version,
-                   step=step, micro_batch=micro_batch, seq=seq, body=message.to_body())
+                   step=step, micro_batch=micro_batch, seq=seq, body=message.to_body(),
+                   session=session, will=will)
     if timestamp is not None:
         env.timestamp = timestamp
     return env

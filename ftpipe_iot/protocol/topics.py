@@ -47,6 +47,11 @@ class Topics:
         return f"{self.base}/ctrl/state"
 
     @property
+    def roster(self) -> str:
+        """The public keys of the job's identities (retained, signed by the controller)."""
+        return f"{self.base}/ctrl/roster"
+
+    @property
     def probe(self) -> str:
         """The controller's own echo topic: how large a message the broker passes."""
         return f"{self.base}/ctrl/probe"

@@ -25,6 +25,7 @@ class MessageKind(str, Enum):
     HEARTBEAT = "hb"
     EVENT = "event"
     CHUNK = "chunk"
+    ROSTER = "roster"  # the public keys of the job's identities, signed by the controller
     # collaborative and federated modes (docs/design.md §13)
     COLLAB_JOB = "c_job"
     COLLAB_OFFER = "c_offer"
@@ -145,6 +146,9 @@ class DropReason(str, Enum):
     UNKNOWN_KIND = "unknown_kind"
     BAD_CHECKSUM = "bad_checksum"
     OVERSIZED = "oversized"
+    # who sent it (docs/security.md)
+    BAD_SIGNATURE = "bad_signature"
+    REPLAYED = "replayed"
     # the body
     BAD_BODY = "bad_body"
     BAD_PLAN = "bad_plan"

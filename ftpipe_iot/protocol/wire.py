@@ -5,12 +5,17 @@ plan version, step, micro-batch index, sequence number, timestamp and the body. 
 msgpack (tensors through msgpack-numpy), lz4-frame compressed when that pays. A body too large for
 one MQTT message is split into CHUNK frames that carry a checksum of the whole; the reassembler
 hands out nothing until every chunk is there and the checksum matches. Nothing is ever pickled.
+
+A frame may carry its sender's Ed25519 signature (``kid``, ``sg``) over its header fields and a
+digest of its payload (``protocol.signing``); a ``Reassembler`` given an ``authenticate`` check runs
+it on every frame before it uses a byte of it, chunks included.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +34,7 @@ from ftpipe_iot.errors import (
     UnknownVersion,
     WireError,
 )
+from ftpipe_iot.protocol.signing import Signer, signed_content
 from ftpipe_iot.protocol.vocab import MessageKind, WireDtype
 
 PROTOCOL_VERSION = 1
@@ -63,6 +69,8 @@ class Envelope:
     seq: int = 0
     timestamp: float = field(default_factory=time.time)
     body: dict[str, Any] = field(default_factory=dict)
+    session: int = 0  # the sender's session (its start, ms): replay protection
+    will: bool = False  # a Last Will: published by the broker when the sender's session ends
 
 
 @dataclass(frozen=True)
@@ -169,19 +177,30 @@ def _unpack_body(data: bytes, compressed: bool, max_body_bytes: int) -> dict[str
     return _from_wire_dtype(body)
 
 
-def _frame(env: Envelope, payload: bytes, compressed: bool, kind: MessageKind) -> bytes:
-    return msgpack.packb({
+_SIGNED_FIELDS = ("v", "k", "j", "s", "p", "st", "mb", "q", "t", "z", "ss", "w")
+
+
+def _frame(env: Envelope, payload: bytes, compressed: bool, kind: MessageKind,
+           signer: Signer | None) -> bytes:
+    fields: dict[str, Any] = {
         "v": PROTOCOL_VERSION, "k": kind.value, "j": env.job, "s": env.sender,
         "p": env.plan_version, "st": env.step, "mb": env.micro_batch, "q": env.seq,
-        "t": env.timestamp, "z": compressed, "b": payload,
-    }, use_bin_type=True)
+        "t": env.timestamp, "z": compressed, "ss": env.session, "w": env.will,
+    }
+    if signer is not None:
+        fields["kid"] = signer.key_id
+        fields["sg"] = signer.sign(signed_content([fields[k] for k in _SIGNED_FIELDS], payload))
+    fields["b"] = payload
+    return msgpack.packb(fields, use_bin_type=True)
 
 
-def encode(env: Envelope, options: WireOptions = WireOptions()) -> list[bytes]:
-    """Encode an envelope into one or more MQTT payloads (more than one when chunked)."""
+def encode(env: Envelope, options: WireOptions = WireOptions(),
+           signer: Signer | None = None) -> list[bytes]:
+    """Encode an envelope into one or more MQTT payloads (more than one when chunked), each
+    signed by ``signer`` when given."""
     payload, compressed = _pack_body(env.body, options)
     if len(payload) < options.max_message_bytes:  # else the single frame cannot fit: skip it
-        single = _frame(env, payload, compressed, env.kind)
+        single = _frame(env, payload, compressed, env.kind, signer)
         if len(single) <= options.max_message_bytes:
             return [single]
     # Leave room for the chunk's own envelope fields.
@@ -195,19 +214,40 @@ def encode(env: Envelope, options: WireOptions = WireOptions()) -> list[bytes]:
             "of": env.kind.value, "i": index, "n": count, "len": len(payload), "h": digest,
             "ha": _DIGEST_XXH3, "z": compressed, "d": view[index * room:(index + 1) * room],
         }, use_bin_type=True)
-        frames.append(_frame(env, chunk_body, False, MessageKind.CHUNK))
+        frames.append(_frame(env, chunk_body, False, MessageKind.CHUNK, signer))
     return frames
 
 
 @dataclass
-class _Header:
+class FrameHeader:
+    """A decoded frame before its body is used: what an ``authenticate`` check looks at."""
+
     kind: MessageKind
     env: Envelope
     payload: bytes
     compressed: bool
+    key_id: bytes | None = None
+    signature: bytes | None = None
+    signed_fields: list[Any] = field(default_factory=list)
+
+    def signed_content(self) -> bytes:
+        """The bytes the frame's signature covers."""
+        return signed_content(self.signed_fields, self.payload)
 
 
-def _decode_header(data: bytes, max_bytes: int) -> _Header:
+Authenticate = Callable[[FrameHeader], None]
+
+
+def _optional_bytes(raw: dict, key: str) -> bytes | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bytes):
+        raise MalformedFrame(f"envelope field {key!r} is not bytes")
+    return value
+
+
+def _decode_header(data: bytes, max_bytes: int) -> FrameHeader:
     if len(data) > max_bytes:
         raise Oversized(f"frame of {len(data)} bytes exceeds the {max_bytes} byte limit")
     try:
@@ -225,18 +265,24 @@ def _decode_header(data: bytes, max_bytes: int) -> _Header:
     try:
         env = Envelope(kind=kind, job=str(raw["j"]), sender=str(raw["s"]),
                        plan_version=int(raw["p"]), step=int(raw["st"]),
-                       micro_batch=int(raw["mb"]), seq=int(raw["q"]), timestamp=float(raw["t"]))
+                       micro_batch=int(raw["mb"]), seq=int(raw["q"]), timestamp=float(raw["t"]),
+                       session=int(raw.get("ss", 0)), will=bool(raw.get("w", False)))
         payload, compressed = raw["b"], bool(raw["z"])
+        signed_fields = [raw.get(k) for k in _SIGNED_FIELDS]
     except (KeyError, TypeError, ValueError) as exc:
         raise MalformedFrame(f"envelope field missing or wrong type: {exc}") from exc
     if not isinstance(payload, bytes):
         raise MalformedFrame("envelope body is not bytes")
-    return _Header(kind, env, payload, compressed)
+    return FrameHeader(kind, env, payload, compressed, _optional_bytes(raw, "kid"),
+                       _optional_bytes(raw, "sg"), signed_fields)
 
 
-def decode(data: bytes, max_body_bytes: int = 512 * 1024 * 1024) -> Envelope:
+def decode(data: bytes, max_body_bytes: int = 512 * 1024 * 1024,
+           authenticate: Authenticate | None = None) -> Envelope:
     """Decode one complete (non-chunk) frame. Raises a WireError subclass on bad input."""
     header = _decode_header(data, max_body_bytes)
+    if authenticate is not None:
+        authenticate(header)
     if header.kind is MessageKind.CHUNK:
         raise MalformedFrame("a chunk must go through a Reassembler")
     header.env.body = _unpack_body(header.payload, header.compressed, max_body_bytes)
@@ -266,12 +312,13 @@ class Reassembler:
 
     def __init__(self, max_body_bytes: int = 512 * 1024 * 1024,
                  max_pending_bytes: int = 1024 * 1024 * 1024, timeout_s: float = 60.0,
-                 clock: Any = time.monotonic) -> None:
+                 clock: Any = time.monotonic, authenticate: Authenticate | None = None) -> None:
         self._max_body = max_body_bytes
+        self.authenticate = authenticate  # runs on every frame before any of it is used
         self._max_pending = max_pending_bytes
         self._timeout = timeout_s
         self._clock = clock
-        self._partials: dict[tuple[str, int], _Partial] = {}
+        self._partials: dict[tuple[str, int, int], _Partial] = {}
         self.expired = 0
 
     @property
@@ -284,12 +331,14 @@ class Reassembler:
         Raises a WireError subclass for a bad frame or a reassembled body that fails its checksum.
         """
         header = _decode_header(data, self._max_body)
+        if self.authenticate is not None:
+            self.authenticate(header)
         if header.kind is not MessageKind.CHUNK:
             header.env.body = _unpack_body(header.payload, header.compressed, self._max_body)
             return header.env
         return self._feed_chunk(header)
 
-    def _feed_chunk(self, header: _Header) -> Envelope | None:
+    def _feed_chunk(self, header: FrameHeader) -> Envelope | None:
         try:
             chunk = msgpack.unpackb(header.payload, raw=False)
             of, index, count = MessageKind(chunk["of"]), int(chunk["i"]), int(chunk["n"])
@@ -303,7 +352,7 @@ class Reassembler:
             raise MalformedFrame(f"unknown chunk checksum {algorithm!r}")
         now = self._clock()
         self._expire(now)
-        key = (header.env.sender, header.env.seq)
+        key = (header.env.sender, header.env.session, header.env.seq)
         partial = self._partials.get(key)
         if partial is None:
             partial = _Partial(header.env, of, count, length, digest, algorithm, compressed,

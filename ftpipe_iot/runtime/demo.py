@@ -77,6 +77,7 @@ class DemoOptions:
     max_message_bytes: int | None = None
     save_model: Path | None = None  # the trained model's checkpoint [default: work_dir/model.pt]
     layout: Layout = Layout.AUTO
+    signed: bool = True  # False: --insecure-unsigned (keys otherwise made in work_dir/keys)
 
     def __post_init__(self) -> None:
         if self.metrics_port_base and not 1024 <= self.metrics_port_base <= 65535 - self.devices:
@@ -99,7 +100,7 @@ class Demo:
         self.broker: BrokerProcess | None = None
         self.work_dir = options.work_dir or default_work_dir(options.job)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.children = ProcessGroup(self.work_dir)
+        self.children = ProcessGroup(self.work_dir, signed=options.signed)
         self.common: list[str] = []
         self.summary_path = self.work_dir / "summary.json"
         self.model_path = (options.save_model.resolve() if options.save_model

@@ -21,6 +21,7 @@ from ftpipe_iot.device.agent import DeviceAgent, DeviceOptions, device_will
 from ftpipe_iot.observability.metrics import serve_metrics
 from ftpipe_iot.observability.progress import ProgressReporter
 from ftpipe_iot.planning.profiles import DeviceProfile
+from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.topics import check_name
 from ftpipe_iot.transport.config import BrokerConfig
 from ftpipe_iot.transport.mqtt import MqttTransport
@@ -55,15 +56,17 @@ def _on_signals(handler: Callable[[], None]) -> None:
 
 def run_device(name: str, job: str, broker: BrokerConfig, options: ProcessOptions,
                device_options: DeviceOptions = DeviceOptions(),
-               profile: DeviceProfile | None = None) -> int:
+               profile: DeviceProfile | None = None,
+               credentials: Credentials | None = None) -> int:
     """Run a device agent until shutdown (controller command, SIGTERM or Ctrl-C)."""
     check_name("device", name)
     check_name("job", job)
     setup_process(options)
     registry = CollectorRegistry()
     serve_metrics(registry, options.metrics_port)
-    transport = MqttTransport(broker, client_id=name, will=device_will(name, job))
-    agent = DeviceAgent(name, job, transport, registry, device_options, profile)
+    transport = MqttTransport(broker, client_id=name, will=device_will(name, job, credentials))
+    agent = DeviceAgent(name, job, transport, registry, device_options, profile,
+                        credentials=credentials)
     _on_signals(agent.stopped.set)
     agent.start()
     try:
@@ -75,16 +78,17 @@ def run_device(name: str, job: str, broker: BrokerConfig, options: ProcessOption
 
 def run_controller(job: str, broker: BrokerConfig, config: ControllerConfig,
                    options: ProcessOptions, progress: ProgressReporter,
-                   client_id: str | None = None, summary_path: Path | None = None
-                   ) -> RunSummary:
+                   client_id: str | None = None, summary_path: Path | None = None,
+                   credentials: Credentials | None = None) -> RunSummary:
     """Run one job's controller to completion; write the summary JSON if asked."""
     check_name("job", job)
     setup_process(options)
     registry = CollectorRegistry()
     serve_metrics(registry, options.metrics_port)
     transport = MqttTransport(broker, client_id=client_id or f"ftpipe-controller-{job}",
-                              will=controller_will(job))
-    controller = Controller(job, config, transport, registry, progress)
+                              will=controller_will(job, credentials))
+    controller = Controller(job, config, transport, registry, progress,
+                            credentials=credentials)
     stop = threading.Event()
 
     def interrupt() -> None:

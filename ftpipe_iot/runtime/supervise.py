@@ -2,7 +2,9 @@
 the tests all run their brokers' clients through here.
 
 Every child runs in its own session (so a signal to its process group reaches everything it
-started) and, on Linux, is asked to die with its parent (PR_SET_PDEATHSIG): no orphans.
+started) and, on Linux, is asked to die with its parent (PR_SET_PDEATHSIG): no orphans. Devices
+and controllers sign their messages with keys the group makes in ``<log_dir>/keys`` (unless they
+were given a bundle or keys of their own), or run unsigned where the group is told so.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
+from ftpipe_iot.runtime.keys import LocalKeys
+
 _PR_SET_PDEATHSIG = 1
+# Subcommands that sign and verify, and the options with which a caller chose keys itself.
+_SIGNING_COMMANDS = ("device", "controller")
+_OWN_KEYS = ("--config", "--signing-key", "--insecure-unsigned")
 
 
 def _die_with_parent() -> None:
@@ -78,13 +85,33 @@ def stop_process_groups(procs: Iterable[subprocess.Popen], grace_s: float = 5.0)
 
 
 class ProcessGroup:
-    """Named ``ftpipe-iot`` child processes, each with its stderr in ``<log_dir>/<name>.log``."""
+    """Named ``ftpipe-iot`` child processes, each with its stderr in ``<log_dir>/<name>.log``.
+    ``signed`` False starts devices and controllers with ``--insecure-unsigned``."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, signed: bool = True) -> None:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self._logs: dict[str, IO] = {}
+        self.signed = signed
+        self._keys: LocalKeys | None = None
+
+    @property
+    def keys(self) -> LocalKeys:
+        """The run's keys (made on first use)."""
+        if self._keys is None:
+            self._keys = LocalKeys(self.log_dir / "keys")
+        return self._keys
+
+    def signing_args(self, args: list[str]) -> list[str]:
+        """The key options a child of ``args`` needs (none when it brings its own)."""
+        if not args or args[0] not in _SIGNING_COMMANDS or any(a in args for a in _OWN_KEYS):
+            return []
+        if not self.signed:
+            return ["--insecure-unsigned"]
+        if args[0] == "controller":
+            return self.keys.args("controller")
+        return self.keys.args(args[args.index("--name") + 1])
 
     def start(self, name: str, *args: str, stdout: IO | int | None = subprocess.DEVNULL,
               log: bool = True, netns: str | None = None) -> subprocess.Popen:
@@ -95,7 +122,9 @@ class ProcessGroup:
         stderr = None
         if log:
             stderr = self._logs[name] = open(self.log_path(name), "w")  # noqa: SIM115
-        proc = spawn_cli(list(args), stderr=stderr, stdout=stdout, netns=netns)
+        argv = list(args)
+        argv[1:1] = self.signing_args(argv)
+        proc = spawn_cli(argv, stderr=stderr, stdout=stdout, netns=netns)
         self.procs[name] = proc
         return proc
 

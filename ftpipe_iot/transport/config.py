@@ -99,13 +99,16 @@ def parse_protocol(value: str) -> MqttProtocol:
 class Bundle:
     """What a provisioned identity (device or controller) needs to connect: name, job, broker;
     for a device also the modules user models may be imported from (``allow_model_modules``:
-    the device's own decision, never a message's)."""
+    the device's own decision, never a message's); the identity's signing key and the roster
+    of public keys it trusts (docs/security.md)."""
 
     name: str
     job: str = "default"
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     profile: str | None = None
     allow_model_modules: tuple[str, ...] = ()
+    signing_key: str | None = None
+    roster: str | None = None
 
 
 def load_bundle(path: str | Path) -> Bundle:
@@ -132,9 +135,15 @@ def load_bundle(path: str | Path) -> Bundle:
     modules = raw.get("allow_model_modules", [])
     if not isinstance(modules, list) or not all(isinstance(m, str) and m for m in modules):
         raise ConfigError(f"config {path}: allow_model_modules must be a list of module names")
+    keys = {}
+    for key in ("signing_key", "roster"):
+        value = raw.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"config {path}: {key} must be a file name")
+        keys[key] = str((path.parent / value).resolve()) if value else None
     return Bundle(name=str(raw["name"]), job=str(raw.get("job", "default")),
                   broker=BrokerConfig(**broker_raw), profile=raw.get("profile"),
-                  allow_model_modules=tuple(modules))
+                  allow_model_modules=tuple(modules), **keys)
 
 
 def bundle_to_dict(bundle: Bundle) -> dict[str, object]:

@@ -1,30 +1,57 @@
 """Typed messages into MQTT publishes and MQTT messages back into typed messages, with chunk
-reassembly, job filtering and drop accounting. Shared by the device agent and the controller."""
+reassembly, job filtering, signatures, replay protection and drop accounting. Shared by every
+process of a job (device agents, the controller, the collaborative coordinator and agents)."""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 
-from ftpipe_iot.errors import ConfigError, WireError
+from ftpipe_iot.errors import ConfigError, FtpipeError, WireError
 from ftpipe_iot.observability.metrics import DropLog, MessagingMetrics
-from ftpipe_iot.protocol.messages import Inbound, LayerReplica, Message, decode_message, envelope
+from ftpipe_iot.protocol.messages import (
+    Inbound,
+    LayerReplica,
+    Message,
+    RosterMessage,
+    decode_message,
+    envelope,
+)
+from ftpipe_iot.protocol.signing import Credentials, ReplayGuard
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import DropReason, MessageKind
-from ftpipe_iot.protocol.wire import Reassembler, WireOptions, encode
-from ftpipe_iot.transport.base import Incoming, Transport
+from ftpipe_iot.protocol.wire import FrameHeader, Reassembler, WireOptions, encode
+from ftpipe_iot.transport.base import Incoming, Transport, Will
 
 log = logging.getLogger(__name__)
 
 # Kinds every job's processes may see from devices of other jobs (fleet-wide topics).
 _FLEET_KINDS = (MessageKind.STATUS, MessageKind.HEARTBEAT)
+# How often a process looks whether its key or (the controller) its roster file changed.
+_TRUST_CHECK_S = 1.0
+
+
+def will_of(topic: str, message: Message, job: str, sender: str,
+            credentials: Credentials | None = None) -> Will:
+    """A process's Last Will (retained), signed like everything it sends: the broker publishes
+    it when the connection ends, so it is marked as a will (its place in the sender's sequence
+    is the end of the session)."""
+    credentials = credentials or Credentials.unsigned()
+    signer = credentials.signer
+    env = envelope(message, job, sender, timestamp=time.time(), will=True,
+                   session=signer.session if signer is not None else 0)
+    return Will(topic, encode(env, signer=signer)[0], qos=1, retain=True)
 
 
 class Messenger:
-    """Encode/send and receive/decode for one process (``name`` is its sender id)."""
+    """Encode/send and receive/decode for one process (``name`` is its sender id). With
+    ``credentials`` that sign, every frame sent is signed and every frame received is verified
+    before it is used; replays are dropped (``protocol.signing``)."""
 
     def __init__(self, transport: Transport, name: str, job: str, metrics: MessagingMetrics,
-                 options: WireOptions = WireOptions(), logger: logging.Logger = log) -> None:
+                 options: WireOptions = WireOptions(), logger: logging.Logger = log,
+                 credentials: Credentials | None = None) -> None:
         self.transport = transport
         self.name = name
         self.job = job
@@ -32,8 +59,17 @@ class Messenger:
         self.options = options  # compression and wire dtype; the frame size is decided below
         self.job_limit: int | None = None  # the job's message size (from the plan), if any
         self.drops = DropLog(metrics, logger)
+        self._log = logger
+        self.credentials = credentials or Credentials.unsigned()
+        signer = self.credentials.signer
+        self.session = signer.session if signer is not None else int(time.time() * 1000)
+        self.replays = ReplayGuard()
+        self._next_trust_check = 0.0
+        self._trust_problem = ""
         # Max body: generous but bounded (a crafted chunk header cannot ask for unbounded memory).
-        self.reassembler = Reassembler(max_body_bytes=1024 * 1024 * 1024)
+        self.reassembler = Reassembler(
+            max_body_bytes=1024 * 1024 * 1024,
+            authenticate=self._authenticate if self.credentials.verifier is not None else None)
         self._seq = itertools.count(1)
         self.sent_bytes = 0  # totals, reported in heartbeats (what resiliency costs on the wire)
         self.received_bytes = 0
@@ -68,8 +104,8 @@ class Messenger:
         """The encoded frames of a message, to publish later with ``publish_frames`` (a capped
         link emulated in another thread publishes them after their transmission time)."""
         env = envelope(message, self.job, self.name, plan_version, step, micro_batch,
-                       next(self._seq))
-        return encode(env, options or self._wire_options())
+                       next(self._seq), session=self.session)
+        return encode(env, options or self._wire_options(), self.credentials.signer)
 
     def publish_frames(self, topic: str, frames: list[bytes], kind: MessageKind, qos: int = 1,
                        retain: bool = False) -> int:
@@ -96,10 +132,11 @@ class Messenger:
         chunk count of a layer stable from version to version.
         """
         env = envelope(replica, self.job, self.name, plan_version, replica.version,
-                       seq=next(self._seq))
+                       seq=next(self._seq), session=self.session)
         base = topics.weights(replica.layer)
         frames = [(f"{base}/{index}", frame)
-                  for index, frame in enumerate(encode(env, self._wire_options(compress=False)))]
+                  for index, frame in enumerate(encode(env, self._wire_options(compress=False),
+                                                       self.credentials.signer))]
         return self._publish(frames, replica.KIND, qos=1, retain=True)
 
     def receive(self, incoming: Incoming) -> Inbound | None:
@@ -119,5 +156,70 @@ class Messenger:
         except WireError as exc:
             self.drops.drop(exc.reason, f"on {incoming.topic}: {exc}")
             return None
+        if self.credentials.verifier is not None:
+            replay = self.replays.check(env.sender, incoming.topic, env.session, env.seq,
+                                        incoming.retained, env.will)
+            if replay is not None:
+                self.drops.drop(DropReason.REPLAYED, f"on {incoming.topic}: {replay}")
+                return None
         self.metrics.messages_received.labels(kind=env.kind.value).inc()
+        if isinstance(inbound.message, RosterMessage):
+            self._take_roster(inbound)
+            return None
         return inbound
+
+    # -- trust ----------------------------------------------------------------------------------
+    def _authenticate(self, header: FrameHeader) -> None:
+        verifier = self.credentials.verifier
+        assert verifier is not None
+        verifier.verify(header.env.sender, header.key_id, header.signed_content(),
+                        header.signature)
+
+    def _take_roster(self, inbound: Inbound) -> None:
+        verifier = self.credentials.verifier
+        assert isinstance(inbound.message, RosterMessage)
+        if verifier is not None and verifier.offer(inbound.message.roster, inbound.sender):
+            self._log.info("took roster version %d (%d identities)",
+                           inbound.message.roster.version,
+                           len(inbound.message.roster.identities))
+
+    def start_trust(self) -> None:
+        """After connecting: follow the job's roster (verifying processes) and publish it (the
+        process that holds the roster file: the controller or coordinator)."""
+        if self.credentials.verifier is None:
+            return
+        topics = Topics(self.job)
+        if self.credentials.roster_file is not None:
+            self.publish_roster()
+        else:
+            self.transport.subscribe(topics.roster)
+
+    def publish_roster(self) -> None:
+        verifier = self.credentials.verifier
+        assert verifier is not None
+        self.send(Topics(self.job).roster, RosterMessage(verifier.roster), retain=True)
+
+    def tick_trust(self, now: float) -> bool:
+        """Now and then: take a rotated key file; republish a changed roster file (then True:
+        the caller may ask again for what it dropped from identities it did not know)."""
+        if self.credentials.signer is None or now < self._next_trust_check:
+            return False
+        self._next_trust_check = now + _TRUST_CHECK_S
+        verifier = self.credentials.verifier
+        assert verifier is not None
+        changed = False
+        try:
+            # The roster first: a rotated controller key is announced under the old key.
+            roster = self.credentials.roster_changed()
+            if roster is not None:
+                self.publish_roster()
+                self._log.info("published roster version %d", roster.version)
+                changed = True
+            if self.credentials.signer.reload_if_changed(
+                    lambda public: public in verifier.roster.keys_of(self.name)):
+                self._log.info("%s signs with its new key from now on", self.name)
+        except FtpipeError as exc:
+            if str(exc) != self._trust_problem:  # once per distinct problem, not every second
+                self._trust_problem = str(exc)
+                self._log.warning("key or roster file not taken: %s", exc)
+        return changed

@@ -1,0 +1,295 @@
+"""Signed frames, the roster and replay protection (protocol/signing.py), without a broker."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from ftpipe_iot.errors import BadSignature, ConfigError
+from ftpipe_iot.observability.metrics import DeviceMetrics
+from ftpipe_iot.protocol.messages import (
+    Command,
+    DeviceStatus,
+    Heartbeat,
+    LayerReplica,
+    RosterMessage,
+    envelope,
+)
+from ftpipe_iot.protocol.signing import (
+    CONTROLLER_NAMES,
+    Credentials,
+    ReplayGuard,
+    Roster,
+    Signer,
+    Verifier,
+    generate_private_key,
+    public_text,
+    write_private_key,
+)
+from ftpipe_iot.protocol.topics import Topics
+from ftpipe_iot.protocol.vocab import CommandOp, DeviceState, MessageKind
+from ftpipe_iot.protocol.wire import Reassembler, WireOptions, encode
+from ftpipe_iot.runtime.keys import LocalKeys
+from ftpipe_iot.transport.memory import MemoryBroker
+from ftpipe_iot.transport.messenger import Messenger, will_of
+
+JOB = "sig"
+
+
+def _identities(*names: str):
+    keys = {name: generate_private_key() for name in names}
+    roster = Roster(1, {name: (public_text(key),) for name, key in keys.items()})
+    return keys, roster
+
+
+def _frames(key, sender: str, body: dict, max_bytes: int = 256 * 1024, **header) -> list[bytes]:
+    env = envelope(Heartbeat(), JOB, sender, **header)
+    env.kind, env.body = MessageKind.HEARTBEAT, body
+    return encode(env, WireOptions(compress=False, max_message_bytes=max_bytes),
+                  Signer(key) if key is not None else None)
+
+
+def _feed_all(reassembler: Reassembler, frames: list[bytes]):
+    result = None
+    for frame in frames:
+        result = reassembler.feed(frame)
+    return result
+
+
+def _authenticating(roster: Roster) -> Reassembler:
+    verifier = Verifier(roster)
+
+    def authenticate(header) -> None:
+        verifier.verify(header.env.sender, header.key_id, header.signed_content(),
+                        header.signature)
+
+    return Reassembler(authenticate=authenticate)
+
+
+def test_a_signed_chunked_message_verifies_and_arrives_whole():
+    keys, roster = _identities("dev0")
+    body = {"x": np.arange(40_000, dtype=np.float32)}
+    frames = _frames(keys["dev0"], "dev0", body, max_bytes=16 * 1024)
+    assert len(frames) > 5
+    env = _feed_all(_authenticating(roster), frames)
+    assert np.array_equal(env.body["x"], body["x"])
+
+
+def _tamper(frame: bytes, **changes) -> bytes:
+    raw = msgpack.unpackb(frame, raw=False)
+    raw.update(changes)
+    return msgpack.packb(raw, use_bin_type=True)
+
+
+@pytest.mark.parametrize("change", [
+    {"p": 10**15},                  # a newer plan version
+    {"s": "dev1"},                  # another sender
+    {"st": 99},                     # another step
+    {"q": 12345},                   # another sequence number
+    {"ss": 1},                      # another session
+    {"w": True},                    # passed off as a Last Will
+    {"sg": bytes(64)},              # a made-up signature
+    {"kid": bytes(8)},              # a key the roster does not have
+    {"sg": None, "kid": None},      # no signature at all
+])
+def test_any_change_to_a_signed_frame_is_refused(change):
+    keys, roster = _identities("dev0", "dev1")
+    frame = _frames(keys["dev0"], "dev0", {"a": 1})[0]
+    _authenticating(roster).feed(frame)  # the untouched frame verifies
+    with pytest.raises(BadSignature):
+        _authenticating(roster).feed(_tamper(frame, **change))
+
+
+def test_a_changed_payload_byte_is_refused_even_inside_a_chunk():
+    keys, roster = _identities("dev0")
+    frames = _frames(keys["dev0"], "dev0", {"x": np.ones(20_000, np.float32)}, 8 * 1024)
+    raw = msgpack.unpackb(frames[2], raw=False)
+    payload = bytearray(raw["b"])
+    payload[-1] ^= 1
+    with pytest.raises(BadSignature):
+        _authenticating(roster).feed(_tamper(frames[2], b=bytes(payload)))
+
+
+def test_a_forger_signing_with_its_own_key_under_a_known_name_is_refused():
+    _, roster = _identities("controller")
+    forged = _frames(generate_private_key(), "controller", {"a": 1})[0]
+    with pytest.raises(BadSignature, match="not this key"):
+        _authenticating(roster).feed(forged)
+    unknown = _frames(generate_private_key(), "stranger", {"a": 1})[0]
+    with pytest.raises(BadSignature, match="no key"):
+        _authenticating(roster).feed(unknown)
+
+
+def test_replays_are_told_from_new_messages_and_retained_copies():
+    guard = ReplayGuard()
+    topic = "t/a"
+    assert guard.check("d", topic, 100, 1, retained=False, will=False) is None
+    assert guard.check("d", topic, 100, 2, retained=False, will=False) is None
+    assert guard.check("d", topic, 100, 2, retained=False, will=False)  # the same again
+    assert guard.check("d", topic, 100, 1, retained=False, will=False)  # an older one
+    assert guard.check("d", "t/b", 100, 1, retained=False, will=False) is None  # other topic
+    # a retained copy: the newest taken may come again (a re-subscription), an older may not
+    assert guard.check("d", topic, 100, 2, retained=True, will=False) is None
+    assert guard.check("d", topic, 100, 1, retained=True, will=False)
+    # a retained copy from an earlier session is the broker's store (a replica before a restart)
+    assert guard.check("d", "t/c", 50, 9, retained=True, will=False) is None
+    # a live message from an earlier session is a replay; from a later one, a restart
+    assert guard.check("d", "t/d", 50, 9, retained=False, will=False)
+    assert guard.check("d", topic, 200, 1, retained=False, will=False) is None
+    assert guard.check("d", topic, 100, 3, retained=False, will=False)
+    # the Last Will of the session in force comes whenever it ends; one of an older one is old
+    assert guard.check("d", "status", 200, 5, retained=False, will=False) is None
+    assert guard.check("d", "status", 200, 0, retained=False, will=True) is None
+    assert guard.check("d", "status", 100, 0, retained=False, will=True)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6), st.booleans()), max_size=40))
+def test_a_live_message_is_taken_at_most_once(deliveries):
+    guard = ReplayGuard()
+    taken: set[tuple[int, int]] = set()
+    for session, seq, _ in deliveries:
+        if guard.check("d", "t", session, seq, retained=False, will=False) is None:
+            assert (session, seq) not in taken
+            taken.add((session, seq))
+
+
+def test_a_roster_is_taken_only_from_the_controller_and_only_when_newer():
+    keys, roster = _identities(*CONTROLLER_NAMES, "dev0")
+    verifier = Verifier(roster)
+    newer = roster.with_key(("dev9",), public_text(generate_private_key()))
+    assert not verifier.offer(newer, "dev0")
+    assert verifier.offer(newer, "controller")
+    assert verifier.roster.keys_of("dev9")
+    assert not verifier.offer(roster, "controller")  # older: a replay of the first one
+
+
+def test_a_rotated_key_is_used_only_once_the_roster_carries_it(tmp_path):
+    path = tmp_path / "dev0.key"
+    write_private_key(path, generate_private_key())
+    signer = Signer.from_file(path)
+    old = signer.public
+    write_private_key(path, generate_private_key())
+    assert not signer.reload_if_changed(lambda public: False)
+    assert signer.public == old
+    assert signer.reload_if_changed(lambda public: True)
+    assert signer.public != old
+
+
+def test_bad_key_and_roster_files_are_one_line_errors(tmp_path):
+    (tmp_path / "k").write_text("not a key")
+    with pytest.raises(ConfigError, match="not a PEM private key"):
+        Signer.from_file(tmp_path / "k")
+    (tmp_path / "r.json").write_text('{"version": 1, "identities": {"a": ["xx"]}}')
+    with pytest.raises(ConfigError, match="not a base64 Ed25519 public key"):
+        Roster.load(tmp_path / "r.json")
+    keys = LocalKeys(tmp_path / "keys")
+    Roster(1, {"dev0": (public_text(generate_private_key()),)}).save(tmp_path / "nc.json")
+    with pytest.raises(ConfigError, match="names no controller key"):
+        Credentials.load(keys.key_path("dev0"), tmp_path / "nc.json")
+
+
+class _Process:
+    """One process's messenger on the in-memory broker, with its own credentials."""
+
+    def __init__(self, broker: MemoryBroker, name: str, credentials: Credentials,
+                 will=None) -> None:
+        self.transport = broker.transport(name, will)
+        self.transport.connect()
+        self.metrics = DeviceMetrics(CollectorRegistry())
+        self.messenger = Messenger(self.transport, name, JOB, self.metrics,
+                                   credentials=credentials)
+
+    def received(self) -> list:
+        out = []
+        while not self.transport.inbox.empty():
+            inbound = self.messenger.receive(self.transport.inbox.get())
+            if inbound is not None:
+                out.append(inbound)
+        return out
+
+    def dropped(self, reason: str) -> float:
+        return self.metrics.dropped.labels(reason=reason)._value.get()
+
+
+def test_forged_and_replayed_messages_are_dropped_and_counted(tmp_path):
+    keys = LocalKeys(tmp_path)
+    broker = MemoryBroker()
+    topics = Topics(JOB)
+
+    def load(name: str, publishes: bool = False) -> Credentials:
+        return Credentials.load(keys.key_path(name), keys.roster_path, publishes)
+
+    device = _Process(broker, "dev0", load("dev0"))
+    controller = _Process(broker, "controller", load("controller", publishes=True))
+    forger = _Process(broker, "forger", Credentials(Signer(generate_private_key())))
+    naive = _Process(broker, "naive", Credentials.unsigned())
+    for topic in (topics.cmd("dev0"), topics.weights_all):
+        device.transport.subscribe(topic)
+    controller.transport.subscribe(Topics.ALL_STATUS)
+
+    controller.messenger.send(topics.cmd("dev0"), Command(CommandOp.REPLICATE))
+    assert [i.message for i in device.received()] == [Command(CommandOp.REPLICATE)]
+    for liar in (forger, naive):
+        liar.messenger.name = "controller"
+        liar.messenger.send(topics.cmd("dev0"), Command(CommandOp.SHUTDOWN))
+        liar.messenger.send_replica(topics, 1, LayerReplica(0, 99, {"w": np.ones(3)}, None))
+        liar.messenger.name = "dev0"
+        liar.messenger.send(Topics.dev_status("dev0"),
+                            DeviceStatus(DeviceState.OFFLINE, JOB, "0"), retain=True)
+    assert device.received() == [] and controller.received() == []
+    assert device.dropped("bad_signature") == 4
+    assert controller.dropped("bad_signature") == 2
+    # a replay: the controller's own frame, published again by someone else
+    frame = controller.messenger.frames(Command(CommandOp.REPLICATE))[0]
+    naive.transport.publish(topics.cmd("dev0"), frame)
+    naive.transport.publish(topics.cmd("dev0"), frame)
+    assert len(device.received()) == 1
+    assert device.dropped("replayed") == 1
+
+
+def test_the_roster_reaches_devices_and_a_new_device_is_then_believed(tmp_path):
+    keys = LocalKeys(tmp_path)
+    broker = MemoryBroker()
+    device = _Process(broker, "dev0", Credentials.load(keys.key_path("dev0"), keys.roster_path))
+    device.messenger.start_trust()
+    controller = _Process(broker, "controller", Credentials.load(
+        keys.key_path("controller"), keys.roster_path, publishes_roster=True))
+    controller.messenger.start_trust()
+    assert device.received() == []  # the roster is consumed by the messenger
+    late = Credentials.load(keys.key_path("dev5"), keys.roster_path)  # added after dev0 started
+    newcomer = _Process(broker, "dev5", late)
+    device.transport.subscribe(Topics.dev_heartbeat("dev5"))
+    newcomer.messenger.send(Topics.dev_heartbeat("dev5"), Heartbeat(), qos=0)
+    assert device.received() == [] and device.dropped("bad_signature") == 1
+    assert controller.messenger.tick_trust(now=10.0)  # the roster file changed: republished
+    assert device.received() == []
+    assert device.messenger.credentials.verifier.roster.keys_of("dev5")
+    newcomer.messenger.send(Topics.dev_heartbeat("dev5"), Heartbeat(), qos=0)
+    assert [i.sender for i in device.received()] == ["dev5"]
+
+
+def test_a_last_will_is_signed_and_taken_after_the_session_s_other_messages(tmp_path):
+    keys = LocalKeys(tmp_path)
+    broker = MemoryBroker()
+    credentials = Credentials.load(keys.key_path("dev0"), keys.roster_path)
+    will = will_of(Topics.dev_status("dev0"), DeviceStatus(DeviceState.OFFLINE, JOB, "0"), JOB,
+                   "dev0", credentials)
+    device = _Process(broker, "dev0", credentials, will)
+    watcher = _Process(broker, "controller", Credentials.load(keys.key_path("controller"),
+                                                              keys.roster_path))
+    watcher.transport.subscribe(Topics.dev_status("dev0"))
+    device.messenger.send(Topics.dev_status("dev0"), DeviceStatus(DeviceState.ONLINE, JOB, "0"),
+                          retain=True)
+    device.transport.crash()
+    states = [i.message.state for i in watcher.received()]
+    assert states == [DeviceState.ONLINE, DeviceState.OFFLINE]
+
+
+def test_signed_roster_messages_round_trip():
+    _, roster = _identities(*CONTROLLER_NAMES)
+    assert RosterMessage.from_body(RosterMessage(roster).to_body()) == RosterMessage(roster)
