@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import PROFILES, say, steady_rate  # noqa: E402
 from ftpipe_iot.runtime.broker import BrokerProcess  # noqa: E402
+from ftpipe_iot.runtime.keys import LocalKeys  # noqa: E402
 
 SPLIT = [(0, 3), (3, 5), (5, 12), (12, 22)]
 MB, M = 32, 8
@@ -177,14 +178,20 @@ def _top(profile: Path, n: int = 12) -> list[str]:
 def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float, ...],
            steps: int, warmup: int, profile: bool = False,
            training: list[str] | None = None, assignment: bool = True,
-           timeout_s: float = 1200.0) -> dict:
-    """One ftpipe-iot job on the fixed split; devices optionally under cProfile."""
+           timeout_s: float = 1200.0, signed: bool = True) -> dict:
+    """One ftpipe-iot job on the fixed split; devices optionally under cProfile; every message
+    signed unless ``signed`` is False (``--insecure-unsigned``)."""
     work = Path(tempfile.mkdtemp(prefix=f"speed-{job}-"))
     names = [f"{job}-d{k}" for k in range(len(factors))]
     procs: dict[str, subprocess.Popen] = {}
     cpu: dict[str, _ThreadCpu] = {}
     python = [sys.executable]
     env = dict(os.environ)
+    keys = LocalKeys(work / "keys")  # signed, as every job runs by default
+
+    def key_args(name: str) -> list[str]:
+        return keys.args(name) if signed else ["--insecure-unsigned"]
+
     before = loadavg()
     try:
         for name, factor in zip(names, factors):
@@ -194,7 +201,7 @@ def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float,
                 if profile else ["-m", "ftpipe_iot"]
             procs[name] = subprocess.Popen(
                 [*python, *entry, "device", "--name", name, "--job", job,
-                 "--broker", broker.url, "--log-level", "INFO", *extra],
+                 "--broker", broker.url, "--log-level", "INFO", *key_args(name), *extra],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=open(work / f"{name}.log", "w"), start_new_session=True, env=env)
             cpu[name] = _ThreadCpu(procs[name].pid)
@@ -213,7 +220,7 @@ def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float,
              str(summary_path), "--log-level", "WARNING", "--no-repartition",
              "--wait-devices", "900", "--stall-timeout", "300",
              "--schedule", schedule, *(["--assignment", pinned] if assignment else []),
-             *args],
+             *key_args("controller"), *args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=open(work / "controller.log", "w"), start_new_session=True, env=env)
         cpu["controller"] = _ThreadCpu(procs["controller"].pid)
@@ -242,6 +249,8 @@ def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float,
               "broker_cpu_s": round(sum(cpu["broker"].threads.values()) - broker_before, 2),
               "summary": {k: summary[k] for k in ("wall_s", "train_s", "test_accuracy",
                                                   "evals", "wire_bytes_per_step")},
+              "crypto_s": round(summary.get("crypto_s", 0.0) + sum(
+                  t.get("crypto_s", 0.0) for t in summary["device_traffic"].values()), 4),
               "history_t": [(h["step"], round(h["t"], 2)) for h in summary["history"]]}
     if profile:
         result["cpu_breakdown"] = {name: {**cpu_breakdown(work / f"{name}.prof"),

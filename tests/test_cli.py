@@ -58,7 +58,7 @@ def test_model_that_does_not_fit_the_data_is_refused_before_connecting(tmp_path)
     rng = np.random.default_rng(0)
     np.savez(data, x=rng.random((40, 5)).astype(np.float32), y=rng.integers(0, 3, 40))
     result = _run("controller", "--model", "cnn", "--data", f"npz:{data}",
-                  "--broker", "mqtt://127.0.0.1:1")
+                  "--broker", "mqtt://127.0.0.1:1", "--insecure-unsigned")
     assert result.exit_code != 0
     assert "image inputs" in result.output and "use 'mlp'" in result.output
 

@@ -287,7 +287,7 @@ def test_bad_dp_values_are_refused_in_one_line(args, message):
 ])
 def test_bad_device_data_is_refused_in_one_line(args, message):
     result = subprocess.run([sys.executable, "-m", "ftpipe_iot", "device", "--name", "d0",
-                             "--broker", "mqtt://127.0.0.1:1", *args],
+                             "--broker", "mqtt://127.0.0.1:1", "--insecure-unsigned", *args],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr

@@ -30,6 +30,7 @@ from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import ControllerPhase, ControllerStatus, MessageKind
 from ftpipe_iot.protocol.wire import Envelope, encode
+from ftpipe_iot.runtime.keys import LocalKeys
 
 DROPOUT_MODEL = """
 import torch.nn as nn
@@ -183,8 +184,9 @@ def test_user_model_errors_are_one_line(tmp_path, monkeypatch):
         build_layers(ModelSpec("typo_model:build"), (4,), 2, 0)
     with pytest.raises(ModelError, match="raising_model:build.*ValueError: boom"):
         build_layers(ModelSpec("raising_model:build"), (4,), 2, 0)
+    keys = LocalKeys(tmp_path / "keys")
     result = CliRunner().invoke(main, ["controller", "--model", "typo_model:build",
-                                       "--broker", "mqtt://127.0.0.1:1"])
+                                       "--broker", "mqtt://127.0.0.1:1", *keys.args("controller")])
     assert result.exit_code == 1 and "SyntaxError" in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
 

@@ -16,6 +16,7 @@ from ftpipe_iot.core.data import DataSpec, load_dataset
 from ftpipe_iot.core.models import ModelSpec
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.signing import Signer
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.wire import Envelope, MessageKind, WireOptions, encode
 
@@ -56,9 +57,12 @@ def test_three_device_processes_equal_single_process_training(mosquitto, process
 
 
 class _Injector:
-    """A raw MQTT client that waits for training to start, then publishes bad input."""
+    """A raw MQTT client that waits for training to start, then publishes bad input: an
+    identity of the job (it signs with a key the roster names), so what it sends reaches the
+    checks behind the signature's."""
 
-    def __init__(self, url_port: int, job: str) -> None:
+    def __init__(self, url_port: int, job: str, signer: Signer) -> None:
+        self.signer = signer
         self.topics = Topics(job)
         self.started = threading.Event()
         self.plan_version = 0
@@ -97,12 +101,12 @@ class _Injector:
         pub(t.stage_act(2, "dev2"), chunks[0][: len(chunks[0]) // 3])  # truncated chunk
         old = Envelope(MessageKind.GRADIENT, t.job, "x", plan_version=self.plan_version - 1,
                        step=0, micro_batch=0, body={"g": np.zeros((8, 32, 4, 4), np.float32)})
-        pub(t.stage_grad(1, "dev1"), encode(old)[0])
+        pub(t.stage_grad(1, "dev1"), encode(old, signer=self.signer)[0])
         wrong = Envelope(MessageKind.ACTIVATION, t.job, "x", plan_version=self.plan_version,
                          step=10_000, micro_batch=0,
                          body={"x": np.zeros((8, 3, 3), np.float32),
                                "y": np.zeros(8, np.int64), "train": True})
-        pub(t.stage_act(1, "dev1"), encode(wrong)[0])
+        pub(t.stage_act(1, "dev1"), encode(wrong, signer=self.signer)[0])
         pub(t.results, b"\x00\x01\x02")
         for info in pubs:
             info.wait_for_publish(10)
@@ -115,7 +119,7 @@ class _Injector:
 def test_bad_input_during_training_is_dropped_counted_and_logged_once(mosquitto, processes,
                                                                        tmp_path):
     job = "garbage"
-    injector = _Injector(mosquitto.port, job)
+    injector = _Injector(mosquitto.port, job, Signer.from_file(processes.keys.key_path("x")))
     try:
         for i in range(3):
             processes.device(f"dev{i}", job, mosquitto.url)

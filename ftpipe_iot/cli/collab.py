@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -146,7 +147,8 @@ def run_controller(choices: CollabChoices, train: TrainConfig, job: str, broker:
                    devices: int, wait_devices: float, heartbeat_timeout: float,
                    stall_timeout: float, stop_devices: bool, save_weights: str | None,
                    summary_json: str | None, as_json: bool, client_id: str | None,
-                   process: Any, pipeline_only: list[str], credentials: Any = None) -> None:
+                   process: Any, pipeline_only: list[str],
+                   credentials: Callable[[], Any] = lambda: None) -> None:
     """``ftpipe-iot controller --mode collaborative|fedavg``: the coordinator."""
     from ftpipe_iot.collab.entry import run_coordinator
     from ftpipe_iot.observability.progress import default_progress
@@ -161,7 +163,7 @@ def run_controller(choices: CollabChoices, train: TrainConfig, job: str, broker:
                            save_weights=Path(save_weights) if save_weights else None)
     summary = run_coordinator(config, job, broker, process, default_progress(),
                               Path(summary_json) if summary_json else None, client_id,
-                              credentials)
+                              credentials())
     if as_json:
         click.echo(json.dumps(summary.to_dict(with_history=False)))
     if summary.error:

@@ -28,6 +28,7 @@ from ftpipe_iot.cli.options import (
 )
 from ftpipe_iot.planning.layouts import Layout
 from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.signing import Credentials
 
 
 @command()
@@ -96,7 +97,6 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
     if not name:
         raise click.UsageError("give --name or a --config bundle")
     profile = load_profile(profile_file) if profile_file else None
-    keys = credentials(bundle, signing_key, roster, insecure_unsigned)
     process = ProcessOptions(metrics_port, threads, log_level)
     if data is not None or server:
         from ftpipe_iot.collab.agent import AgentOptions
@@ -104,6 +104,7 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 
         if data is not None and server:
             raise click.UsageError("--data and --server exclude each other")
+        keys = credentials(bundle, signing_key, roster, insecure_unsigned)
         sys.exit(run_collab_device(
             name, bundle.job, bundle.broker, process, data, server, profile,
             AgentOptions(heartbeat_interval, allowed_model_modules=(
@@ -112,6 +113,7 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
                             allowed_model_modules=(*bundle.allow_model_modules,
                                                    *allowed_modules),
                             emulate_link=not real_link)
+    keys = credentials(bundle, signing_key, roster, insecure_unsigned)
     sys.exit(run_device(name, bundle.job, bundle.broker, process, options, profile, keys))
 
 
@@ -188,7 +190,6 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
 
     bundle = identity(broker_url, config_file, mqtt_protocol, max_message_bytes, keepalive, job)
     config, bundle_name, job = bundle.broker, bundle.name or None, bundle.job
-    keys = credentials(bundle, signing_key, roster, insecure_unsigned, publishes_roster=True)
     names = tuple(n.strip() for n in device_names.split(",")) if device_names else ()
     if names and len(names) != devices:
         raise click.UsageError(f"--device-names lists {len(names)} devices, --devices is "
@@ -200,6 +201,11 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
     train = TrainConfig.load(train_file) if train_file else train_config(training)
     collab = collab_choices(ctx, training)
     train = _auto_micro_batching(train, training, devices, collab.pipeline)
+
+    def keys() -> Credentials:
+        """Asked once every other setting was checked: their errors come first."""
+        return credentials(bundle, signing_key, roster, insecure_unsigned, publishes_roster=True)
+
     if not collab.pipeline:
         from ftpipe_iot.cli.collab import run_controller as run_collab
 
@@ -222,7 +228,7 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                              ProcessOptions(metrics_port, threads, log_level),
                              default_progress(), client_id=bundle_name,
                              summary_path=Path(summary_json) if summary_json else None,
-                             credentials=keys)
+                             credentials=keys())
     if as_json:
         click.echo(summary.to_json(with_history=False))
     if summary.error:

@@ -491,6 +491,7 @@ class Controller:
         if self.config.stop_devices:
             for device in sorted(self.roster.online | set(self.plan.devices)):
                 self.out.command(device, Command(CommandOp.SHUTDOWN))
+        self.summary.crypto_s = round(self.messenger.crypto_s, 6)
         self.recorder.job_done(self.messenger.drops.counts)
         self.phase = Phase.DONE
 

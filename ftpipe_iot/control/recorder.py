@@ -186,7 +186,8 @@ class Recorder:
                                   step_compute_s=beat.compute_s)
         self.summary.device_traffic[device] = {
             "sent_bytes": beat.sent_bytes, "received_bytes": beat.received_bytes,
-            "takeovers": beat.takeovers, "late": beat.drops.get(DropReason.LATE.value, 0)}
+            "takeovers": beat.takeovers, "late": beat.drops.get(DropReason.LATE.value, 0),
+            "crypto_s": round(beat.crypto_s, 6)}
         if beat.link_bytes_per_s > 0:
             self.summary.device_links[device] = {"bytes_per_s": beat.link_bytes_per_s,
                                                  "latency_s": beat.link_latency_s}

@@ -35,7 +35,8 @@ class RunSummary:
     late_results: int = 0  # results dropped because another holder delivered first
     # bytes published plus bytes delivered by the broker, per step (devices, from heartbeats)
     wire_bytes_per_step: float = 0.0
-    device_traffic: dict[str, dict[str, int]] = field(default_factory=dict)
+    device_traffic: dict[str, dict[str, float]] = field(default_factory=dict)
+    crypto_s: float = 0.0  # the controller's seconds spent signing and verifying
     replicated_bytes: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     device_dropped: dict[str, dict[str, int]] = field(default_factory=dict)

@@ -494,7 +494,7 @@ class DeviceAgent:
             queue_depth=self.transport.inbox.qsize(), drops=self.messenger.drops.counts,
             link_bytes_per_s=self.link.bytes_per_s, link_latency_s=self.link.latency_s,
             sent_bytes=self.messenger.sent_bytes, received_bytes=self.messenger.received_bytes,
-            takeovers=self.takeovers)
+            takeovers=self.takeovers, crypto_s=self.messenger.crypto_s)
         self.messenger.send(Topics.dev_heartbeat(self.name), beat,
                             self.plan.version if self.plan else 0, self._last_step, qos=0)
 

@@ -385,6 +385,7 @@ class Heartbeat:
     sent_bytes: int = 0
     received_bytes: int = 0
     takeovers: int = 0
+    crypto_s: float = 0.0  # seconds spent signing and verifying since the start
 
     @property
     def compute_s(self) -> float:
@@ -397,7 +398,7 @@ class Heartbeat:
                 "queue_depth": self.queue_depth, "drops": dict(self.drops),
                 "link_bytes_per_s": self.link_bytes_per_s, "link_latency_s": self.link_latency_s,
                 "sent_bytes": self.sent_bytes, "received_bytes": self.received_bytes,
-                "takeovers": self.takeovers}
+                "takeovers": self.takeovers, "crypto_s": self.crypto_s}
 
     @classmethod
     def from_body(cls, raw: object) -> Heartbeat:
@@ -407,7 +408,7 @@ class Heartbeat:
                    f.pairs("layer_times"), f.int("queue_depth", 0, low=0), f.counts("drops"),
                    f.float("link_bytes_per_s", 0.0, low=0), f.float("link_latency_s", 0.0, low=0),
                    f.int("sent_bytes", 0, low=0), f.int("received_bytes", 0, low=0),
-                   f.int("takeovers", 0, low=0))
+                   f.int("takeovers", 0, low=0), f.float("crypto_s", 0.0, low=0))
 
 
 @dataclass(frozen=True)

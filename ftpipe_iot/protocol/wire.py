@@ -189,7 +189,7 @@ def _frame(env: Envelope, payload: bytes, compressed: bool, kind: MessageKind,
     }
     if signer is not None:
         fields["kid"] = signer.key_id
-        fields["sg"] = signer.sign(signed_content([fields[k] for k in _SIGNED_FIELDS], payload))
+        fields["sg"] = signer.sign_frame([fields[k] for k in _SIGNED_FIELDS], payload)
     fields["b"] = payload
     return msgpack.packb(fields, use_bin_type=True)
 

@@ -64,6 +64,7 @@ class Messenger:
         signer = self.credentials.signer
         self.session = signer.session if signer is not None else int(time.time() * 1000)
         self.replays = ReplayGuard()
+        self.verify_s = 0.0  # seconds spent hashing and verifying received frames
         self._next_trust_check = 0.0
         self._trust_problem = ""
         # Max body: generous but bounded (a crafted chunk header cannot ask for unbounded memory).
@@ -169,11 +170,21 @@ class Messenger:
         return inbound
 
     # -- trust ----------------------------------------------------------------------------------
+    @property
+    def crypto_s(self) -> float:
+        """Seconds this process spent signing and verifying: what signatures cost it."""
+        signer = self.credentials.signer
+        return self.verify_s + (signer.busy_s if signer is not None else 0.0)
+
     def _authenticate(self, header: FrameHeader) -> None:
         verifier = self.credentials.verifier
         assert verifier is not None
-        verifier.verify(header.env.sender, header.key_id, header.signed_content(),
-                        header.signature)
+        started = time.perf_counter()
+        try:
+            verifier.verify(header.env.sender, header.key_id, header.signed_content(),
+                            header.signature)
+        finally:
+            self.verify_s += time.perf_counter() - started
 
     def _take_roster(self, inbound: Inbound) -> None:
         verifier = self.credentials.verifier

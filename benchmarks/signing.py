@@ -1,0 +1,206 @@
+"""What signatures cost (prints JSON, writes benchmarks/results/signing.json and .png).
+
+* ``frames``: per message of each size, encoding with and without a signature, and decoding
+  with and without verification (one process, the wire module and the messenger's check;
+  messages above 256 KiB are chunks, each signed and verified on its own);
+* ``demo``: the digits demo (`ftpipe-iot demo` defaults, CNN, 3 devices), signed against
+  ``--insecure-unsigned``, runs alternated; samples/s and the signing and verifying seconds
+  every process reported (heartbeats, the summary);
+* ``mobilenetv2``: full-width MobileNetV2, 4 equal devices on the split of benchmarks/speed.py
+  (micro-batches of 32, M = 8), signed against unsigned, alternated; samples/s after the
+  warm-up and the signing seconds as a share of the CPU seconds every process used.
+
+Wall-clock rates on a 2-core host vary by several per cent between runs, more than the cost
+measured here; the CPU share is the figure that does not depend on the host's load.
+
+    python benchmarks/signing.py [--only frames|demo|mobilenetv2] [--pairs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import save_figure, say, write_results  # noqa: E402
+from benchmarks.speed import ftpipe, loadavg  # noqa: E402
+from ftpipe_iot.protocol.messages import Activation, envelope  # noqa: E402
+from ftpipe_iot.protocol.signing import (  # noqa: E402
+    Roster,
+    Signer,
+    Verifier,
+    generate_private_key,
+    public_text,
+)
+from ftpipe_iot.protocol.wire import Reassembler, WireOptions, encode  # noqa: E402
+from ftpipe_iot.runtime.broker import BrokerProcess  # noqa: E402
+
+SIZES = (256, 8 * 1024, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls."""
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def _frame_costs(size: int, signer: Signer, verifier: Verifier) -> dict:
+    values = np.random.default_rng(0).standard_normal(max(1, size // 4)).astype(np.float32)
+    env = envelope(Activation(values, np.zeros(1, np.int64), True), "bench", "dev0", 1, 0, 0,
+                   1, session=1)
+    options = WireOptions(compress=False)
+    plain = encode(env, options)
+    signed = encode(env, options, signer)
+
+    def authenticate(header) -> None:
+        verifier.verify(header.env.sender, header.key_id, header.signed_content(),
+                        header.signature)
+
+    def decode(frames: list[bytes], check) -> None:
+        reassembler = Reassembler(authenticate=check)
+        for frame in frames:
+            reassembler.feed(frame)
+
+    repeats = 200 if size <= 64 * 1024 else 20
+    row = {"bytes": size, "frames": len(signed),
+           "encode_us": _timed(lambda: encode(env, options), repeats) * 1e6,
+           "encode_signed_us": _timed(lambda: encode(env, options, signer), repeats) * 1e6,
+           "decode_us": _timed(lambda: decode(plain, None), repeats) * 1e6,
+           "decode_verified_us": _timed(lambda: decode(signed, authenticate), repeats) * 1e6,
+           "extra_bytes": sum(map(len, signed)) - sum(map(len, plain))}
+    row["sign_us"] = row["encode_signed_us"] - row["encode_us"]
+    row["verify_us"] = row["decode_verified_us"] - row["decode_us"]
+    return {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}
+
+
+def frames() -> list[dict]:
+    key = generate_private_key()
+    signer = Signer(key)
+    verifier = Verifier(Roster(1, {"dev0": (public_text(key),)}))
+    rows = []
+    for size in SIZES:
+        row = _frame_costs(size, signer, verifier)
+        rows.append(row)
+        say(f"frames: {size} B: sign {row['sign_us']:.0f} us, verify {row['verify_us']:.0f} us")
+    return rows
+
+
+def demo(pairs: int) -> dict:
+    from ftpipe_iot.runtime.demo import Demo, DemoOptions
+
+    runs: dict[str, list[dict]] = {"signed": [], "unsigned": []}
+    for index in range(pairs):
+        for signed in (True, False):
+            label = "signed" if signed else "unsigned"
+            before = loadavg()
+            summary = Demo(DemoOptions(work_dir=Path(tempfile.mkdtemp(prefix="sign-demo-")),
+                                       signed=signed)).run()
+            crypto = summary.get("crypto_s", 0.0) + sum(
+                t.get("crypto_s", 0.0) for t in summary["device_traffic"].values())
+            runs[label].append({"samples_per_s": summary["samples_per_s"],
+                                "steps": summary["steps"], "train_s": summary["train_s"],
+                                "crypto_s": round(crypto, 4),
+                                "crypto_s_per_step": crypto / max(1, summary["steps"]),
+                                "test_accuracy": summary["test_accuracy"],
+                                "loadavg_before": before, "loadavg_after": loadavg()})
+            say(f"demo {label} #{index}: {summary['samples_per_s']:.0f} samples/s, "
+                f"crypto {crypto:.3f} s")
+    return _compare(runs)
+
+
+def mobilenetv2(pairs: int, steps: int, warmup: int) -> dict:
+    runs: dict[str, list[dict]] = {"signed": [], "unsigned": []}
+    with BrokerProcess() as broker:
+        for index in range(pairs):
+            for signed in (True, False):
+                label = "signed" if signed else "unsigned"
+                result = ftpipe(broker, f"sign-{label}-{index}", "sync", (1, 1, 1, 1), steps,
+                                warmup, signed=signed)
+                cpu = sum(v["main_thread_cpu_s"] + v["other_threads_cpu_s"]
+                          for v in result["process_cpu"].values())
+                runs[label].append({"samples_per_s": result["samples_per_s"],
+                                    "crypto_s": result["crypto_s"],
+                                    "process_cpu_s": round(cpu, 2),
+                                    "crypto_cpu_share": result["crypto_s"] / cpu if cpu else 0,
+                                    "loadavg_before": result["loadavg_before"],
+                                    "loadavg_after": result["loadavg_after"]})
+                say(f"mobilenetv2 {label} #{index}: {result['samples_per_s']:.1f} samples/s, "
+                    f"crypto {result['crypto_s']:.2f} s of {cpu:.0f} CPU-s")
+    return _compare(runs)
+
+
+def _compare(runs: dict[str, list[dict]]) -> dict:
+    signed = statistics.median(r["samples_per_s"] for r in runs["signed"])
+    unsigned = statistics.median(r["samples_per_s"] for r in runs["unsigned"])
+    return {"runs": runs, "median_samples_per_s": {"signed": signed, "unsigned": unsigned},
+            "slowdown_pct": round(100 * (1 - signed / unsigned), 2)}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    if "frames" in results:
+        rows = results["frames"]
+        xs = [r["bytes"] for r in rows]
+        left.loglog(xs, [r["sign_us"] for r in rows], "o-", label="sign")
+        left.loglog(xs, [r["verify_us"] for r in rows], "s-", label="verify")
+        left.loglog(xs, [r["encode_us"] for r in rows], "^--", label="encode (unsigned)")
+        left.set_xlabel("message bytes")
+        left.set_ylabel("microseconds per message")
+        left.set_title("cost per message")
+        left.legend()
+    labels, signed, unsigned = [], [], []
+    for name in ("demo", "mobilenetv2"):
+        if name in results:
+            labels.append(name)
+            signed.append(results[name]["median_samples_per_s"]["signed"])
+            unsigned.append(results[name]["median_samples_per_s"]["unsigned"])
+    if labels:
+        xs = np.arange(len(labels))
+        right.bar(xs - 0.2, [s / u for s, u in zip(signed, unsigned)], 0.4, label="signed")
+        right.bar(xs + 0.2, [1.0] * len(labels), 0.4, label="unsigned")
+        right.set_xticks(xs, labels)
+        right.set_ylabel("samples/s relative to unsigned (median)")
+        right.set_ylim(0.8, 1.1)
+        right.legend()
+        right.set_title("whole jobs")
+    save_figure(fig, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["frames", "demo", "mobilenetv2"], default=None)
+    parser.add_argument("--pairs", type=int, default=3, help="signed/unsigned runs of each job")
+    parser.add_argument("--steps", type=int, default=6, help="MobileNetV2 timed steps per run")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent /
+                        "results" / "signing.json")
+    args = parser.parse_args()
+    results: dict = {"loadavg_start": loadavg()}
+    if args.only in (None, "frames"):
+        results["frames"] = frames()
+    if args.only in (None, "demo"):
+        results["demo"] = demo(args.pairs)
+    if args.only in (None, "mobilenetv2"):
+        results["mobilenetv2"] = mobilenetv2(max(1, args.pairs - 1), args.steps, args.warmup)
+    results["loadavg_end"] = loadavg()
+    write_results(results, args.out, lambda png: plot(results, png))
+
+
+if __name__ == "__main__":
+    main()
