@@ -1,7 +1,7 @@
 """Who sent a message, proven end to end on any broker (docs/security.md, docs/design.md §4).
 
 Every identity (the controller, each device) holds its own Ed25519 private key. A frame is signed
-over its header fields and a BLAKE2b digest of its payload, so a chunked tensor is hashed once and
+over its header fields and a SHA-256 digest of its payload, so a chunked tensor is hashed once and
 each chunk carries its own signature: a receiver verifies every frame before it reassembles or
 reads anything. The public keys are a *roster* (identity name -> accepted keys, and which names
 speak for the controller). A device starts with the roster of its bundle, which holds at least
@@ -43,12 +43,13 @@ CONTROLLER_NAMES = ("controller", "coordinator")
 KEY_ID_BYTES = 8
 SIGNATURE_BYTES = 64
 _DOMAIN = b"ftpipe-iot frame v1"
-_PAYLOAD_DIGEST_BYTES = 32
 
 
 def payload_digest(payload: bytes) -> bytes:
-    """The digest a signature covers instead of the payload itself (hashed once, BLAKE2b)."""
-    return hashlib.blake2b(payload, digest_size=_PAYLOAD_DIGEST_BYTES).digest()
+    """The digest a signature covers instead of the payload itself (hashed once). SHA-256:
+    CPUs with SHA extensions (x86 SHA-NI, ARMv8 crypto, as on a Raspberry Pi 4/5 or a Jetson)
+    hash it at 2-3x the speed of BLAKE2b, and activations are megabytes per message."""
+    return hashlib.sha256(payload).digest()
 
 
 def signed_content(header: list[object], payload: bytes) -> bytes:
