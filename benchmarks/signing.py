@@ -33,11 +33,11 @@ from benchmarks.harness import save_figure, say, write_results  # noqa: E402
 from benchmarks.speed import ftpipe, loadavg  # noqa: E402
 from ftpipe_iot.protocol.messages import Activation, envelope  # noqa: E402
 from ftpipe_iot.protocol.signing import (  # noqa: E402
+    IdentityKey,
     Roster,
     Signer,
     Verifier,
     generate_private_key,
-    public_text,
 )
 from ftpipe_iot.protocol.wire import Reassembler, WireOptions, encode  # noqa: E402
 from ftpipe_iot.runtime.broker import BrokerProcess  # noqa: E402
@@ -87,7 +87,7 @@ def _frame_costs(size: int, signer: Signer, verifier: Verifier) -> dict:
 def frames() -> list[dict]:
     key = generate_private_key()
     signer = Signer(key)
-    verifier = Verifier(Roster(1, {"dev0": (public_text(key),)}))
+    verifier = Verifier(Roster(1, {"dev0": (IdentityKey.of(key),)}))
     rows = []
     for size in SIZES:
         row = _frame_costs(size, signer, verifier)

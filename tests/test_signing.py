@@ -22,18 +22,19 @@ from ftpipe_iot.protocol.messages import (
 from ftpipe_iot.protocol.signing import (
     CONTROLLER_NAMES,
     Credentials,
+    IdentityKey,
     ReplayGuard,
     Roster,
     Signer,
     Verifier,
     generate_private_key,
-    public_text,
     write_private_key,
 )
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import CommandOp, DeviceState, MessageKind
 from ftpipe_iot.protocol.wire import Reassembler, WireOptions, encode
 from ftpipe_iot.runtime.keys import LocalKeys
+from ftpipe_iot.transport.base import Incoming
 from ftpipe_iot.transport.memory import MemoryBroker
 from ftpipe_iot.transport.messenger import Messenger, will_of
 
@@ -42,7 +43,7 @@ JOB = "sig"
 
 def _identities(*names: str):
     keys = {name: generate_private_key() for name in names}
-    roster = Roster(1, {name: (public_text(key),) for name, key in keys.items()})
+    roster = Roster(1, {name: (IdentityKey.of(key),) for name, key in keys.items()})
     return keys, roster
 
 
@@ -161,7 +162,7 @@ def test_a_live_message_is_taken_at_most_once(deliveries):
 def test_a_roster_is_taken_only_from_the_controller_and_only_when_newer():
     keys, roster = _identities(*CONTROLLER_NAMES, "dev0")
     verifier = Verifier(roster)
-    newer = roster.with_key(("dev9",), public_text(generate_private_key()))
+    newer = roster.with_key(("dev9",), IdentityKey.of(generate_private_key()))
     assert not verifier.offer(newer, "dev0")
     assert verifier.offer(newer, "controller")
     assert verifier.roster.keys_of("dev9")
@@ -184,11 +185,12 @@ def test_bad_key_and_roster_files_are_one_line_errors(tmp_path):
     (tmp_path / "k").write_text("not a key")
     with pytest.raises(ConfigError, match="not a PEM private key"):
         Signer.from_file(tmp_path / "k")
-    (tmp_path / "r.json").write_text('{"version": 1, "identities": {"a": ["xx"]}}')
+    (tmp_path / "r.json").write_text(
+        '{"version": 1, "identities": {"a": [{"sign": "xx", "agree": "yy"}]}}')
     with pytest.raises(ConfigError, match="not a base64 Ed25519 public key"):
         Roster.load(tmp_path / "r.json")
     keys = LocalKeys(tmp_path / "keys")
-    Roster(1, {"dev0": (public_text(generate_private_key()),)}).save(tmp_path / "nc.json")
+    Roster(1, {"dev0": (IdentityKey.of(generate_private_key()),)}).save(tmp_path / "nc.json")
     with pytest.raises(ConfigError, match="names no controller key"):
         Credentials.load(keys.key_path("dev0"), tmp_path / "nc.json")
 
@@ -293,3 +295,50 @@ def test_a_last_will_is_signed_and_taken_after_the_session_s_other_messages(tmp_
 def test_signed_roster_messages_round_trip():
     _, roster = _identities(*CONTROLLER_NAMES)
     assert RosterMessage.from_body(RosterMessage(roster).to_body()) == RosterMessage(roster)
+
+
+def test_tags_for_known_receivers_prove_the_sender_to_each_of_them_and_no_one_else(tmp_path):
+    keys = LocalKeys(tmp_path)
+    broker = MemoryBroker()
+
+    names = ("dev0", "dev1", "dev2", "dev3")
+    paths = {name: keys.key_path(name) for name in names}  # one roster that knows them all
+    sender, dev1, dev2, outsider = (
+        _Process(broker, n, Credentials.load(paths[n], keys.roster_path)) for n in names)
+    topic = Topics(JOB).stage_act(1, "dev1")
+    for listener in (dev1, dev2, outsider):
+        listener.transport.subscribe(topic)
+    body = Heartbeat(queue_depth=7)
+    sender.messenger.send(topic, body, receivers=("dev1", "dev2"))
+    frame = sender.messenger.frames(body, receivers=("dev1", "dev2"))[0]
+    assert b"mac" in frame and b"sg" not in frame  # tags, no signature
+    assert [i.message for i in dev1.received()] == [body]
+    assert [i.message for i in dev2.received()] == [body]
+    assert outsider.received() == [] and outsider.dropped("bad_signature") == 1
+    # dev2 is compromised: with its own key it can make dev1 no tag that says "dev0"
+    dev2.messenger.name = "dev0"
+    dev2.messenger.send(topic, Heartbeat(queue_depth=666), receivers=("dev1",))
+    assert dev1.received() == [] and dev1.dropped("bad_signature") == 1
+    # a tag copied onto another message does not verify either
+    raw = msgpack.unpackb(frame, raw=False)
+    forged = _tamper(frame, st=raw["st"] + 1)
+    dev1.transport.inbox.put(Incoming(topic, forged))
+    assert dev1.received() == [] and dev1.dropped("bad_signature") == 2
+
+
+def test_a_receiver_whose_key_was_rotated_still_checks_tags_made_for_its_old_key(tmp_path):
+    keys = LocalKeys(tmp_path)
+    keys.key_path("dev1")
+    sender = Credentials.load(keys.key_path("dev0"), keys.roster_path)
+    receiver = Credentials.load(keys.key_path("dev1"), keys.roster_path)
+    key = generate_private_key()
+    write_private_key(keys.key_path("dev1"), key)
+    assert receiver.signer.reload_if_changed()  # the sender still knows only the old key
+    env = envelope(Heartbeat(), JOB, "dev0")
+    frame = encode(env, signer=sender.sealer("dev0", ["dev1"]))[0]
+
+    def check(header) -> None:
+        receiver.check_tag(header.env.sender, header.key_id, "dev1", header.signed_content(),
+                           header.tags)
+
+    Reassembler(authenticate=check).feed(frame)

@@ -30,10 +30,10 @@ from ftpipe_iot.protocol.messages import (
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.signing import (
     Credentials,
+    IdentityKey,
     Roster,
     Signer,
     generate_private_key,
-    public_text,
     write_private_key,
 )
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
@@ -142,7 +142,7 @@ def test_a_device_whose_key_is_rotated_mid_run_stays_in_the_job(mosquitto, proce
     # As `fleet rotate-key` does: the roster (which the controller republishes) names the new
     # key first, then the device's key file changes; the device switches once its roster has it.
     key = generate_private_key()
-    roster = Roster.load(keys.roster_path).with_key(("dev0",), public_text(key))
+    roster = Roster.load(keys.roster_path).with_key(("dev0",), IdentityKey.of(key))
     roster.save(keys.roster_path)
     new_file = keys.key_path("dev0").with_name("dev0.key.new")
     write_private_key(new_file, key)

@@ -346,7 +346,7 @@ class Controller:
         init_weights = self.central.started_from_file or bool(self.plan and self.plan.init_weights)
         self.plan = next_plan(self.job, self.model, stages, self.plan, resume_step,
                               self._since, self.messenger.max_message_bytes, init_weights)
-        self.out.plan_version = self.plan.version
+        self.out.use(self.plan)
         if resume_step == 0 and init_weights:
             self._republish(0, tuple(range(self.model.num_layers)))
         self._since = self.plan.since

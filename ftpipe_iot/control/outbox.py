@@ -25,10 +25,16 @@ class JobOutbox:
         self.messenger = messenger
         self.topics = topics
         self.plan_version = 0
+        self.stage_zero: tuple[str, ...] = ()  # who reads the data fed: every holder of stage 0
+
+    def use(self, plan: Plan) -> None:
+        """Tag what follows with ``plan`` (its version; its first stage's holders)."""
+        self.plan_version = plan.version
+        self.stage_zero = plan.stages[0].devices if plan.stages else ()
 
     def plan(self, plan: Plan) -> None:
         """The new plan, retained (devices and a resumed controller read it from the broker)."""
-        self.plan_version = plan.version
+        self.use(plan)
         self.messenger.send(self.topics.plan, PlanMessage(plan), plan.version, retain=True)
 
     def state(self, state: ControllerState, step: int) -> None:
@@ -53,7 +59,7 @@ class JobOutbox:
     def batch(self, batch: Activation, step: int, index: int, device: str) -> None:
         """A micro-batch of data into stage 0's member ``device``."""
         self.messenger.send(self.topics.stage_act(0, device), batch, self.plan_version, step,
-                            index)
+                            index, receivers=self.stage_zero or None)
 
     def replicas(self, replicas: Iterable[LayerReplica]) -> None:
         """The controller's own copies of layers, retained on their weights topics."""

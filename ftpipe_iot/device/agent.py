@@ -464,7 +464,9 @@ class DeviceAgent:
                 plan_version: int | None = None) -> None:
         version = plan_version if plan_version is not None else \
             self.plan.version if self.plan is not None else 0
-        self.messenger.send(self.topics.results, Result(body), version, step, micro_batch)
+        # The controller alone reads results: one tag for it instead of a signature.
+        self.messenger.send(self.topics.results, Result(body), version, step, micro_batch,
+                            receivers=(self.options.controller,))
 
     def tick(self, heartbeat: bool = True) -> None:
         """Periodic work: heartbeats (when not sent by the thread), loading retries, taking

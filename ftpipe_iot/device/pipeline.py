@@ -205,6 +205,11 @@ class StageRunner:
             self._emit_all(self.stage.backward(item.step, item.micro_batch, item.gradient))
 
     # -- out ------------------------------------------------------------------------------------
+    def _holders(self, stage: int) -> tuple[str, ...]:
+        """Every device that may read a stage's inputs, gradients and partials (its members and
+        standbys: watchers follow the whole stage): the receivers their tags are made for."""
+        return self.plan.stages[stage].devices
+
     def _emit_all(self, outputs: list[StageOutput]) -> None:
         for output in outputs:
             self._emit(output)
@@ -224,24 +229,25 @@ class StageRunner:
             self.hooks.link(self.messenger.send(
                 self.topics.stage_act(index + 1, device),
                 Activation(output.x, output.y, output.train, route, counts), version,
-                output.step, output.micro_batch))
+                output.step, output.micro_batch, receivers=self._holders(index + 1)))
             if self.watch is not None and output.train:  # our watchers learn we are alive
                 self.watch.progress(output.step, output.micro_batch, self.clock())
                 self.messenger.send(self.topics.stage_reduce(index), Progress(index), version,
-                                    output.step, output.micro_batch, qos=0)
+                                    output.step, output.micro_batch, qos=0,
+                                    receivers=self._holders(index))
         elif isinstance(output, SendGradient):
             came = self.routes.pop(key, None)
             device = came[1] if came else self.plan.stages[index - 1].leader
             self.hooks.link(self.messenger.send(
                 self.topics.stage_grad(index - 1, device), Gradient(output.grad), version,
-                output.step, output.micro_batch))
+                output.step, output.micro_batch, receivers=self._holders(index - 1)))
         elif isinstance(output, SendPartial):
             if self.watch is not None:
                 self.watch.contributed(output.step, output.micro_batch, self.clock())
             self.hooks.link(self.messenger.send(
                 self.topics.stage_reduce(index),
                 GroupPartial(index, self.stage.member, output.grads, output.batch_norm),
-                version, output.step, output.micro_batch))
+                version, output.step, output.micro_batch, receivers=self._holders(index)))
         elif isinstance(output, MicroBatchResult):
             if not output.train:
                 self.routes.pop(key, None)

@@ -25,9 +25,9 @@ from ftpipe_iot.fleet.errors import FleetError
 from ftpipe_iot.fleet.model import FleetState, Identity, Role
 from ftpipe_iot.protocol.signing import (
     CONTROLLER_NAMES,
+    IdentityKey,
     Roster,
     generate_private_key,
-    public_text,
     write_private_key,
 )
 
@@ -60,7 +60,7 @@ def init_keys(fleet_dir: Path) -> Roster:
         return Roster.load(roster_path(fleet_dir))
     key = generate_private_key()
     write_private_key(controller_key_path(fleet_dir), key)
-    roster = Roster(0).with_key(CONTROLLER_NAMES, public_text(key), keep_previous=False)
+    roster = Roster(0).with_key(CONTROLLER_NAMES, IdentityKey.of(key), keep_previous=False)
     roster.save(roster_path(fleet_dir))
     return roster
 
@@ -74,7 +74,7 @@ def provision(fleet_dir: Path, identity: Identity, bundle: Path) -> None:
     elif identity.role in SIGNING_ROLES:
         key = generate_private_key()
         write_private_key(bundle / KEY_FILE, key)
-        roster = roster.with_key((identity.name,), public_text(key), keep_previous=False)
+        roster = roster.with_key((identity.name,), IdentityKey.of(key), keep_previous=False)
         roster.save(roster_path(fleet_dir))
     roster.save(bundle / ROSTER_FILE)
 
@@ -101,7 +101,7 @@ def rotate(fleet_dir: Path, identity: Identity, bundle: Path, revoke_previous: b
     else:
         raise FleetError(f"{identity.role.value} {identity.name!r} signs nothing: no key to "
                          "rotate")
-    roster = roster.with_key(names, public_text(key), keep_previous=not revoke_previous)
+    roster = roster.with_key(names, IdentityKey.of(key), keep_previous=not revoke_previous)
     roster.save(roster_path(fleet_dir))
     if identity.role is not Role.CONTROLLER:
         write_private_key(bundle / key_file, key)

@@ -8,6 +8,15 @@ speak for the controller). A device starts with the roster of its bundle, which 
 the controller's key; the controller publishes the current roster (retained, signed by itself),
 so devices added or re-keyed later are known without touching the other devices.
 
+Messages to known receivers (a stage's inputs, gradients and group partials, results for the
+controller: the hot path, dozens a step) may carry, instead of a signature, one HMAC tag per
+receiver, keyed by the X25519 agreement of sender and receiver (each identity's X25519 key is
+derived from its Ed25519 key; the roster carries both public keys). Only the two of them know
+that key, so a tag proves the sender to that receiver exactly as a signature would, and a
+compromised device can still forge only itself; a tag costs microseconds where an Ed25519
+verification costs a hundred. Broadcast and retained messages (plans, state, weights, statuses,
+heartbeats, commands, the roster) keep their signatures: their readers are not known in advance.
+
 Replay: a frame binds job, sender, plan version, the sender's *session* (the millisecond its
 process started) and a sequence number. ``ReplayGuard`` drops a live message from an older session
 of its sender or one whose sequence number is not newer than the last one taken on that topic; a
@@ -20,20 +29,24 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import msgpack
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
     Ed25519PublicKey,
 )
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ftpipe_iot.errors import BadSignature, ConfigError
 
@@ -42,6 +55,7 @@ from ftpipe_iot.errors import BadSignature, ConfigError
 CONTROLLER_NAMES = ("controller", "coordinator")
 KEY_ID_BYTES = 8
 SIGNATURE_BYTES = 64
+MAC_BYTES = 16
 _DOMAIN = b"ftpipe-iot frame v1"
 
 
@@ -78,6 +92,51 @@ def parse_public(text: str, where: str = "roster") -> Ed25519PublicKey:
         return Ed25519PublicKey.from_public_bytes(raw)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where}: {text!r:.20} is not a base64 Ed25519 public key") from exc
+
+
+def agreement_key(key: Ed25519PrivateKey) -> X25519PrivateKey:
+    """The identity's X25519 key, derived from its Ed25519 key (one key file per identity)."""
+    seed = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                             serialization.NoEncryption())
+    derived = HKDF(hashes.SHA256(), 32, salt=None, info=b"ftpipe-iot x25519 v1").derive(seed)
+    return X25519PrivateKey.from_private_bytes(derived)
+
+
+def _raw_text(public: X25519PublicKey) -> str:
+    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return base64.b64encode(raw).decode()
+
+
+@dataclass(frozen=True)
+class IdentityKey:
+    """The public half of one identity key: Ed25519 to verify signatures, X25519 to agree on
+    the pairwise MAC keys."""
+
+    sign: str
+    agree: str
+
+    @classmethod
+    def of(cls, key: Ed25519PrivateKey) -> IdentityKey:
+        return cls(public_text(key), _raw_text(agreement_key(key).public_key()))
+
+    def to_dict(self) -> dict[str, str]:
+        return {"sign": self.sign, "agree": self.agree}
+
+    @classmethod
+    def from_dict(cls, raw: object, where: str) -> IdentityKey:
+        if not isinstance(raw, Mapping) or not isinstance(raw.get("sign"), str) or \
+                not isinstance(raw.get("agree"), str):
+            raise ConfigError(f"{where}: a key is {{\"sign\": ..., \"agree\": ...}}")
+        parse_public(raw["sign"], where)
+        _parse_agreement(raw["agree"], where)
+        return cls(raw["sign"], raw["agree"])
+
+
+def _parse_agreement(text: str, where: str) -> X25519PublicKey:
+    try:
+        return X25519PublicKey.from_public_bytes(base64.b64decode(text, validate=True))
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{where}: {text!r:.20} is not a base64 X25519 public key") from exc
 
 
 def key_id(key: Ed25519PrivateKey | Ed25519PublicKey | str) -> bytes:
@@ -123,13 +182,18 @@ class Roster:
     one."""
 
     version: int
-    identities: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    identities: Mapping[str, tuple[IdentityKey, ...]] = field(default_factory=dict)
     controllers: tuple[str, ...] = CONTROLLER_NAMES
 
-    def keys_of(self, name: str) -> tuple[str, ...]:
+    def keys_of(self, name: str) -> tuple[IdentityKey, ...]:
         return tuple(self.identities.get(name, ()))
 
-    def with_key(self, names: Iterable[str], key: str, keep_previous: bool = True) -> Roster:
+    def signs_with(self, name: str, public: str) -> bool:
+        """Whether ``public`` (an Ed25519 public key) is one of ``name``'s keys."""
+        return any(key.sign == public for key in self.keys_of(name))
+
+    def with_key(self, names: Iterable[str], key: IdentityKey,
+                 keep_previous: bool = True) -> Roster:
         """This roster with ``key`` as the newest key of every name in ``names`` (the previous
         newest one kept while ``keep_previous``, so a running process switches without a gap)."""
         identities = dict(self.identities)
@@ -144,7 +208,8 @@ class Roster:
 
     def to_dict(self) -> dict[str, object]:
         return {"version": self.version, "controllers": list(self.controllers),
-                "identities": {name: list(keys) for name, keys in sorted(self.identities.items())}}
+                "identities": {name: [key.to_dict() for key in keys]
+                               for name, keys in sorted(self.identities.items())}}
 
     @classmethod
     def from_dict(cls, raw: object, where: str = "roster") -> Roster:
@@ -156,13 +221,12 @@ class Roster:
             raise ConfigError(f"{where}: version must be an integer >= 0")
         if not isinstance(identities, Mapping) or not isinstance(controllers, list):
             raise ConfigError(f"{where}: needs 'identities' (name -> keys) and 'controllers'")
-        parsed: dict[str, tuple[str, ...]] = {}
+        parsed: dict[str, tuple[IdentityKey, ...]] = {}
         for name, keys in identities.items():
             if not isinstance(name, str) or not isinstance(keys, list) or not keys:
                 raise ConfigError(f"{where}: identity {name!r} needs a list of keys")
-            for key in keys:
-                parse_public(key, f"{where}, identity {name!r}")
-            parsed[name] = tuple(keys)
+            parsed[name] = tuple(IdentityKey.from_dict(key, f"{where}, identity {name!r}")
+                                 for key in keys)
         if not all(isinstance(c, str) for c in controllers):
             raise ConfigError(f"{where}: controllers must be names")
         return cls(version, parsed, tuple(controllers))
@@ -202,7 +266,9 @@ class Signer:
         self._mtime = self._path.stat().st_mtime_ns if self._path is not None else 0
         self.key_id = key_id(key)
         self.public = public_text(key)
-        self.busy_s = 0.0  # seconds spent hashing and signing (the cost of signatures)
+        self.agreement = agreement_key(key)
+        self.previous_agreement: X25519PrivateKey | None = None  # until peers know the new key
+        self.busy_s = 0.0  # seconds spent hashing, signing and tagging (what signatures cost)
         # Millisecond of the process start: a restarted sender's messages are newer than the
         # last incarnation's (device clocks must not go back: NTP before the agent starts).
         self.session = int(clock() * 1000)
@@ -214,12 +280,13 @@ class Signer:
     def sign(self, content: bytes) -> bytes:
         return self._key.sign(content)
 
-    def sign_frame(self, header: list[object], payload: bytes) -> bytes:
-        """The signature of one frame (``signed_content``), its time added to ``busy_s``."""
+    def seal(self, header: list[object], payload: bytes) -> dict[str, object]:
+        """The frame fields that prove one frame: the key id and the Ed25519 signature of
+        ``signed_content``; the time it took is added to ``busy_s``."""
         started = time.perf_counter()
         signature = self._key.sign(signed_content(header, payload))
         self.busy_s += time.perf_counter() - started
-        return signature
+        return {"kid": self.key_id, "sg": signature}
 
     def reload_if_changed(self, accepted: Callable[[str], bool] = lambda _public: True) -> bool:
         """Take a rotated key file once ``accepted`` says the others know its public key (the
@@ -240,7 +307,9 @@ class Signer:
         if not accepted(public_text(key)):
             return False  # looked at again at the next check
         self._mtime = mtime
+        self.previous_agreement = self.agreement
         self._key, self.key_id, self.public = key, key_id(key), public_text(key)
+        self.agreement = agreement_key(key)
         return True
 
 
@@ -255,8 +324,12 @@ class Verifier:
     def take(self, roster: Roster) -> None:
         """Put ``roster`` in force (no questions asked: callers decide whether to)."""
         self.roster = roster
-        self._keys = {(name, key_id(text)): parse_public(text)
-                      for name, keys in roster.identities.items() for text in keys}
+        self._keys = {(name, key_id(key.sign)): parse_public(key.sign)
+                      for name, keys in roster.identities.items() for key in keys}
+        self._agree = {(name, key_id(key.sign)): _parse_agreement(key.agree, "roster")
+                       for name, keys in roster.identities.items() for key in keys}
+        self._newest_agree = {name: self._agree[(name, key_id(keys[0].sign))]
+                              for name, keys in roster.identities.items() if keys}
 
     def verify(self, sender: str, kid: bytes | None, content: bytes,
                signature: bytes | None) -> None:
@@ -272,6 +345,12 @@ class Verifier:
         except InvalidSignature as exc:
             raise BadSignature(f"signature of {sender!r} does not verify") from exc
 
+    def agreement_of(self, name: str, kid: bytes | None = None) -> X25519PublicKey | None:
+        """``name``'s X25519 key: the one paired with signing key ``kid``, else its newest."""
+        if kid is None:
+            return self._newest_agree.get(name)
+        return self._agree.get((name, bytes(kid)))
+
     def is_controller(self, sender: str) -> bool:
         return sender in self.roster.controllers
 
@@ -282,6 +361,58 @@ class Verifier:
             return False
         self.take(roster)
         return True
+
+
+class Sealer(Protocol):
+    """What proves a frame: ``seal`` returns the frame fields to add (key id and a signature,
+    or key id and per-receiver tags)."""
+
+    def seal(self, header: list[object], payload: bytes) -> dict[str, object]: ...
+
+
+class PairwiseKeys:
+    """The HMAC key an identity shares with each peer: HKDF of their X25519 agreement, bound
+    to both names; computed once per pair of keys."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, str, int, int], tuple[bytes, object, object]] = {}
+
+    def key(self, own_name: str, own: X25519PrivateKey, peer_name: str,
+            peer: X25519PublicKey) -> bytes:
+        # Keyed by the key objects' identities (deriving public bytes to compare would cost a
+        # scalar multiplication per message); the entry holds both objects, so no id is reused.
+        pair = (own_name, peer_name, id(own), id(peer))
+        cached = self._cache.get(pair)
+        if cached is None:
+            names = "|".join(sorted((own_name, peer_name))).encode()
+            derived = HKDF(hashes.SHA256(), 32, salt=b"ftpipe-iot mac v1",
+                           info=names).derive(own.exchange(peer))
+            cached = self._cache[pair] = (derived, own, peer)
+        return cached[0]
+
+
+def mac_tag(key: bytes, content: bytes) -> bytes:
+    return hmac.digest(key, content, "sha256")[:MAC_BYTES]
+
+
+class _PairwiseSeal:
+    """Seals frames for known receivers with one tag each."""
+
+    def __init__(self, name: str, signer: Signer, pairwise: PairwiseKeys,
+                 peers: list[tuple[str, X25519PublicKey]]) -> None:
+        self.name = name
+        self.signer = signer
+        self.pairwise = pairwise
+        self.peers = peers
+
+    def seal(self, header: list[object], payload: bytes) -> dict[str, object]:
+        started = time.perf_counter()
+        content = signed_content(header, payload)
+        own = self.signer.agreement
+        tags = {name: mac_tag(self.pairwise.key(self.name, own, name, peer), content)
+                for name, peer in self.peers}
+        self.signer.busy_s += time.perf_counter() - started
+        return {"kid": self.signer.key_id, "mac": tags}
 
 
 class ReplayGuard:
@@ -320,9 +451,49 @@ class Credentials:
     roster_file: Path | None = None
     _roster_mtime: int = 0
 
+    pairwise: PairwiseKeys | None = None
+
+    def __post_init__(self) -> None:
+        if self.signer is not None and self.pairwise is None:
+            self.pairwise = PairwiseKeys()
+
     @property
     def signing(self) -> bool:
         return self.signer is not None
+
+    def sealer(self, name: str, receivers: Iterable[str] | None = None) -> Sealer | None:
+        """How ``name`` proves a frame: tags for ``receivers`` when every one of them is in the
+        roster, else (or without receivers) its signature; None when unsigned."""
+        signer = self.signer
+        if signer is None:
+            return None
+        if receivers is None or self.verifier is None or self.pairwise is None:
+            return signer
+        peers = []
+        for receiver in receivers:
+            public = self.verifier.agreement_of(receiver)
+            if public is None:
+                return signer  # a receiver we cannot tag for still checks a signature
+            peers.append((receiver, public))
+        return _PairwiseSeal(name, signer, self.pairwise, peers)
+
+    def check_tag(self, sender: str, kid: bytes | None, receiver: str, content: bytes,
+                  tags: Mapping[str, bytes]) -> None:
+        """Raise ``BadSignature`` unless ``tags`` holds ``receiver``'s valid tag from
+        ``sender``."""
+        tag = tags.get(receiver)
+        if tag is None:
+            raise BadSignature(f"message of {sender!r} carries no tag for {receiver!r}")
+        peer = self.verifier.agreement_of(sender, kid) if self.verifier and kid else None
+        if peer is None:
+            raise BadSignature(f"the roster has no key {kid!r:.30} for sender {sender!r}")
+        assert self.signer is not None and self.pairwise is not None
+        for own in (self.signer.agreement, self.signer.previous_agreement):
+            if own is not None and hmac.compare_digest(
+                    mac_tag(self.pairwise.key(receiver, own, sender, peer), content),
+                    bytes(tag)):
+                return
+        raise BadSignature(f"tag of {sender!r} for {receiver!r} does not verify")
 
     @classmethod
     def unsigned(cls) -> Credentials:

@@ -34,7 +34,7 @@ from ftpipe_iot.errors import (
     UnknownVersion,
     WireError,
 )
-from ftpipe_iot.protocol.signing import Signer, signed_content
+from ftpipe_iot.protocol.signing import Sealer, signed_content
 from ftpipe_iot.protocol.vocab import MessageKind, WireDtype
 
 PROTOCOL_VERSION = 1
@@ -181,23 +181,22 @@ _SIGNED_FIELDS = ("v", "k", "j", "s", "p", "st", "mb", "q", "t", "z", "ss", "w")
 
 
 def _frame(env: Envelope, payload: bytes, compressed: bool, kind: MessageKind,
-           signer: Signer | None) -> bytes:
+           signer: Sealer | None) -> bytes:
     fields: dict[str, Any] = {
         "v": PROTOCOL_VERSION, "k": kind.value, "j": env.job, "s": env.sender,
         "p": env.plan_version, "st": env.step, "mb": env.micro_batch, "q": env.seq,
         "t": env.timestamp, "z": compressed, "ss": env.session, "w": env.will,
     }
     if signer is not None:
-        fields["kid"] = signer.key_id
-        fields["sg"] = signer.sign_frame([fields[k] for k in _SIGNED_FIELDS], payload)
+        fields.update(signer.seal([fields[k] for k in _SIGNED_FIELDS], payload))
     fields["b"] = payload
     return msgpack.packb(fields, use_bin_type=True)
 
 
 def encode(env: Envelope, options: WireOptions = WireOptions(),
-           signer: Signer | None = None) -> list[bytes]:
+           signer: Sealer | None = None) -> list[bytes]:
     """Encode an envelope into one or more MQTT payloads (more than one when chunked), each
-    signed by ``signer`` when given."""
+    proven by ``signer`` (a signature, or tags for known receivers) when given."""
     payload, compressed = _pack_body(env.body, options)
     if len(payload) < options.max_message_bytes:  # else the single frame cannot fit: skip it
         single = _frame(env, payload, compressed, env.kind, signer)
@@ -229,6 +228,7 @@ class FrameHeader:
     key_id: bytes | None = None
     signature: bytes | None = None
     signed_fields: list[Any] = field(default_factory=list)
+    tags: dict[str, bytes] | None = None  # per-receiver MAC tags instead of a signature
 
     def signed_content(self) -> bytes:
         """The bytes the frame's signature covers."""
@@ -273,8 +273,12 @@ def _decode_header(data: bytes, max_bytes: int) -> FrameHeader:
         raise MalformedFrame(f"envelope field missing or wrong type: {exc}") from exc
     if not isinstance(payload, bytes):
         raise MalformedFrame("envelope body is not bytes")
+    tags = raw.get("mac")
+    if tags is not None and not (isinstance(tags, dict) and all(
+            isinstance(k, str) and isinstance(v, bytes) for k, v in tags.items())):
+        raise MalformedFrame("envelope field 'mac' is not a map of names to tags")
     return FrameHeader(kind, env, payload, compressed, _optional_bytes(raw, "kid"),
-                       _optional_bytes(raw, "sg"), signed_fields)
+                       _optional_bytes(raw, "sg"), signed_fields, tags)
 
 
 def decode(data: bytes, max_body_bytes: int = 512 * 1024 * 1024,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from ftpipe_iot.protocol.signing import (
     CONTROLLER_NAMES,
+    IdentityKey,
     Roster,
     generate_private_key,
-    public_text,
     write_private_key,
 )
 
@@ -39,7 +39,7 @@ class LocalKeys:
         path = self.directory / f"{key_name}.key"
         key = generate_private_key()
         write_private_key(path, key)
-        self.roster = self.roster.with_key(names, public_text(key), keep_previous=False)
+        self.roster = self.roster.with_key(names, IdentityKey.of(key), keep_previous=False)
         self.roster.save(self.roster_path)
         return path
 
