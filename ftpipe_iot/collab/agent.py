@@ -324,11 +324,13 @@ class CollabAgent(abc.ABC):
                               {layer: r.state for layer, r in loader.replicas().items()})
 
     # -- sending --------------------------------------------------------------------------------
-    def send_up(self, topic: str, message: Message, step: int = -1, micro_batch: int = -1
-                ) -> None:
-        """Publish through this device's (emulated) uplink."""
+    def send_up(self, topic: str, message: Message, step: int = -1, micro_batch: int = -1,
+                receivers: tuple[str, ...] | None = None) -> None:
+        """Publish through this device's (emulated) uplink; ``receivers`` as in
+        ``Messenger.send`` (one tag each instead of a signature)."""
         assert self.plan is not None
-        frames = self.messenger.frames(message, self.plan.version, step, micro_batch)
+        frames = self.messenger.frames(message, self.plan.version, step, micro_batch,
+                                       receivers=receivers)
         self.uplink.send(sum(len(f) for f in frames),
                          lambda: self.messenger.publish_frames(topic, frames, message.KIND))
 

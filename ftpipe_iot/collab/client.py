@@ -94,6 +94,12 @@ class DataDevice(CollabAgent):
     def progress_step(self) -> int:
         return -1 if self.iteration is None else self.iteration
 
+    @property
+    def _server(self) -> tuple[str, ...] | None:
+        """Who reads this device's uplink: the plan's server (tags for it, not a signature)."""
+        server = self.plan.server if self.plan is not None else None
+        return (server,) if server else None
+
     def check_job(self, job: CollabJob) -> int:
         self.data.check(job.input_shape, job.num_classes)
         return len(self.data.y)
@@ -159,7 +165,8 @@ class DataDevice(CollabAgent):
             self._labels[index] = self.data.y[rows]
             x = self.data.x[rows]
             smashed = self.meter.run(lambda x=x, index=index: part.forward(it, index, x), it)
-            self.send_up(self.topics.collab_up(self.name), Smashed(smashed), it, index)
+            self.send_up(self.topics.collab_up(self.name), Smashed(smashed), it, index,
+                         self._server)
         self.metrics.samples.inc(sum(len(v) for v in self._labels.values()))
 
     def on_data(self, inbound: Inbound, message: Message) -> None:
@@ -180,7 +187,7 @@ class DataDevice(CollabAgent):
                                                  it)
             self._loss += loss * len(labels)
             self._correct += correct
-            self.send_up(self.topics.collab_up(self.name), Gradient(grad), it, mb)
+            self.send_up(self.topics.collab_up(self.name), Gradient(grad), it, mb, self._server)
         elif self.meter.run(lambda: part.backward(it, mb, message.g), it):
             self._iteration_done(self._loss, self._correct)
 
@@ -215,7 +222,8 @@ class DataDevice(CollabAgent):
         self.metrics.rounds.inc()
         self.send_up(self.topics.collab_update,
                      LocalUpdate(self.round.round, self.name, self.role,
-                                 export_states(self.part.layers)), it)
+                                 export_states(self.part.layers)), it,
+                     receivers=(self.options.coordinator,))
         log.info("%s: round %d done (iterations %d-%d)", self.name, self.round.round,
                  self.round.first_iteration, it)
 

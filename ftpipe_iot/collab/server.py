@@ -139,10 +139,11 @@ class ServerAgent(CollabAgent):
         mb, down = inbound.micro_batch, self.topics.collab_down(device)
         if isinstance(message, Smashed):
             out = self.meter.run(lambda: replica.forward(it, mb, message.x), it)
-            self.messenger.send(down, Smashed(out), self.plan.version, it, mb)
+            self.messenger.send(down, Smashed(out), self.plan.version, it, mb,
+                                receivers=(device,))
             return
         grad, stepped = self.meter.run(lambda: replica.backward(it, mb, message.g), it)
-        self.messenger.send(down, Gradient(grad), self.plan.version, it, mb)
+        self.messenger.send(down, Gradient(grad), self.plan.version, it, mb, receivers=(device,))
         if stepped:
             self.metrics.steps.inc()
             if it + 1 == rnd.end_iteration:
@@ -150,4 +151,5 @@ class ServerAgent(CollabAgent):
                 self.messenger.send(self.topics.collab_update,
                                     LocalUpdate(rnd.round, device, self.role,
                                                 export_states(replica.layers)),
-                                    self.plan.version, it)
+                                    self.plan.version, it,
+                                    receivers=(self.options.coordinator,))
