@@ -118,8 +118,8 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 
 
 # Controller options the collaborative modes do not implement: refused, not ignored.
-_PIPELINE_ONLY = ("resume", "assignment", "checkpoint_dir", "device_names", "init_from",
-                  "save_model", "freeze_layers", "resiliency", "layout")
+_PIPELINE_ONLY = ("resume", "standby", "assignment", "checkpoint_dir", "device_names",
+                  "init_from", "save_model", "freeze_layers", "resiliency", "layout")
 
 
 @command()
@@ -138,6 +138,10 @@ _PIPELINE_ONLY = ("resume", "assignment", "checkpoint_dir", "device_names", "ini
                    "--save-model format)")
 @click.option("--resume", is_flag=True,
               help="continue the job from the retained plan, state and weights on the broker")
+@click.option("--standby", is_flag=True,
+              help="back up the job's controller: wait until its Last Will says it is gone, "
+                   "then take over with a newer term and resume from the retained plan, state "
+                   "and weights (start it with the leader's options, on another host)")
 @click.option("--repartition/--no-repartition", default=True, show_default=True,
               help="move layers between devices when that pays off")
 @click.option("--repartition-threshold", type=click.FloatRange(0, 1, max_open=True),
@@ -174,7 +178,7 @@ _PIPELINE_ONLY = ("resume", "assignment", "checkpoint_dir", "device_names", "ini
 @click.pass_context
 def controller(ctx: click.Context, job: str | None, devices: int, device_names: str | None,
                wait_devices: float, stall_timeout: float, heartbeat_timeout: float,
-               checkpoint_dir: str | None, resume: bool, repartition: bool,
+               checkpoint_dir: str | None, resume: bool, standby: bool, repartition: bool,
                repartition_threshold: float, repartition_cooldown: int, assignment: str | None,
                layout: str, init_from: str | None, save_model: str | None, save_weights: str | None,
                summary_json: str | None,
@@ -224,11 +228,22 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
         save_weights=Path(save_weights) if save_weights else None,
         save_model=Path(save_model) if save_model else None,
         init_from=Path(init_from) if init_from else None, stop_devices=stop_devices)
-    summary = run_controller(job, config, ctrl_config,
-                             ProcessOptions(metrics_port, threads, log_level),
-                             default_progress(), client_id=bundle_name,
-                             summary_path=Path(summary_json) if summary_json else None,
-                             credentials=keys())
+    process = ProcessOptions(metrics_port, threads, log_level)
+    summary_path = Path(summary_json) if summary_json else None
+    if standby:
+        from ftpipe_iot.runtime.entry import run_standby_controller
+
+        keys()  # a missing key is said now, not when the leader fails
+        summary = run_standby_controller(job, config, ctrl_config, process, default_progress(),
+                                         keys, client_id=bundle_name, summary_path=summary_path)
+    else:
+        summary = run_controller(job, config, ctrl_config, process, default_progress(),
+                                 client_id=bundle_name, summary_path=summary_path,
+                                 credentials=keys())
+    if summary is None:
+        click.echo(f"job {job} ended under another controller; this one had nothing to do",
+                   err=True)
+        return
     if as_json:
         click.echo(summary.to_json(with_history=False))
     if summary.error:

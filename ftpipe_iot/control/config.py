@@ -33,6 +33,7 @@ class ControllerConfig:
     checkpoint_dir: Path | None = None
     stop_devices: bool = False
     resume: bool = False
+    term: int = 1  # the lease term this controller leads with (control/lease.py)
     repartition: bool = True
     repartition_threshold: float = 0.10
     repartition_cooldown_steps: int = 10
@@ -64,7 +65,8 @@ class ControllerConfig:
                               "groups and standbys)")
 
 
-def controller_will(job: str, credentials: Credentials | None = None) -> Will:
-    """Last Will on the retained state topic: the controller vanished."""
-    return will_of(Topics(job).state, ControllerState(ControllerStatus.OFFLINE, job), job,
-                   "controller", credentials)
+def controller_will(job: str, credentials: Credentials | None = None, term: int = 0) -> Will:
+    """Last Will on the retained state topic: the controller of ``term`` vanished (what a
+    standby controller waits for)."""
+    return will_of(Topics(job).state, ControllerState(ControllerStatus.OFFLINE, job, term=term),
+                   job, "controller", credentials)

@@ -21,6 +21,7 @@ from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.failures import FailureAction, FailureFacts, respond_to_failure
 from ftpipe_iot.control.job import JobModel, prepare_job
 from ftpipe_iot.control.layout import LayoutInputs, choose_stages
+from ftpipe_iot.control.lease import fenced
 from ftpipe_iot.control.liveness import Failure, LivenessTracker
 from ftpipe_iot.control.outbox import JobOutbox
 from ftpipe_iot.control.recorder import Recorder
@@ -104,6 +105,7 @@ class Controller:
         self._recovering_since: float | None = None
         self._failures_in_a_row = 0
         self._resume_settle: float | None = None
+        self.fenced = False  # another controller took the lease (a newer term): publish nothing
         self._since: int | None = None
         # devices of the plan whose failure peers covered: not watched until the next plan
         self.excluded: set[str] = set()
@@ -142,8 +144,9 @@ class Controller:
             self.fail(problem)
             return
         self.messenger.start_trust()
+        # Our own state too: a newer term there means another controller took the lease.
         topics = [Topics.ALL_STATUS, Topics.ALL_HEARTBEATS, self.topics.results,
-                  self.topics.weights_all]
+                  self.topics.weights_all, self.topics.state]
         if self.config.resume:
             topics.append(self.topics.plan)
         for topic in topics:
@@ -163,8 +166,9 @@ class Controller:
                   lambda: self.phase in (Phase.DONE, Phase.FAILED), poll_s)
         finally:
             self.recorder.progress.close()
-            self._publish_state(ControllerStatus.DONE if self.phase is Phase.DONE
-                                else ControllerStatus.FAILED)
+            if not self.fenced:  # the lease is another's: its retained state stays
+                self._publish_state(ControllerStatus.DONE if self.phase is Phase.DONE
+                                    else ControllerStatus.FAILED)
         return self.summary
 
     def fail(self, reason: str) -> None:
@@ -196,8 +200,17 @@ class Controller:
             self._on_weights(inbound, message)
         elif isinstance(message, PlanMessage):
             self._on_retained_plan(message.plan)
-        elif not isinstance(message, (ControllerState, Event)):  # ours, echoed back
+        elif isinstance(message, ControllerState):
+            self._on_state(inbound, message)
+        elif not isinstance(message, Event):  # ours, echoed back
             self.messenger.drops.drop(DropReason.UNEXPECTED_KIND, inbound.kind.value)
+
+    def _on_state(self, inbound: Inbound, state: ControllerState) -> None:
+        """A controller state on our topic: ours echoed back, or a newer leader's (fenced)."""
+        if inbound.sender == "controller" and fenced(self.config.term, state.term):
+            self.fenced = True
+            self.fail(f"fenced: another controller leads job {self.job} with term "
+                      f"{state.term} (ours: {self.config.term}); this one stops")
 
     def _on_status(self, inbound: Inbound, status: DeviceStatus) -> None:
         device = Topics.device_of(inbound.topic)
@@ -504,5 +517,6 @@ class Controller:
         known = self.model is not None
         self.out.state(ControllerState(state, self.job, self.phase,
                                        self.central.latest_complete() if known else None,
-                                       dict(self.capacity.factors) if known else {}),
+                                       dict(self.capacity.factors) if known else {},
+                                       self.config.term),
                        self.summary.steps)

@@ -215,7 +215,7 @@ class DeviceAgent:
             if isinstance(message, PlanMessage):
                 self._on_plan(inbound.sender, message.plan)
             elif isinstance(message, ControllerState):
-                held = self.gate.announce(inbound.sender, inbound.plan_version)
+                held = self.gate.announce(inbound.sender, inbound.plan_version, message.term)
                 if held is not None:
                     self._take_plan(held)
             elif isinstance(message, Command):

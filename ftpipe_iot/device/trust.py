@@ -40,6 +40,7 @@ class PlanGate:
     allowed_modules: frozenset[str] = field(default_factory=frozenset)
     current: int = 0
     announced: int = 0
+    term: int = 0  # the newest controller term seen: states of older terms are not listened to
     held: list[Plan] = field(default_factory=list)  # newest arrivals last, a few at most
 
     def offer(self, sender: str, plan: Plan) -> Decision:
@@ -60,10 +61,12 @@ class PlanGate:
                                           f"controller's state (newest {self.announced})")
         return Decision(Verdict.TAKE)
 
-    def announce(self, sender: str, plan_version: int) -> Plan | None:
-        """The controller's state names its plan version; returns a held plan it now covers."""
-        if sender != self.controller:
+    def announce(self, sender: str, plan_version: int, term: int = 0) -> Plan | None:
+        """The controller's state names its plan version; returns a held plan it now covers.
+        A state of an older term than one already seen is a fenced leader's: ignored."""
+        if sender != self.controller or term < self.term:
             return None
+        self.term = term
         self.announced = max(self.announced, plan_version)
         ready = [p for p in self.held if self.current < p.version <= self.announced]
         return max(ready, key=lambda p: p.version) if ready else None

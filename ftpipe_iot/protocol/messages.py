@@ -84,7 +84,8 @@ class Command:
 @dataclass(frozen=True)
 class ControllerState:
     """The controller's retained state: status, phase, step (in the envelope), newest complete
-    checkpoint version and the capacity factor of each device."""
+    checkpoint version, the capacity factor of each device, and the leader's term (the lease,
+    control/lease.py: a standby takes over with the next term; older terms are fenced)."""
 
     KIND: ClassVar[MessageKind] = MessageKind.STATE
     state: ControllerStatus
@@ -92,18 +93,21 @@ class ControllerState:
     phase: ControllerPhase | None = None
     complete_version: int | None = None
     capacities: dict[str, float] = field(default_factory=dict)
+    term: int = 0
 
     def to_body(self) -> dict[str, Any]:
         return {"state": self.state.value, "job": self.job,
                 "phase": None if self.phase is None else self.phase.value,
-                "complete_version": self.complete_version, "capacities": dict(self.capacities)}
+                "complete_version": self.complete_version, "capacities": dict(self.capacities),
+                "term": self.term}
 
     @classmethod
     def from_body(cls, raw: object) -> ControllerState:
         f = BodyReader(raw, "state")
         phase = f.enum("phase", ControllerPhase) if f.raw.get("phase") is not None else None
         return cls(f.enum("state", ControllerStatus), f.str("job"), phase,
-                   f.optional_int("complete_version", low=0), f.numbers("capacities"))
+                   f.optional_int("complete_version", low=0), f.numbers("capacities"),
+                   f.int("term", 0, low=0))
 
 
 @dataclass(frozen=True)

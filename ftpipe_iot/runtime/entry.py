@@ -4,11 +4,13 @@ controller. The CLI calls these; tests and the demo start them as separate OS pr
 from __future__ import annotations
 
 import logging
+import os
+import queue
 import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -16,14 +18,18 @@ from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.control.config import ControllerConfig, controller_will
 from ftpipe_iot.control.controller import Controller
+from ftpipe_iot.control.lease import LeaseDecision, LeaseVerdict, LeaseWatch
 from ftpipe_iot.control.summary import RunSummary
 from ftpipe_iot.device.agent import DeviceAgent, DeviceOptions, device_will
-from ftpipe_iot.observability.metrics import serve_metrics
+from ftpipe_iot.errors import ConfigError
+from ftpipe_iot.observability.metrics import MessagingMetrics, serve_metrics
 from ftpipe_iot.observability.progress import ProgressReporter
 from ftpipe_iot.planning.profiles import DeviceProfile
+from ftpipe_iot.protocol.messages import ControllerState
 from ftpipe_iot.protocol.signing import Credentials
-from ftpipe_iot.protocol.topics import check_name
+from ftpipe_iot.protocol.topics import Topics, check_name
 from ftpipe_iot.transport.config import BrokerConfig
+from ftpipe_iot.transport.messenger import Messenger
 from ftpipe_iot.transport.mqtt import MqttTransport
 from ftpipe_iot.transport.tuning import tune_for_large_messages
 
@@ -76,17 +82,109 @@ def run_device(name: str, job: str, broker: BrokerConfig, options: ProcessOption
     return 0
 
 
+def _controller_client_id(job: str) -> str:
+    """A client id of this process's own: a leader and its standby must never share one (an
+    old leader reconnecting under the same id would cut the new one off, and back)."""
+    return f"ftpipe-controller-{job}-{os.urandom(3).hex()}"
+
+
+def watch_lease(broker: BrokerConfig, job: str, watch: LeaseWatch, client_id: str,
+                credentials: Credentials | None = None, wait: bool = True,
+                stop: threading.Event | None = None) -> LeaseDecision:
+    """Follow the job's retained controller state (verified like any message) until ``watch``
+    says take over or the job ended; with ``wait`` False only until the broker has delivered
+    what it retains (a probe of our own comes back after it), for the term to lead with."""
+    transport = MqttTransport(broker, client_id=client_id)  # no Last Will: a watcher is silent
+    messenger = Messenger(transport, "lease-watch", job,
+                          MessagingMetrics(CollectorRegistry(), "lease"), credentials=credentials)
+    topics = Topics(job)
+    probe = os.urandom(16)
+    transport.connect()
+    try:
+        transport.subscribe(topics.state)
+        if not wait:
+            transport.subscribe(topics.probe, qos=1)
+            transport.publish(topics.probe, probe, qos=1)
+        while stop is None or not stop.is_set():
+            try:
+                incoming = transport.inbox.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if incoming.topic == topics.probe:
+                if incoming.payload == probe:
+                    return LeaseDecision(LeaseVerdict.WAIT, watch.next_term())
+                continue
+            inbound = messenger.receive(incoming)
+            if inbound is None or inbound.sender != "controller" or \
+                    not isinstance(inbound.message, ControllerState):
+                continue
+            decision = watch.observe(inbound.message.state, inbound.message.term)
+            if decision.verdict is not LeaseVerdict.WAIT:
+                return decision
+        return LeaseDecision(LeaseVerdict.WAIT, watch.next_term())
+    finally:
+        transport.close()
+
+
 def run_controller(job: str, broker: BrokerConfig, config: ControllerConfig,
                    options: ProcessOptions, progress: ProgressReporter,
                    client_id: str | None = None, summary_path: Path | None = None,
-                   credentials: Credentials | None = None) -> RunSummary:
-    """Run one job's controller to completion; write the summary JSON if asked."""
+                   credentials: Credentials | None = None) -> RunSummary | None:
+    """Run one job's controller to completion; write the summary JSON if asked. It leads with
+    a term newer than the one the broker's retained state holds (control/lease.py). While
+    another controller leads the job, a ``resume`` one waits as its standby (a restarted old
+    leader does not take the lease back: None when the job then ends under the other), and a
+    new one is refused."""
     check_name("job", job)
     setup_process(options)
+    name = client_id or _controller_client_id(job)
+    watch = LeaseWatch()
+    lease = watch_lease(broker, job, watch, f"{name}-lease", credentials, wait=False)
+    if watch.live:
+        if not config.resume:
+            raise ConfigError(f"job {job} is led by a live controller (term {watch.term}); "
+                              "pick another --job, or start this one with --standby")
+        log.warning("a live controller leads job %s (term %d): this one waits as its standby",
+                    job, watch.term)
+        return run_standby_controller(job, broker, config, options, progress,
+                                      lambda: credentials, name, summary_path, watch)
+    return _lead(job, broker, replace(config, term=lease.term), options, progress, name,
+                 summary_path, credentials)
+
+
+def run_standby_controller(job: str, broker: BrokerConfig, config: ControllerConfig,
+                           options: ProcessOptions, progress: ProgressReporter,
+                           credentials: Callable[[], Credentials | None],
+                           client_id: str | None = None, summary_path: Path | None = None,
+                           watch: LeaseWatch | None = None) -> RunSummary | None:
+    """Back up the job's controller: watch its retained state and, once its Last Will says it
+    is gone, take the lease with the next term and resume the job exactly where its last
+    complete checkpoint left off. None when the leader finished the job itself."""
+    check_name("job", job)
+    setup_process(options)
+    name = client_id or _controller_client_id(job)
+    stop = threading.Event()
+    _on_signals(stop.set)
+    log.info("standby controller for job %s: waiting for the leader's lease to lapse", job)
+    decision = watch_lease(broker, job, watch or LeaseWatch(), f"{name}-standby", credentials(),
+                           stop=stop)
+    if decision.verdict is not LeaseVerdict.TAKE_OVER:
+        log.info("job %s ended under its leader; the standby has nothing to do", job)
+        return None
+    log.warning("the leader of job %s is gone: taking over with term %d", job, decision.term)
+    progress.message(f"standby takes over job {job} (term {decision.term})")
+    # Fresh credentials: a new session, newer than the leader's (docs/design.md §4, replays).
+    return _lead(job, broker, replace(config, resume=True, term=decision.term), options,
+                 progress, name, summary_path, credentials())
+
+
+def _lead(job: str, broker: BrokerConfig, config: ControllerConfig, options: ProcessOptions,
+          progress: ProgressReporter, client_id: str, summary_path: Path | None,
+          credentials: Credentials | None) -> RunSummary:
     registry = CollectorRegistry()
     serve_metrics(registry, options.metrics_port)
-    transport = MqttTransport(broker, client_id=client_id or f"ftpipe-controller-{job}",
-                              will=controller_will(job, credentials))
+    transport = MqttTransport(broker, client_id=client_id,
+                              will=controller_will(job, credentials, config.term))
     controller = Controller(job, config, transport, registry, progress,
                             credentials=credentials)
     stop = threading.Event()

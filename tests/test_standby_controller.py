@@ -1,0 +1,86 @@
+"""No single controller: a standby takes the lease when the leader's Last Will fires and
+finishes the job exactly; an old leader that comes back is fenced; a restarted one waits as a
+standby. Real processes, real signals, a real Mosquitto."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from helpers import max_weight_diff
+
+from ftpipe_iot.control.checkpoint import load_weights
+from ftpipe_iot.control.lease import LeaseVerdict, LeaseWatch, fenced
+from ftpipe_iot.core.data import load_dataset
+from ftpipe_iot.core.reference import train_reference
+from ftpipe_iot.observability.watch import JobWatcher
+from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
+from ftpipe_iot.protocol.vocab import ControllerStatus
+from ftpipe_iot.transport.config import BrokerConfig
+
+JOB = "standby"
+
+
+def test_the_lease_passes_on_the_leader_s_last_will_and_only_to_a_newer_term():
+    watch = LeaseWatch(clock=lambda: 0.0)
+    assert watch.observe(ControllerStatus.TRAINING, 3).verdict is LeaseVerdict.WAIT
+    assert watch.live
+    assert watch.observe(ControllerStatus.OFFLINE, 2).verdict is LeaseVerdict.WAIT  # older
+    decision = watch.observe(ControllerStatus.OFFLINE, 3)
+    assert decision.verdict is LeaseVerdict.TAKE_OVER and decision.term == 4
+    assert LeaseWatch(clock=lambda: 0.0).observe(
+        ControllerStatus.DONE, 3).verdict is LeaseVerdict.JOB_ENDED
+    # terms are also seconds: a broker that forgot its retained state gives no old term
+    assert LeaseWatch(clock=lambda: 1_800_000_000.5).next_term() == 1_800_000_000
+    assert fenced(4, 5) and not fenced(5, 5) and not fenced(5, 4)
+
+
+def _controller_args(url: str, tmp_path, name: str, steps: int) -> list[str]:
+    return ["controller", "--job", JOB, "--broker", url, "--devices", "2", "--model", "mlp",
+            "--max-steps", str(steps), "--replicate-every", "5", "--layout", "pipeline",
+            "--keepalive", "2", "--heartbeat-timeout", "4", "--stop-devices",
+            "--save-weights", str(tmp_path / f"{name}.npz"),
+            "--summary-json", str(tmp_path / f"{name}.json")]
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_a_standby_finishes_the_job_of_a_hung_leader_which_is_fenced_when_it_wakes(
+        mosquitto, processes, tmp_path):
+    steps = 60
+    for i in range(2):
+        processes.device(f"dev{i}", JOB, mosquitto.url)
+    processes.start("leader", *_controller_args(mosquitto.url, tmp_path, "leader", steps))
+    processes.start("standby", *_controller_args(mosquitto.url, tmp_path, "standby", steps),
+                    "--standby")
+    watcher = JobWatcher(BrokerConfig(port=mosquitto.port), JOB).start()
+    try:
+        assert watcher.wait_step(15, 120), processes.log("leader")[-3000:]
+        leader = processes.procs["leader"]
+        os.killpg(leader.pid, signal.SIGSTOP)  # hung: its keepalive lapses, the Will fires
+        deadline = time.monotonic() + 60
+        while "taking over with term" not in processes.log("standby"):
+            assert time.monotonic() < deadline, processes.log("standby")[-3000:]
+            time.sleep(0.2)
+        # A restarted old leader finds the lease held: it waits as a standby.
+        processes.start("restarted", *_controller_args(mosquitto.url, tmp_path, "restarted",
+                                                        steps), "--resume")
+        os.killpg(leader.pid, signal.SIGCONT)  # the old leader wakes up: fenced
+        assert processes.wait("leader", 60) == 1
+        assert processes.wait("standby", 180) == 0, processes.log("standby")[-3000:]
+        assert processes.wait("restarted", 60) == 0, processes.log("restarted")[-3000:]
+    finally:
+        watcher.close()
+    assert "fenced: another controller leads job" in processes.log("leader")
+    assert "waits as its standby" in processes.log("restarted")
+    summary = json.loads((tmp_path / "standby.json").read_text())
+    assert summary["steps"] == steps and summary["error"] is None
+    reference = train_reference(TrainConfig(model=ModelSpec("mlp")),
+                                load_dataset(DataSpec("digits")), steps)
+    assert max_weight_diff(load_weights(tmp_path / "standby.npz"), reference) < 1e-5
+    assert not (tmp_path / "leader.npz").exists()
+
