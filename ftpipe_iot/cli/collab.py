@@ -62,20 +62,6 @@ class CollabChoices:
         return self.mode is CollabMode.PIPELINE
 
 
-# Options that only --mode pipeline implements: the collaborative modes refuse them rather
-# than ignore them. One table for every command; each refuses those of them it has.
-PIPELINE_ONLY = ("resume", "assignment", "checkpoint_dir", "device_names", "init_from",
-                 "save_model", "freeze_layers", "resiliency", "layout")
-
-
-def refuse_pipeline_only(ctx: click.Context) -> None:
-    """Refuse the options of ``PIPELINE_ONLY`` given on the command line (a usage error)."""
-    given = explicit(ctx, PIPELINE_ONLY)
-    if given:
-        raise click.UsageError(f"{', '.join('--' + n.replace('_', '-') for n in given)}"
-                               " apply to --mode pipeline only")
-
-
 def collab_choices(ctx: click.Context, values: dict[str, Any]) -> CollabChoices:
     """Take the collaborative options out of ``values`` (a command's keyword arguments); options
     of these modes given with ``--mode pipeline`` are refused rather than ignored."""
@@ -160,11 +146,14 @@ def run_controller(choices: CollabChoices, train: TrainConfig, job: str, broker:
                    devices: int, wait_devices: float, heartbeat_timeout: float,
                    stall_timeout: float, stop_devices: bool, save_weights: str | None,
                    summary_json: str | None, as_json: bool, client_id: str | None,
-                   process: Any) -> None:
+                   process: Any, pipeline_only: list[str]) -> None:
     """``ftpipe-iot controller --mode collaborative|fedavg``: the coordinator."""
     from ftpipe_iot.collab.entry import run_coordinator
     from ftpipe_iot.observability.progress import default_progress
 
+    if pipeline_only:
+        raise click.UsageError(f"{', '.join('--' + n.replace('_', '-') for n in pipeline_only)}"
+                               f" apply to --mode pipeline only")
     config = collab_config(choices, train, devices, wait_devices_s=wait_devices,
                            heartbeat_timeout_s=heartbeat_timeout,
                            stall_timeout_s=max(stall_timeout, 4 * heartbeat_timeout),

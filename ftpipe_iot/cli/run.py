@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ftpipe_iot.cli.collab import collab_choices, collab_options, refuse_pipeline_only
+from ftpipe_iot.cli.collab import collab_choices, collab_options
 from ftpipe_iot.cli.options import (
     TRAINING_NAMES,
     auto_fields,
@@ -110,6 +110,12 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
     sys.exit(run_device(name, bundle.job, bundle.broker, process, options, profile))
 
 
+# Options only --mode pipeline implements: the collaborative modes refuse them, not ignore
+# them. One table for `controller` and `demo` (each has a part of them).
+_PIPELINE_ONLY = ("resume", "assignment", "checkpoint_dir", "device_names", "init_from",
+                  "save_model", "freeze_layers", "resiliency", "layout")
+
+
 @command()
 @click.option("--job", default=None, help="job name [default: the bundle's, else 'default']")
 @click.option("--devices", type=click.IntRange(min=1), default=3, show_default=True,
@@ -186,17 +192,17 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                                "exclude each other")
     train = TrainConfig.load(train_file) if train_file else train_config(training)
     collab = collab_choices(ctx, training)
+    if collab.pipeline:  # a combination the schedule refuses ends here, before anything starts
+        _refuse_what_the_schedule_cannot_run(
+            train, Layout(layout), devices, parse_assignment(assignment) if assignment else ())
+    train = _auto_micro_batching(train, training, devices, collab.pipeline)
     if not collab.pipeline:
         from ftpipe_iot.cli.collab import run_controller as run_collab
 
-        refuse_pipeline_only(ctx)
-        train = _auto_micro_batching(train, training, devices, collab.pipeline)
         return run_collab(collab, train, job, config, devices, wait_devices, heartbeat_timeout,
                           stall_timeout, stop_devices, save_weights, summary_json, as_json,
-                          bundle_name, ProcessOptions(metrics_port, threads, log_level))
-    pinned = parse_assignment(assignment) if assignment else ()
-    _refuse_what_the_schedule_cannot_run(train, Layout(layout), devices, pinned)
-    train = _auto_micro_batching(train, training, devices, collab.pipeline)
+                          bundle_name, ProcessOptions(metrics_port, threads, log_level),
+                          explicit(ctx, _PIPELINE_ONLY))
     ctrl_config = ControllerConfig(
         train=train, devices=devices, device_names=names,
         wait_devices_s=wait_devices, stall_timeout_s=stall_timeout,
@@ -204,7 +210,7 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
         checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None, resume=resume,
         repartition=repartition, repartition_threshold=repartition_threshold,
         repartition_cooldown_steps=repartition_cooldown,
-        assignment=pinned, layout=Layout(layout),
+        assignment=parse_assignment(assignment) if assignment else (), layout=Layout(layout),
         save_weights=Path(save_weights) if save_weights else None,
         save_model=Path(save_model) if save_model else None,
         init_from=Path(init_from) if init_from else None, stop_devices=stop_devices)
@@ -275,24 +281,25 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
     if broker_url and embedded_broker:
         raise click.UsageError("--broker and --embedded-broker exclude each other")
     collab = collab_choices(ctx, training)
-    train = train_config(training)
+    if collab.pipeline:  # a combination the schedule refuses ends here, before anything starts
+        _refuse_what_the_schedule_cannot_run(train_config(training), Layout(layout), devices)
+    train = _auto_micro_batching(train_config(training), training, devices, collab.pipeline)
     if not collab.pipeline:
         from ftpipe_iot.cli.collab import run_demo as run_collab_demo
 
         if faults:
             raise click.UsageError("--fault injects into the pipeline demo; the collaborative "
                                    "modes' drop-outs are shown by tests/test_collab_processes.py")
-        refuse_pipeline_only(ctx)
-        train = _auto_micro_batching(train, training, devices, collab.pipeline)
+        refused = explicit(ctx, _PIPELINE_ONLY)
+        if refused:
+            raise click.UsageError(f"{', '.join('--' + n.replace('_', '-') for n in refused)}"
+                                   " apply to --mode pipeline only")
         return run_collab_demo(collab, train, devices, job, broker_url,
                                embedded_broker, work_dir, metrics_port_base, partition,
                                device_profile, server_profile, as_json)
     if (partition != "iid" or device_profile or server_profile):
         raise click.UsageError("--partition, --device-profile and --server-profile need "
                                "--mode collaborative or fedavg")
-    # before anything starts: a combination the schedule refuses ends here, in one line
-    _refuse_what_the_schedule_cannot_run(train, Layout(layout), devices)
-    train = _auto_micro_batching(train, training, devices, collab.pipeline)
     schedule = fault_schedule(list(faults), devices)
     if broker_url and any(f.action is FaultAction.BROKER_RESTART for f in schedule):
         raise click.UsageError("broker-restart needs the demo's own broker (no --broker)")
