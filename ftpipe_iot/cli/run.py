@@ -178,7 +178,6 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
     """Run a job's controller: plan, feed data, collect losses, evaluate, snapshot."""
     from ftpipe_iot.control.config import ControllerConfig
     from ftpipe_iot.observability.progress import default_progress
-    from ftpipe_iot.runtime.entry import ProcessOptions, run_controller
 
     config, bundle_name, job = broker_settings(broker_url, config_file, mqtt_protocol,
                                                max_message_bytes, keepalive, job)
@@ -195,6 +194,9 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
     if collab.pipeline:  # a combination the schedule refuses ends here, before anything starts
         _refuse_what_the_schedule_cannot_run(
             train, Layout(layout), devices, parse_assignment(assignment) if assignment else ())
+    # only now: the process entry points import torch, seconds on a small device
+    from ftpipe_iot.runtime.entry import ProcessOptions, run_controller
+
     train = _auto_micro_batching(train, training, devices, collab.pipeline)
     if not collab.pipeline:
         from ftpipe_iot.cli.collab import run_controller as run_collab
