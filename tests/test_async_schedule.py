@@ -27,6 +27,7 @@ from ftpipe_iot.core.stash import WeightStash
 from ftpipe_iot.errors import PlanError
 from ftpipe_iot.protocol.plan import Member, Plan, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.vocab import ScheduleName
+from ftpipe_iot.schedules import PipeDream2BW, Synchronous
 
 ASYNC = TrainConfig(model=ModelSpec("mobilenetv2", width=0.25), micro_batches=4,
                     micro_batch_size=4, lr=0.05, schedule=ScheduleName.ASYNC,
@@ -34,12 +35,12 @@ ASYNC = TrainConfig(model=ModelSpec("mobilenetv2", width=0.25), micro_batches=4,
 
 
 def test_versions_lag_one_step_between_drain_points():
-    rule = StepVersions(True, steps_per_epoch=7, drain_every=3)
+    rule = StepVersions(PipeDream2BW(), steps_per_epoch=7, drain_every=3)
     assert [rule.drains_after(s) for s in range(8)] == \
         [False, False, True, False, False, True, True, False]
     # after a drain (and at step 0) a step uses the current weights; otherwise the previous
     assert [rule.forward_version(s) for s in range(8)] == [0, 0, 1, 3, 3, 4, 6, 7]
-    sync = StepVersions(False, 7)
+    sync = StepVersions(Synchronous(), 7)
     assert [sync.forward_version(s) for s in range(5)] == list(range(5))
     assert all(sync.drains_after(s) for s in range(5))
 
@@ -47,7 +48,8 @@ def test_versions_lag_one_step_between_drain_points():
 def test_async_feed_runs_into_the_next_step_but_not_past_a_drain():
     schedule = SyncSchedule(64, 2, 2, 0)  # 16 steps per epoch
     feed = TrainFeed(schedule, n_stages=1, start_step=0, end_step=4, max_in_flight=8,
-                     versions=StepVersions(True, schedule.steps_per_epoch, drain_every=2))
+                     versions=StepVersions(PipeDream2BW(), schedule.steps_per_epoch,
+                                           drain_every=2))
     sent = [(mb.step, mb.index) for mb in feed.next_to_send()]
     assert sent == [(0, 0), (0, 1), (1, 0), (1, 1)]  # step 1 before step 0 is done, no step 2
     for step in (0, 1):
@@ -66,7 +68,7 @@ def test_async_feed_runs_into_the_next_step_but_not_past_a_drain():
 
 def test_stash_holds_at_most_two_versions():
     layers = build_layers(ModelSpec("mlp"), (1, 8, 8), 10, seed=0)
-    stash = WeightStash(layers, StepVersions(True, 100), 0)
+    stash = WeightStash(layers, StepVersions(PipeDream2BW(), 100), 0)
     param_bytes = sum(p.numel() * 4 for layer in layers for p in layer.parameters())
     stash.weights(0)
     stash.weights(1)  # step 1 also computes with version 0
@@ -78,7 +80,7 @@ def test_stash_holds_at_most_two_versions():
     with pytest.raises(PlanError, match="needs weight version"):
         stash.weights(0)
     with pytest.raises(PlanError, match="not a drain point"):
-        WeightStash(layers, StepVersions(True, 100), 3)
+        WeightStash(layers, StepVersions(PipeDream2BW(), 100), 3)
 
 
 def _pipeline(config: TrainConfig, data, cuts: list[int], steps: int, seed: int,

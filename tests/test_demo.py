@@ -64,6 +64,19 @@ def test_demo_runs_end_to_end_and_prints_json(broker, tmp_path):
     assert _leftovers(job) == []
 
 
+def test_demo_with_the_async_schedule_trains_with_its_default_layout(tmp_path):
+    # --layout auto (the demo's default) lays out only what PipeDream-2BW supports: one device
+    # per stage, where it used to build a group plan that the schedule then refused
+    job = _job()
+    result = _run_demo("--json", "--job", job, "--schedule", "async", "--max-steps", "6",
+                       "--work-dir", str(tmp_path), timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 6 and summary["error"] is None
+    assert all(len(stage["devices"]) == 1 for stage in summary["stages"])
+    assert _leftovers(job) == []
+
+
 def _start_demo_and_wait_for_training(job: str, tmp_path) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "ftpipe_iot", "demo", "--job", job,
                              "--epochs", "50", "--work-dir", str(tmp_path)],

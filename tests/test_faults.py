@@ -99,7 +99,11 @@ def test_kill_9_of_one_device_mid_run(fault_job):
     failures = [e for e in summary["events"] if e["type"] == "failure_detected"]
     assert failures[0]["cause"] == "last_will" and failures[0]["devices"] == ["dev1"]
     assert "dev1" not in {d["device"] for s in summary["stages"] for d in s["devices"]}
-    assert summary["recomputed_steps"] >= 0
+    # a recovery restores the newest complete version, so it computes again at most the
+    # replication interval per recovery (restoring an older complete version would rewind more)
+    resumed = [e["resume_step"] for e in summary["events"] if e["type"] == "recovery_done"]
+    assert resumed and all(step % REPLICATE_EVERY == 0 for step in resumed)
+    assert 0 <= summary["recomputed_steps"] <= REPLICATE_EVERY * summary["recoveries"]
 
 
 def test_two_adjacent_devices_killed_at_once(fault_job):

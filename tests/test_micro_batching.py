@@ -11,6 +11,8 @@ from ftpipe_iot.planning.micro import (
     balanced_stages,
     choose_micro_batching,
 )
+from ftpipe_iot.protocol.vocab import ScheduleName
+from ftpipe_iot.schedules import schedule_for
 
 
 def _costs(overhead_s: float = 0.001) -> LayerCosts:
@@ -24,7 +26,9 @@ def _problem(n: int, asynchronous: bool = False, memory: float = float("inf"),
     costs = _costs(overhead_s)
     return MicroBatchingProblem(costs, balanced_stages(costs, n),
                                 [DeviceSpec(f"d{k}", memory_bytes=memory) for k in range(n)],
-                                asynchronous=asynchronous, drain_every=10, max_in_flight=8)
+                                schedule=schedule_for(ScheduleName.ASYNC if asynchronous
+                                                      else ScheduleName.SYNC),
+                                drain_every=10, max_in_flight=8)
 
 
 def test_balanced_stages_are_contiguous_and_even():

@@ -26,6 +26,8 @@ from ftpipe_iot.planning.micro import (
 from ftpipe_iot.planning.profiles import fleet_device_specs, load_profile
 from ftpipe_iot.planning.resilience import ResilienceOption, resilience_options
 from ftpipe_iot.planning.solver import DeviceSpec, LayerCosts, Partition, solve_partition
+from ftpipe_iot.protocol.vocab import ScheduleName
+from ftpipe_iot.schedules import schedule_for
 
 _DEFAULT_MODEL_MICRO_BATCH = 32
 
@@ -180,7 +182,7 @@ def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, objec
               help="Micro-batches per step; a group has at most this many members; auto: "
                    "chosen to minimise the time per sample (the sync bubble shrinks as it "
                    "grows, held activations grow with it).")
-@click.option("--schedule", type=click.Choice(["sync", "async"]), default="sync",
+@click.option("--schedule", type=click.Choice([s.value for s in ScheduleName]), default="sync",
               show_default=True, help="the schedule --micro-batches/--micro-batch-size auto "
                                       "choose for (async drains once per --drain-every steps)")
 @click.option("--drain-every", type=click.IntRange(min=1), default=10, show_default=True,
@@ -281,7 +283,8 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         by_name = {d.name: d for d in devices}
         problem = MicroBatchingProblem(
             costs, [(s.start, s.end) for s in partition.stages],
-            [by_name[s.device] for s in partition.stages], asynchronous=schedule == "async",
+            [by_name[s.device] for s in partition.stages],
+            schedule=schedule_for(ScheduleName(schedule)),
             drain_every=drain_every, max_in_flight=max_in_flight)
         auto = choose_micro_batching(problem, None if auto_m else int(micro_batches),
                                      None if auto_b else micro_batch_size)

@@ -27,7 +27,7 @@ from ftpipe_iot.cli.options import (
     training_options,
 )
 from ftpipe_iot.planning.layouts import Layout
-from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.plan import StageAssignment, TrainConfig
 from ftpipe_iot.protocol.signing import Credentials
 
 
@@ -117,7 +117,8 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
     sys.exit(run_device(name, bundle.job, bundle.broker, process, options, profile, keys))
 
 
-# Controller options the collaborative modes do not implement: refused, not ignored.
+# Options only --mode pipeline implements: the collaborative modes refuse them, not ignore
+# them. One table for `controller` and `demo` (each has a part of them).
 _PIPELINE_ONLY = ("resume", "standby", "assignment", "checkpoint_dir", "device_names",
                   "init_from", "save_model", "freeze_layers", "resiliency", "layout")
 
@@ -190,7 +191,6 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
     """Run a job's controller: plan, feed data, collect losses, evaluate, snapshot."""
     from ftpipe_iot.control.config import ControllerConfig
     from ftpipe_iot.observability.progress import default_progress
-    from ftpipe_iot.runtime.entry import ProcessOptions, run_controller
 
     bundle = identity(broker_url, config_file, mqtt_protocol, max_message_bytes, keepalive, job)
     config, bundle_name, job = bundle.broker, bundle.name or None, bundle.job
@@ -204,6 +204,12 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                                "exclude each other")
     train = TrainConfig.load(train_file) if train_file else train_config(training)
     collab = collab_choices(ctx, training)
+    if collab.pipeline:  # a combination the schedule refuses ends here, before anything starts
+        _refuse_what_the_schedule_cannot_run(
+            train, Layout(layout), devices, parse_assignment(assignment) if assignment else ())
+    # only now: the process entry points import torch, seconds on a small device
+    from ftpipe_iot.runtime.entry import ProcessOptions, run_controller
+
     train = _auto_micro_batching(train, training, devices, collab.pipeline)
 
     def keys() -> Credentials:
@@ -312,6 +318,8 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
     if insecure_unsigned:
         click.echo(INSECURE_WARNING, err=True)
     collab = collab_choices(ctx, training)
+    if collab.pipeline:  # a combination the schedule refuses ends here, before anything starts
+        _refuse_what_the_schedule_cannot_run(train_config(training), Layout(layout), devices)
     train = _auto_micro_batching(train_config(training), training, devices, collab.pipeline)
     if not collab.pipeline:
         from ftpipe_iot.cli.collab import run_demo as run_collab_demo
@@ -319,7 +327,7 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
         if faults:
             raise click.UsageError("--fault injects into the pipeline demo; the collaborative "
                                    "modes' drop-outs are shown by tests/test_collab_processes.py")
-        refused = explicit(ctx, ("init_from", "save_model", "freeze_layers", "resiliency"))
+        refused = explicit(ctx, _PIPELINE_ONLY)
         if refused:
             raise click.UsageError(f"{', '.join('--' + n.replace('_', '-') for n in refused)}"
                                    " apply to --mode pipeline only")
@@ -360,6 +368,17 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
     if as_json:
         summary.pop("history", None)
         click.echo(json.dumps(summary))
+
+
+def _refuse_what_the_schedule_cannot_run(train: TrainConfig, layout: Layout, devices: int,
+                                         assignment: tuple[StageAssignment, ...] = ()) -> None:
+    """Ask the job's schedule whether it runs what the options request (``Schedule.supports``)
+    and raise its refusal, which names the option to change, before any process starts."""
+    from ftpipe_iot.control.config import schedule_refusal
+
+    refusal = schedule_refusal(train, layout, devices, assignment)
+    if refusal is not None:
+        raise refusal.error()
 
 
 def _auto_micro_batching(train: TrainConfig, training: dict[str, Any], devices: int,

@@ -8,7 +8,8 @@ from pathlib import Path
 from ftpipe_iot.errors import ConfigError
 from ftpipe_iot.protocol.collab import PrivacySettings
 from ftpipe_iot.protocol.plan import TrainConfig
-from ftpipe_iot.protocol.vocab import CollabMode, ScheduleName
+from ftpipe_iot.protocol.vocab import CollabMode
+from ftpipe_iot.schedules import JobOptions, PlanShape, schedule_for
 
 # The coordinator's sender name: data devices and servers take a job only from it.
 COORDINATOR_NAME = "coordinator"
@@ -41,9 +42,10 @@ class CollabConfig:
             raise ConfigError("CollabConfig is for the collaborative and fedavg modes")
         if self.devices < 1:
             raise ConfigError(f"devices must be >= 1, got {self.devices}")
-        if self.train.schedule is not ScheduleName.SYNC:
-            raise ConfigError("--schedule async is for --mode pipeline: the collaborative and "
-                              "fedavg modes run their own schedules")
+        refusal = schedule_for(self.train.schedule).supports(
+            PlanShape(), JobOptions(self.train.resiliency, self.mode))
+        if refusal is not None:
+            raise ConfigError(str(refusal))
         if self.aggregate_every is not None and self.aggregate_every < 0:
             raise ConfigError(f"--aggregate-every must be >= 0 (0 = only at the end), got "
                               f"{self.aggregate_every}")

@@ -3,6 +3,7 @@ Will it leaves on the broker."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,7 +13,8 @@ from ftpipe_iot.protocol.messages import ControllerState
 from ftpipe_iot.protocol.plan import StageAssignment, TrainConfig
 from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.topics import Topics
-from ftpipe_iot.protocol.vocab import ControllerStatus, ScheduleName
+from ftpipe_iot.protocol.vocab import ControllerStatus
+from ftpipe_iot.schedules import PlanShape, Refusal, ShapeOrigin, schedule_for
 from ftpipe_iot.transport.base import Will
 from ftpipe_iot.transport.messenger import will_of
 
@@ -58,11 +60,31 @@ class ControllerConfig:
         pinned = {d for stage in self.assignment for d in stage.devices}
         if self.assignment and self.device_names and pinned != set(self.device_names):
             raise ConfigError("assignment and device_names name different devices")
-        grouped = [s.stage for s in self.assignment if len(s.members) > 1]
-        if grouped and self.train.schedule is ScheduleName.ASYNC:
-            raise ConfigError(f"--schedule async needs one device per stage; the assignment "
-                              f"gives stages {grouped} several (use --schedule sync for stage "
-                              "groups and standbys)")
+        refusal = schedule_refusal(self.train, self.layout, self.devices, self.assignment)
+        if refusal is not None:
+            raise ConfigError(str(refusal))
+
+
+def requested_shape(layout: Layout, devices: int, resiliency: int = 0,
+                    assignment: Sequence[StageAssignment] = ()) -> PlanShape:
+    """The shape the options ask for before any device connects: the pinned assignment's, one
+    group of every computing device under ``--layout data``, else none yet (``pipeline`` is one
+    device per stage; ``auto`` lays out only what the schedule supports)."""
+    if assignment:
+        return PlanShape.of_members([[m.share for m in s.members] for s in assignment],
+                                    ShapeOrigin.ASSIGNMENT)
+    computing = devices // (resiliency + 1)  # the others stand by
+    if layout is Layout.DATA and computing > 1:
+        return PlanShape((computing,), origin=ShapeOrigin.LAYOUT)
+    return PlanShape(origin=ShapeOrigin.LAYOUT)
+
+
+def schedule_refusal(train: TrainConfig, layout: Layout, devices: int,
+                     assignment: Sequence[StageAssignment] = ()) -> Refusal | None:
+    """The job's schedule asked whether it runs what the options request (the CLI asks this
+    before it starts any process; ``ControllerConfig`` asks it too)."""
+    return schedule_for(train.schedule).supports(
+        requested_shape(layout, devices, train.resiliency, assignment), train.options)
 
 
 def controller_will(job: str, credentials: Credentials | None = None, term: int = 0) -> Will:

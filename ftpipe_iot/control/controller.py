@@ -353,7 +353,8 @@ class Controller:
             stages, warnings = choose_stages(LayoutInputs(
                 devices, self.plan, self.config.assignment, self.model.cost_model,
                 self.capacity, self.roster.capabilities, self.train.resiliency,
-                self.config.layout, self.train.micro_batches, self.config.repartition_threshold))
+                self.config.layout, self.train.micro_batches, self.config.repartition_threshold,
+                self.train.schedule))
             for warning in warnings:
                 self.recorder.message(warning)
         init_weights = self.central.started_from_file or bool(self.plan and self.plan.init_weights)

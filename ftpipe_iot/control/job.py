@@ -21,7 +21,8 @@ from ftpipe_iot.planning.micro import (
 )
 from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.plan import TrainConfig
-from ftpipe_iot.protocol.vocab import OptimizerName, ScheduleName
+from ftpipe_iot.protocol.vocab import OptimizerName
+from ftpipe_iot.schedules import schedule_for
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def choose_job_micro_batching(train: TrainConfig, n_stages: int, auto_m: bool, a
     stages = balanced_stages(costs, n_stages)
     problem = MicroBatchingProblem(
         costs, stages, [DeviceSpec(f"device{k}") for k in range(len(stages))],
-        asynchronous=train.schedule is ScheduleName.ASYNC,
+        schedule=schedule_for(train.schedule),
         drain_every=train.replicate_every or model.schedule.steps_per_epoch,
         max_in_flight=train.max_in_flight, max_batch=len(data.x_train),
         optimizer_copies=2 if train.optimizer is OptimizerName.ADAM else 1)

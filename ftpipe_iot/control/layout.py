@@ -16,6 +16,8 @@ from ftpipe_iot.planning.rebalance import device_specs
 from ftpipe_iot.planning.resilience import split_for_resiliency, with_standbys
 from ftpipe_iot.protocol.messages import Capabilities
 from ftpipe_iot.protocol.plan import Member, Plan, StageAssignment
+from ftpipe_iot.protocol.vocab import ScheduleName
+from ftpipe_iot.schedules import schedule_for
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class LayoutInputs:
     layout: Layout = Layout.PIPELINE
     micro_batches: int = 1
     min_gain: float = 0.10  # predicted gain the fleet planner's plan needs (``auto``)
+    schedule: ScheduleName = ScheduleName.SYNC  # a new layout is one this schedule supports
 
 
 def group_stages(choice: LayoutChoice, micro_batches: int) -> tuple[StageAssignment, ...]:
@@ -63,7 +66,7 @@ def choose_stages(inputs: LayoutInputs) -> tuple[tuple[StageAssignment, ...], li
         if inputs.layout is not Layout.PIPELINE:
             specs = _comparable(specs, inputs.capacity)
         choice = choose_layout(inputs.costs, specs, inputs.micro_batches, inputs.layout,
-                               inputs.min_gain)
+                               inputs.min_gain, schedule_for(inputs.schedule))
         if choice.warning:
             warnings.append(choice.warning)
         if inputs.layout is not Layout.PIPELINE:

@@ -54,7 +54,7 @@ def _train(config: TrainConfig, data: Dataset, steps: int,
     schedule = SyncSchedule(len(data.x_train), config.micro_batches, config.micro_batch_size,
                             config.seed)
     versions = StepVersions.of(config, schedule.steps_per_epoch)
-    stash = WeightStash(layers, versions, 0) if versions.asynchronous else None
+    stash = WeightStash(layers, versions, 0) if versions.stashes_weights else None
     for step in range(steps):
         train_mode(layers, config.frozen_layers)
         weights = stash.weights(step) if stash is not None else None

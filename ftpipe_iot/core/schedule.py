@@ -14,7 +14,7 @@ import numpy as np
 
 from ftpipe_iot.errors import PlanError
 from ftpipe_iot.protocol.plan import TrainConfig
-from ftpipe_iot.protocol.vocab import ScheduleName
+from ftpipe_iot.schedules import Schedule, schedule_for
 
 
 @dataclass(frozen=True)
@@ -84,49 +84,45 @@ def eval_batches(num_samples: int, batch_size: int) -> list[np.ndarray]:
 
 @dataclass(frozen=True)
 class StepVersions:
-    """Which weight version each step computes with, and where the feed drains the pipeline.
+    """A job's schedule bound to its numbers: which weight version each step computes with,
+    where the feed drains the pipeline, when a step may start (``ftpipe_iot.schedules``).
 
     Synchronous: every step drains, and step ``s`` uses version ``s`` (the weights after ``s``
-    optimizer steps). Asynchronous (PipeDream-2BW with periodic flushes, docs/design.md §5):
-    the feed drains only after the last step of an epoch (evaluation reads the weights) and
-    after every ``drain_every``-th step (replication needs one consistent version); in between,
-    step ``s`` forwards and backwards with version ``s - 1`` while its gradient updates the
-    newest weights, version ``s``, so a stage never waits for the previous step's last
-    backward. A step that follows a drain uses the current version, as step 0 does. Every
-    stage and the simulator derive the same versions from these three numbers.
+    optimizer steps). PipeDream-2BW with periodic drains (docs/design.md §5): the feed drains
+    only after the last step of an epoch and after every ``drain_every``-th step; in between,
+    step ``s`` uses version ``s - 1``. Every stage and the simulator derive the same versions
+    from these three values.
     """
 
-    asynchronous: bool
+    schedule: Schedule
     steps_per_epoch: int
     drain_every: int = 0  # 0: only epoch ends drain
 
     def __post_init__(self) -> None:
-        if self.asynchronous and self.steps_per_epoch < 1:
-            raise PlanError("the asynchronous schedule needs the number of steps per epoch")
+        if self.schedule.needs_steps_per_epoch and self.steps_per_epoch < 1:
+            raise PlanError(f"the {self.schedule.name.value} schedule needs the number of "
+                            "steps per epoch")
 
     @classmethod
     def of(cls, config: TrainConfig, steps_per_epoch: int) -> StepVersions:
         """The rule of a job: its schedule, its epochs, its replication interval."""
-        return cls(config.schedule is ScheduleName.ASYNC, steps_per_epoch,
-                   config.replicate_every)
+        return cls(schedule_for(config.schedule), steps_per_epoch, config.replicate_every)
+
+    @property
+    def stashes_weights(self) -> bool:
+        """Whether a stage keeps the previous weight version for steps still computing."""
+        return self.schedule.stashes_weights
 
     def drains_after(self, step: int) -> bool:
         """Whether nothing of step ``step + 1`` starts before ``step`` is applied everywhere."""
-        if not self.asynchronous:
-            return True
-        after = step + 1
-        return after % self.steps_per_epoch == 0 or \
-            (self.drain_every > 0 and after % self.drain_every == 0)
+        return self.schedule.drains_after(step, self.steps_per_epoch, self.drain_every)
 
     def forward_version(self, step: int) -> int:
         """The version step ``step``'s forwards (and so its backwards) use."""
-        if step <= 0 or self.drains_after(step - 1):
-            return max(step, 0)
-        return step - 1
+        return self.schedule.forward_version(step, self.steps_per_epoch, self.drain_every)
 
     def may_start(self, step: int, next_to_complete: int) -> bool:
         """Whether ``step`` may be fed while ``next_to_complete`` is the oldest unfinished step:
         its version must exist on every stage."""
-        if step == next_to_complete:
-            return True
-        return step == next_to_complete + 1 and not self.drains_after(next_to_complete)
+        return self.schedule.may_start(step, next_to_complete, self.steps_per_epoch,
+                                       self.drain_every)

@@ -143,7 +143,7 @@ class Stage:
         self.named = trainable(self.layers, self.first_layer)
         self.exchanges = self.group_size > 1
         self.gradients = OrderedGradients([p for _, p in self.named], self.exchanges)
-        asynchronous = self.versions is not None and self.versions.asynchronous
+        asynchronous = self.versions is not None and self.versions.stashes_weights
         # BatchNorm's running statistics are updated in forward order. Holders that exchange,
         # and a synchronous stage alone behind a group, record each micro-batch's batch
         # statistics and replay them in index order at the step end, so the stage behind a

@@ -7,6 +7,11 @@ planner's plan (``group_search.solve_groups``: pipeline, data parallelism or a h
 planner's plan wins only when it is predicted at least ``min_gain`` faster per step: the model
 leaves out what it cannot see (the broker's own load, the cores the emulated devices share), so
 a marginal predicted gain is not worth the gradient traffic a group adds.
+
+Every layout is asked of the job's schedule first (``Schedule.supports``): ``auto`` takes the
+best plan the schedule supports (under ``--schedule async`` a group plan is set aside for the
+single pipeline, and the choice's warning says so), and ``data`` raises the schedule's refusal
+rather than build a plan it refuses.
 """
 
 from __future__ import annotations
@@ -21,6 +26,15 @@ from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
 from ftpipe_iot.planning.group_search import data_parallel_plan, solve_groups
 from ftpipe_iot.planning.groups import GroupPlan, evaluate_groups
 from ftpipe_iot.planning.rebalance import new_assignment
+from ftpipe_iot.protocol.vocab import ScheduleName
+from ftpipe_iot.schedules import (
+    JobOptions,
+    PlanShape,
+    Refusal,
+    Schedule,
+    ShapeOrigin,
+    schedule_for,
+)
 
 
 class Layout(str, enum.Enum):
@@ -63,18 +77,32 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _refusal(schedule: Schedule,
+             stages: tuple[tuple[int, int, tuple[str, ...], tuple[int, ...]], ...]
+             ) -> Refusal | None:
+    """The schedule's answer for these stages (all of a layout's members compute)."""
+    shape = PlanShape(tuple(len(members) for _, _, members, _ in stages),
+                      origin=ShapeOrigin.LAYOUT)
+    return schedule.supports(shape, JobOptions())
+
+
 def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches: int,
-                  layout: Layout, min_gain: float = 0.10) -> LayoutChoice:
-    """The stages of a new plan over ``specs`` (in the controller's order) for ``layout``.
+                  layout: Layout, min_gain: float = 0.10, schedule: Schedule | None = None
+                  ) -> LayoutChoice:
+    """The stages of a new plan over ``specs`` (in the controller's order) for ``layout``,
+    never a plan ``schedule`` (default: sync) refuses.
 
     ``pipeline`` is :func:`new_assignment`'s single pipeline. ``data`` puts every device in one
     group (the fastest ``micro_batches`` of them when there are more, with a warning); when the
     whole model does not fit some member's memory the planner decides instead, with a
-    warning. ``auto`` takes :func:`solve_groups`' plan when it predicts a step at least
-    ``min_gain`` shorter than the single pipeline's, else the single pipeline.
+    warning; when the schedule refuses the group, its refusal is raised (``PlanError``).
+    ``auto`` takes :func:`solve_groups`' plan when it predicts a step at least ``min_gain``
+    shorter than the single pipeline's and the schedule supports it, else the single pipeline
+    (with a warning naming the plan the schedule refused).
     """
     if not 0 <= min_gain < 1:
         raise PartitionError(f"min_gain must be in [0, 1), got {min_gain}")
+    schedule = schedule if schedule is not None else schedule_for(ScheduleName.SYNC)
     specs = list(specs)
     if layout is Layout.DATA:
         members = [s.name for s in specs]
@@ -85,9 +113,12 @@ def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches:
                        f"per step; the {micro_batches} fastest hold the model")
         plan = data_parallel_plan(costs, specs, micro_batches, members=members)
         if plan.fits_memory:
+            refusal = _refusal(schedule, _stages(plan))
+            if refusal is not None:
+                raise refusal.error()
             return LayoutChoice(_stages(plan), "data", planner_step_s=_finite(plan.step_s),
                                 warning=warning)
-        choice = choose_layout(costs, specs, micro_batches, Layout.AUTO, min_gain)
+        choice = choose_layout(costs, specs, micro_batches, Layout.AUTO, min_gain, schedule)
         return LayoutChoice(choice.stages, choice.kind, choice.pipeline_step_s,
                             choice.planner_step_s,
                             "layout data: the whole model does not fit every device's memory; "
@@ -104,7 +135,15 @@ def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches:
         return LayoutChoice(single, "pipeline", _finite(pipeline.step_s), None,
                             f"fleet planner: {exc}; a single pipeline instead")
     if planned.step_s < pipeline.step_s * (1 - min_gain):
-        return LayoutChoice(_stages(planned), _kind(planned), _finite(pipeline.step_s),
-                            _finite(planned.step_s))
+        refusal = _refusal(schedule, _stages(planned))
+        if refusal is None:
+            return LayoutChoice(_stages(planned), _kind(planned), _finite(pipeline.step_s),
+                                _finite(planned.step_s))
+        # the best plan the schedule supports: the single pipeline, and the log says why
+        set_aside = (f"layout auto: the fleet planner's {_kind(planned)} plan (predicted "
+                     f"{planned.step_s:.4f} s per step against {pipeline.step_s:.4f} s for a "
+                     f"single pipeline) is set aside, {refusal.reason}; a single pipeline "
+                     "instead")
+        warning = f"{warning}; {set_aside}" if warning else set_aside
     return LayoutChoice(single, "pipeline", _finite(pipeline.step_s), _finite(planned.step_s),
                         warning)

@@ -12,10 +12,13 @@ makes tiny micro-batches slow: the profile's (scheduling, the loss, measured in 
 and a message's way through the wire and the broker (``message_overhead_s``, not in the
 profile; 2 ms by default, the order of one loopback hop in benchmarks/transport.py).
 
+The step time from the ``t_k`` and each stage's memory are the schedule's own terms
+(``Schedule.step_time_s``, ``Schedule.stage_memory_bytes`` in ``ftpipe_iot.schedules``):
+
 - sync, per step: ``sum_k t_k + (M - 1) * max_k t_k`` (fill and drain every step: the bubble
   shrinks as M grows);
 - async, per step: ``M * max_k t_k + (sum_k t_k - max_k t_k) / F``, the fill and drain paid
-  once per ``F`` steps (the drain interval, ``core.schedule.StepVersions``);
+  once per ``F`` steps (the drain interval);
 - time per sample = step time / (M * b).
 
 Memory of stage ``k`` (bytes): its parameters times the copies training keeps (weights,
@@ -33,11 +36,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ftpipe_iot.errors import PartitionError
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
 from ftpipe_iot.planning.partition import balanced_split
+from ftpipe_iot.protocol.vocab import ScheduleName
+from ftpipe_iot.schedules import Schedule, schedule_for
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_MICRO_BATCHES = 64
@@ -73,7 +78,7 @@ class MicroBatchingProblem:
     costs: LayerCosts
     stages: Sequence[tuple[int, int]]
     devices: Sequence[DeviceSpec]
-    asynchronous: bool = False
+    schedule: Schedule = field(default_factory=lambda: schedule_for(ScheduleName.SYNC))
     drain_every: int = 10
     max_in_flight: int = 8
     max_batch: int | None = None  # the mini-batch may not exceed this (the training set)
@@ -102,20 +107,15 @@ class MicroBatchingProblem:
 
     def step_s(self, micro_batches: int, size: int) -> float:
         times = [self.stage_s(k, size) for k in range(len(self.stages))]
-        slowest, total = max(times), math.fsum(times)
-        if self.asynchronous:
-            return micro_batches * slowest + (total - slowest) / max(self.drain_every, 1)
-        return total + (micro_batches - 1) * slowest
+        return self.schedule.step_time_s(times, micro_batches, self.drain_every)
 
     def stage_memory(self, k: int, micro_batches: int, size: int) -> float:
         start, end = self.stages[k]
         costs = self.costs
-        params = costs.stage_param_bytes(start, end)
-        copies = 2 + self.optimizer_copies + (1 if self.asynchronous else 0)
-        in_flight = self.max_in_flight if self.asynchronous else \
-            min(micro_batches, self.max_in_flight)
         activations = math.fsum(costs.activation_bytes[start:end]) * size / self.profiled_size
-        return params * copies + in_flight * activations
+        return self.schedule.stage_memory_bytes(costs.stage_param_bytes(start, end),
+                                                activations, micro_batches,
+                                                self.max_in_flight, self.optimizer_copies)
 
     def evaluate(self, micro_batches: int, size: int) -> MicroBatching:
         step = self.step_s(micro_batches, size)

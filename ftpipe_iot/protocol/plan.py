@@ -15,6 +15,7 @@ from typing import Any
 from ftpipe_iot.errors import ConfigError, PlanError
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
 from ftpipe_iot.protocol.vocab import OptimizerName, ScheduleName, WireDtype
+from ftpipe_iot.schedules import JobOptions, PlanShape, schedule_for
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,17 @@ class TrainConfig:
             (self.replicate_every >= 0,
              f"replicate_every must be >= 0 (0 = only at plan changes), got "
              f"{self.replicate_every}"),
-            # Takeovers recompute a late micro-batch from the step's inputs and the holders'
-            # shared version; with two versions in flight that bookkeeping is not built.
-            (self.schedule is ScheduleName.SYNC or self.resiliency == 0,
-             "--schedule async does not support --resiliency >= 1 (use --schedule sync)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise PlanError(message)
+        # the schedule's one compatibility check, before any layout exists
+        schedule_for(self.schedule).check(PlanShape(), self.options)
+
+    @property
+    def options(self) -> JobOptions:
+        """The options a schedule is asked to combine with (``Schedule.supports``)."""
+        return JobOptions(resiliency=self.resiliency)
 
     @property
     def batch_size(self) -> int:
@@ -245,17 +249,20 @@ class Plan:
         devices = self.devices
         if len(set(devices)) != len(devices):
             raise PlanError(f"a device may hold only one place in a plan: {list(devices)}")
-        if self.train.schedule is ScheduleName.ASYNC:
-            grouped = [s.stage for s in self.stages if len(s.members) > 1]
-            if grouped:
-                raise PlanError(f"--schedule async needs one device per stage; stages {grouped} "
-                                "have several (use --schedule sync for stage groups)")
-            if self.steps_per_epoch < 1:
-                raise PlanError("a plan of --schedule async needs its steps per epoch")
+        schedule = schedule_for(self.train.schedule)
+        schedule.check(self.shape, self.train.options)
+        if schedule.needs_steps_per_epoch and self.steps_per_epoch < 1:
+            raise PlanError(f"a plan of --schedule {schedule.name.value} needs its steps per "
+                            "epoch")
 
     @property
     def n_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def shape(self) -> PlanShape:
+        """Computing and standby holders per stage, as the schedule's check sees them."""
+        return PlanShape.of_members([[m.share for m in s.members] for s in self.stages])
 
     @property
     def devices(self) -> tuple[str, ...]:

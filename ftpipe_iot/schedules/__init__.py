@@ -1,0 +1,32 @@
+"""Pipeline schedules as objects, one file per schedule (docs/design.md §5, "Schedules as
+objects"): ``sync`` (``Synchronous``: drain every step) and ``async`` (``PipeDream2BW``).
+
+``schedule_for(name)`` is the table the rest of the code asks instead of testing the
+``ScheduleName`` flag; ``base`` says what a schedule answers and why this package imports only
+the vocabulary and the errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from ftpipe_iot.protocol.vocab import ScheduleName
+from ftpipe_iot.schedules.base import JobOptions, PlanShape, Refusal, Schedule, ShapeOrigin
+from ftpipe_iot.schedules.pipedream_2bw import PipeDream2BW
+from ftpipe_iot.schedules.sync import Synchronous
+
+# Schedules are stateless: one instance each serves every job.
+SCHEDULES: Mapping[ScheduleName, Schedule] = MappingProxyType({
+    ScheduleName.SYNC: Synchronous(),
+    ScheduleName.ASYNC: PipeDream2BW(),
+})
+
+
+def schedule_for(name: ScheduleName) -> Schedule:
+    """The schedule object of ``--schedule name``."""
+    return SCHEDULES[ScheduleName(name)]
+
+
+__all__ = ["SCHEDULES", "JobOptions", "PipeDream2BW", "PlanShape", "Refusal", "Schedule",
+           "ShapeOrigin", "Synchronous", "schedule_for"]

@@ -1,0 +1,158 @@
+"""What every pipeline schedule answers, and the one compatibility check (docs/design.md §5).
+
+A schedule is an object, not a flag that the stage, the feed, the planner and the CLI each test
+for themselves (torch.distributed.pipelining keeps a subclass per schedule and a stage that knows
+no schedule). It answers:
+
+- which weight version a step's micro-batches use, and so whether a stage keeps a second one;
+- where the pipeline drains, and when a step may start;
+- its predicted step time and per-stage memory (the terms ``planning.micro`` chooses M and b
+  with);
+- ``supports(shape, options)``: whether it can run a plan (or a layout, or what the command line
+  asks for) with the job's options. A ``Refusal`` carries the reason and the option to change.
+  Plan validation, the controller's config, the layout chooser and the CLI all ask this one
+  method, so a combination is refused in one place, with one sentence.
+
+This package imports nothing of the project but ``errors`` and the vocabulary
+(``protocol.vocab``, a leaf that imports nothing else), so ``protocol.plan`` can ask it without
+an import cycle, and it stays torch-free (loading a plan imports no torch).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ftpipe_iot.errors import PlanError
+from ftpipe_iot.protocol.vocab import CollabMode, ScheduleName
+
+
+class ShapeOrigin(str, enum.Enum):
+    """Which option laid a shape out: a refusal names it as the one to change."""
+
+    LAYOUT = "--layout"  # a --layout choice (data, or what auto would pick)
+    ASSIGNMENT = "--assignment"  # the user's pinned first plan
+    PLAN = "plan"  # a plan built elsewhere (its layout option is not known here)
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """A plan or a layout as far as a schedule cares: per stage, how many devices compute it
+    (share > 0) and how many stand by (share 0), and the option that laid it out. The empty
+    shape stands for "not laid out yet" (the command line before the devices connect)."""
+
+    computing: tuple[int, ...] = ()
+    standbys: tuple[int, ...] = ()
+    origin: ShapeOrigin = ShapeOrigin.PLAN
+
+    def __post_init__(self) -> None:
+        if self.standbys and len(self.standbys) != len(self.computing):
+            raise PlanError("a plan shape needs one standby count per stage")
+
+    @classmethod
+    def of_members(cls, shares: Sequence[Sequence[float]],
+                   origin: ShapeOrigin = ShapeOrigin.PLAN) -> PlanShape:
+        """The shape of stages given as each member's share (0 for a standby)."""
+        return cls(tuple(sum(1 for s in stage if s > 0) for stage in shares),
+                   tuple(sum(1 for s in stage if s == 0) for stage in shares), origin)
+
+    @property
+    def grouped(self) -> tuple[int, ...]:
+        """Stages computed by more than one device."""
+        return tuple(k for k, n in enumerate(self.computing) if n > 1)
+
+    @property
+    def watched(self) -> tuple[int, ...]:
+        """Stages with a warm standby."""
+        return tuple(k for k, n in enumerate(self.standbys) if n > 0)
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """The job's options a schedule may not combine with."""
+
+    resiliency: int = 0
+    mode: CollabMode = CollabMode.PIPELINE
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a schedule cannot run a combination, and what to change: ``option`` is the one
+    command-line option to change (always named), ``remedy`` the sentence that says how."""
+
+    reason: str
+    option: str
+    remedy: str
+
+    def __post_init__(self) -> None:
+        if not self.option.startswith("--") or self.option not in self.remedy:
+            raise PlanError(f"a refusal must name the option to change in its remedy: {self!r}")
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.remedy}"
+
+    def error(self) -> PlanError:
+        """The refusal as the project's error (the CLI prints it as one ``Error:`` line)."""
+        return PlanError(str(self))
+
+
+class Schedule(ABC):
+    """A pipeline schedule. Stateless: one instance per schedule serves every job; the job's
+    numbers (steps per epoch, the replication interval ``drain_every``, 0 for only epoch ends)
+    are arguments."""
+
+    name: ClassVar[ScheduleName]
+    # weight versions a stage keeps at most: 1, or 2 for a stash of the previous version
+    weight_versions: ClassVar[int] = 1
+    # whether its drain points depend on the epoch length, which every stage must then know
+    needs_steps_per_epoch: ClassVar[bool] = False
+
+    @property
+    def stashes_weights(self) -> bool:
+        """Whether a stage keeps a second weight version for the steps still computing."""
+        return self.weight_versions > 1
+
+    @abstractmethod
+    def drains_after(self, step: int, steps_per_epoch: int, drain_every: int) -> bool:
+        """Whether nothing of step ``step + 1`` starts before ``step`` is applied everywhere."""
+
+    @abstractmethod
+    def forward_version(self, step: int, steps_per_epoch: int, drain_every: int) -> int:
+        """The weight version (optimizer steps applied) step ``step``'s forwards and
+        backwards use."""
+
+    def may_start(self, step: int, next_to_complete: int, steps_per_epoch: int,
+                  drain_every: int) -> bool:
+        """Whether ``step`` may be fed while ``next_to_complete`` is the oldest unfinished step:
+        the version it uses must exist on every stage."""
+        if step == next_to_complete:
+            return True
+        return step == next_to_complete + 1 and \
+            not self.drains_after(next_to_complete, steps_per_epoch, drain_every)
+
+    @abstractmethod
+    def step_time_s(self, stage_times_s: Sequence[float], micro_batches: int,
+                    drain_every: int) -> float:
+        """Predicted seconds per step, given each stage's seconds per micro-batch."""
+
+    @abstractmethod
+    def stage_memory_bytes(self, param_bytes: float, activation_bytes: float,
+                           micro_batches: int, max_in_flight: int,
+                           optimizer_copies: int) -> float:
+        """Predicted bytes a stage holds: ``param_bytes`` of parameters times the copies
+        training keeps, plus ``activation_bytes`` (one micro-batch's layer outputs) for each
+        micro-batch in flight on it."""
+
+    @abstractmethod
+    def supports(self, shape: PlanShape, options: JobOptions) -> Refusal | None:
+        """None when this schedule runs ``shape`` with ``options``; else why not and which
+        option to change. The one compatibility check of the project."""
+
+    def check(self, shape: PlanShape, options: JobOptions) -> None:
+        """``supports`` as an error: raises ``PlanError`` with the refusal's sentence."""
+        refusal = self.supports(shape, options)
+        if refusal is not None:
+            raise refusal.error()

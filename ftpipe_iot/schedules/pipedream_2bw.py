@@ -1,0 +1,77 @@
+"""The asynchronous schedule: PipeDream-2BW with periodic drains (docs/design.md §5).
+
+No drain between steps, except after the last step of an epoch (evaluation reads the weights)
+and after every ``drain_every``-th step (replication needs one consistent version on every
+stage). Between drains, step ``s`` forwards and backwards with version ``s - 1`` while its
+summed gradient updates the newest weights, version ``s`` (W(t+1) = W(t) - lr * grad(W(t-1))):
+each stage keeps two versions at most (``core.stash.WeightStash``). A step right after a drain,
+and step 0, uses the current version, so a stage never needs a version it did not keep.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ftpipe_iot.protocol.vocab import CollabMode, ScheduleName
+from ftpipe_iot.schedules.base import JobOptions, PlanShape, Refusal, Schedule, ShapeOrigin
+
+
+class PipeDream2BW(Schedule):
+    """1F1B across steps with double-buffered weights: no bubble between drains."""
+
+    name = ScheduleName.ASYNC
+    weight_versions = 2
+    needs_steps_per_epoch = True  # an epoch end is a drain point
+
+    def drains_after(self, step: int, steps_per_epoch: int, drain_every: int) -> bool:
+        after = step + 1
+        return after % steps_per_epoch == 0 or (drain_every > 0 and after % drain_every == 0)
+
+    def forward_version(self, step: int, steps_per_epoch: int, drain_every: int) -> int:
+        if step <= 0 or self.drains_after(step - 1, steps_per_epoch, drain_every):
+            return max(step, 0)
+        return step - 1
+
+    def step_time_s(self, stage_times_s: Sequence[float], micro_batches: int,
+                    drain_every: int) -> float:
+        # the slowest stage paces every micro-batch; fill and drain once per drain interval
+        slowest = max(stage_times_s)
+        return micro_batches * slowest + \
+            (math.fsum(stage_times_s) - slowest) / max(drain_every, 1)
+
+    def stage_memory_bytes(self, param_bytes: float, activation_bytes: float,
+                           micro_batches: int, max_in_flight: int,
+                           optimizer_copies: int) -> float:
+        # one more weight copy (the stashed version); the feed keeps max_in_flight in flight
+        # across step boundaries
+        return param_bytes * (3 + optimizer_copies) + max_in_flight * activation_bytes
+
+    def supports(self, shape: PlanShape, options: JobOptions) -> Refusal | None:
+        if options.mode is not CollabMode.PIPELINE:
+            return Refusal("--schedule async is for --mode pipeline: the collaborative and "
+                           "fedavg modes run their own schedules", "--mode",
+                           "pass --mode pipeline, or --schedule sync")
+        if options.resiliency > 0:
+            # A takeover recomputes a late micro-batch from the holders' one shared version;
+            # with two versions in flight that bookkeeping is not built.
+            return Refusal("--schedule async does not support --resiliency >= 1 yet (a "
+                           "takeover recomputes from one shared weight version, 2BW keeps "
+                           "two)", "--resiliency", "pass --resiliency 0, or --schedule sync")
+        if shape.grouped:
+            # A group reduces one step's gradients across its holders at the step end; under
+            # 2BW the holders would be computing two steps with two versions at once.
+            reason = (f"--schedule async needs one device per stage; stages "
+                      f"{list(shape.grouped)} are groups")
+            if shape.origin is ShapeOrigin.ASSIGNMENT:
+                return Refusal(reason, "--assignment",
+                               "give --assignment one device per stage, or --schedule sync")
+            return Refusal(reason, "--layout", "pass --layout pipeline, or --schedule sync")
+        if shape.watched:
+            reason = (f"--schedule async needs one device per stage; stages "
+                      f"{list(shape.watched)} have standbys")
+            if shape.origin is ShapeOrigin.ASSIGNMENT:
+                return Refusal(reason, "--assignment",
+                               "give --assignment no /standby, or --schedule sync")
+            return Refusal(reason, "--resiliency", "pass --resiliency 0, or --schedule sync")
+        return None
