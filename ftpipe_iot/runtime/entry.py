@@ -137,7 +137,12 @@ def run_controller(job: str, broker: BrokerConfig, config: ControllerConfig,
     new one is refused."""
     check_name("job", job)
     setup_process(options)
+    registry = CollectorRegistry()
+    serve_metrics(registry, options.metrics_port)
     name = client_id or _controller_client_id(job)
+    transport = MqttTransport(broker, client_id=name)
+    # Built before anything connects: a model or data that cannot work is said first.
+    controller = Controller(job, config, transport, registry, progress, credentials=credentials)
     watch = LeaseWatch()
     lease = watch_lease(broker, job, watch, f"{name}-lease", credentials, wait=False)
     if watch.live:
@@ -146,47 +151,56 @@ def run_controller(job: str, broker: BrokerConfig, config: ControllerConfig,
                               "pick another --job, or start this one with --standby")
         log.warning("a live controller leads job %s (term %d): this one waits as its standby",
                     job, watch.term)
-        return run_standby_controller(job, broker, config, options, progress,
-                                      lambda: credentials, name, summary_path, watch)
-    return _lead(job, broker, replace(config, term=lease.term), options, progress, name,
-                 summary_path, credentials)
+        return _stand_by(job, broker, config, progress, registry, name, summary_path,
+                         lambda: credentials, watch)
+    return _lead(controller, lease.term, credentials, summary_path)
 
 
 def run_standby_controller(job: str, broker: BrokerConfig, config: ControllerConfig,
                            options: ProcessOptions, progress: ProgressReporter,
                            credentials: Callable[[], Credentials | None],
-                           client_id: str | None = None, summary_path: Path | None = None,
-                           watch: LeaseWatch | None = None) -> RunSummary | None:
+                           client_id: str | None = None, summary_path: Path | None = None
+                           ) -> RunSummary | None:
     """Back up the job's controller: watch its retained state and, once its Last Will says it
     is gone, take the lease with the next term and resume the job exactly where its last
     complete checkpoint left off. None when the leader finished the job itself."""
     check_name("job", job)
     setup_process(options)
-    name = client_id or _controller_client_id(job)
+    registry = CollectorRegistry()
+    serve_metrics(registry, options.metrics_port)
+    return _stand_by(job, broker, config, progress, registry,
+                     client_id or _controller_client_id(job), summary_path, credentials,
+                     LeaseWatch())
+
+
+def _stand_by(job: str, broker: BrokerConfig, config: ControllerConfig,
+              progress: ProgressReporter, registry: CollectorRegistry, name: str,
+              summary_path: Path | None, credentials: Callable[[], Credentials | None],
+              watch: LeaseWatch) -> RunSummary | None:
     stop = threading.Event()
     _on_signals(stop.set)
     log.info("standby controller for job %s: waiting for the leader's lease to lapse", job)
-    decision = watch_lease(broker, job, watch or LeaseWatch(), f"{name}-standby", credentials(),
-                           stop=stop)
+    decision = watch_lease(broker, job, watch, f"{name}-standby", credentials(), stop=stop)
     if decision.verdict is not LeaseVerdict.TAKE_OVER:
         log.info("job %s ended under its leader; the standby has nothing to do", job)
         return None
     log.warning("the leader of job %s is gone: taking over with term %d", job, decision.term)
     progress.message(f"standby takes over job {job} (term {decision.term})")
     # Fresh credentials: a new session, newer than the leader's (docs/design.md §4, replays).
-    return _lead(job, broker, replace(config, resume=True, term=decision.term), options,
-                 progress, name, summary_path, credentials())
+    keys = credentials()
+    transport = MqttTransport(broker, client_id=name)
+    controller = Controller(job, replace(config, resume=True), transport, registry, progress,
+                            credentials=keys)
+    return _lead(controller, decision.term, keys, summary_path)
 
 
-def _lead(job: str, broker: BrokerConfig, config: ControllerConfig, options: ProcessOptions,
-          progress: ProgressReporter, client_id: str, summary_path: Path | None,
-          credentials: Credentials | None) -> RunSummary:
-    registry = CollectorRegistry()
-    serve_metrics(registry, options.metrics_port)
-    transport = MqttTransport(broker, client_id=client_id,
-                              will=controller_will(job, credentials, config.term))
-    controller = Controller(job, config, transport, registry, progress,
-                            credentials=credentials)
+def _lead(controller: Controller, term: int, credentials: Credentials | None,
+          summary_path: Path | None) -> RunSummary:
+    """Run ``controller`` with lease ``term`` (its state and its Last Will carry it)."""
+    controller.config = replace(controller.config, term=term)
+    transport = controller.transport
+    assert isinstance(transport, MqttTransport)
+    transport.will = controller_will(controller.job, credentials, term)
     stop = threading.Event()
 
     def interrupt() -> None:
