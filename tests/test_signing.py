@@ -342,3 +342,23 @@ def test_a_receiver_whose_key_was_rotated_still_checks_tags_made_for_its_old_key
                            header.tags)
 
     Reassembler(authenticate=check).feed(frame)
+
+
+def test_a_retained_message_for_known_readers_carries_tags_and_a_signature(tmp_path):
+    keys = LocalKeys(tmp_path)
+    paths = {name: keys.key_path(name) for name in ("controller", "dev0", "dev1")}
+    broker = MemoryBroker()
+    controller, dev0, late = (_Process(broker, name, Credentials.load(paths[name],
+                                                                       keys.roster_path))
+                              for name in ("controller", "dev0", "dev1"))
+    topic = Topics(JOB).state
+    frame = controller.messenger.frames(Heartbeat(queue_depth=3), receivers=("dev0",),
+                                        also_sign=True)[0]
+    assert {"mac", "sg"} <= set(msgpack.unpackb(frame, raw=False))
+    # A broken signature shows who checks what: the named reader its tag, anyone else the
+    # signature.
+    controller.transport.publish(topic, _tamper(frame, sg=bytes(64)), retain=True)
+    dev0.transport.subscribe(topic)
+    late.transport.subscribe(topic)
+    assert [i.message for i in dev0.received()] == [Heartbeat(queue_depth=3)]
+    assert late.received() == [] and late.dropped("bad_signature") == 1

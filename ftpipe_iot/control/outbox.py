@@ -26,11 +26,13 @@ class JobOutbox:
         self.topics = topics
         self.plan_version = 0
         self.stage_zero: tuple[str, ...] = ()  # who reads the data fed: every holder of stage 0
+        self.devices: tuple[str, ...] = ()  # the plan's devices: they read the state each step
 
     def use(self, plan: Plan) -> None:
         """Tag what follows with ``plan`` (its version; its first stage's holders)."""
         self.plan_version = plan.version
         self.stage_zero = plan.stages[0].devices if plan.stages else ()
+        self.devices = (*plan.devices, self.messenger.name)  # we read it too: fencing
 
     def plan(self, plan: Plan) -> None:
         """The new plan, retained (devices and a resumed controller read it from the broker)."""
@@ -38,7 +40,9 @@ class JobOutbox:
         self.messenger.send(self.topics.plan, PlanMessage(plan), plan.version, retain=True)
 
     def state(self, state: ControllerState, step: int) -> None:
-        self.messenger.send(self.topics.state, state, self.plan_version, step, retain=True)
+        # Tags for the plan's devices (they read it every step), a signature for anyone else.
+        self.messenger.send(self.topics.state, state, self.plan_version, step, retain=True,
+                            receivers=self.devices or None)
 
     def event(self, event: Event, step: int) -> None:
         self.messenger.send(self.topics.events, event, self.plan_version, step)

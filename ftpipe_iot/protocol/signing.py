@@ -396,14 +396,16 @@ def mac_tag(key: bytes, content: bytes) -> bytes:
 
 
 class _PairwiseSeal:
-    """Seals frames for known receivers with one tag each."""
+    """Seals frames for known receivers with one tag each (and, with ``also_sign``, a signature
+    for everyone else: a retained message read by known devices now and by anyone later)."""
 
     def __init__(self, name: str, signer: Signer, pairwise: PairwiseKeys,
-                 peers: list[tuple[str, X25519PublicKey]]) -> None:
+                 peers: list[tuple[str, X25519PublicKey]], also_sign: bool = False) -> None:
         self.name = name
         self.signer = signer
         self.pairwise = pairwise
         self.peers = peers
+        self.also_sign = also_sign
 
     def seal(self, header: list[object], payload: bytes) -> dict[str, object]:
         started = time.perf_counter()
@@ -411,8 +413,11 @@ class _PairwiseSeal:
         own = self.signer.agreement
         tags = {name: mac_tag(self.pairwise.key(self.name, own, name, peer), content)
                 for name, peer in self.peers}
+        fields: dict[str, object] = {"kid": self.signer.key_id, "mac": tags}
+        if self.also_sign:
+            fields["sg"] = self.signer.sign(content)
         self.signer.busy_s += time.perf_counter() - started
-        return {"kid": self.signer.key_id, "mac": tags}
+        return fields
 
 
 class ReplayGuard:
@@ -461,9 +466,11 @@ class Credentials:
     def signing(self) -> bool:
         return self.signer is not None
 
-    def sealer(self, name: str, receivers: Iterable[str] | None = None) -> Sealer | None:
+    def sealer(self, name: str, receivers: Iterable[str] | None = None,
+               also_sign: bool = False) -> Sealer | None:
         """How ``name`` proves a frame: tags for ``receivers`` when every one of them is in the
-        roster, else (or without receivers) its signature; None when unsigned."""
+        roster (and its signature too with ``also_sign``), else (or without receivers) its
+        signature; None when unsigned."""
         signer = self.signer
         if signer is None:
             return None
@@ -475,7 +482,7 @@ class Credentials:
             if public is None:
                 return signer  # a receiver we cannot tag for still checks a signature
             peers.append((receiver, public))
-        return _PairwiseSeal(name, signer, self.pairwise, peers)
+        return _PairwiseSeal(name, signer, self.pairwise, peers, also_sign)
 
     def check_tag(self, sender: str, kid: bytes | None, receiver: str, content: bytes,
                   tags: Mapping[str, bytes]) -> None:

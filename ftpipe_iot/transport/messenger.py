@@ -96,8 +96,10 @@ class Messenger:
              micro_batch: int = -1, qos: int = 1, retain: bool = False,
              receivers: Iterable[str] | None = None) -> int:
         """Encode and publish; returns the bytes sent. ``receivers``: every identity that may
-        read the message (for one tag each instead of a signature: the hot path)."""
-        frames = self.frames(message, plan_version, step, micro_batch, receivers=receivers)
+        read the message (for one tag each instead of a signature: the hot path); a retained
+        message gets the signature too (a later subscriber checks that)."""
+        frames = self.frames(message, plan_version, step, micro_batch, receivers=receivers,
+                             also_sign=retain)
         if retain and len(frames) > 1:
             raise ConfigError(f"retained message on {topic} needs {len(frames)} chunks; retained "
                              "payloads must fit one message")
@@ -105,13 +107,14 @@ class Messenger:
 
     def frames(self, message: Message, plan_version: int = 0, step: int = -1,
                micro_batch: int = -1, options: WireOptions | None = None,
-               receivers: Iterable[str] | None = None) -> list[bytes]:
+               receivers: Iterable[str] | None = None, also_sign: bool = False
+               ) -> list[bytes]:
         """The encoded frames of a message, to publish later with ``publish_frames`` (a capped
         link emulated in another thread publishes them after their transmission time)."""
         env = envelope(message, self.job, self.name, plan_version, step, micro_batch,
                        next(self._seq), session=self.session)
         return encode(env, options or self._wire_options(),
-                      self.credentials.sealer(self.name, receivers))
+                      self.credentials.sealer(self.name, receivers, also_sign))
 
     def publish_frames(self, topic: str, frames: list[bytes], kind: MessageKind, qos: int = 1,
                        retain: bool = False) -> int:
@@ -186,7 +189,8 @@ class Messenger:
         assert verifier is not None
         started = time.perf_counter()
         try:
-            if header.signature is None and header.tags is not None:
+            if header.tags is not None and (header.signature is None or
+                                            self.name in header.tags):
                 self.credentials.check_tag(header.env.sender, header.key_id, self.name,
                                            header.signed_content(), header.tags)
             else:
