@@ -27,6 +27,7 @@ from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.vocab import EventType
 from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess
 from ftpipe_iot.runtime.faults import Fault, FaultAction
+from ftpipe_iot.runtime.preflight import check_job
 from ftpipe_iot.runtime.supervise import ProcessGroup
 from ftpipe_iot.transport.config import BrokerConfig, parse_protocol
 
@@ -43,6 +44,44 @@ def _exit_text(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+class DemoInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped the demo after its processes were stopped; ``summary`` is what
+    the controller had done by then (``interrupted`` True), None when it wrote nothing."""
+
+    def __init__(self, summary: dict | None) -> None:
+        super().__init__("interrupted")
+        self.summary = summary
+
+
+class JobFailed(DemoError):
+    """The job failed and its controller already printed why (its stderr is the demo's):
+    the CLI says nothing more. ``summary`` is the controller's, ``error`` included."""
+
+    def __init__(self, message: str, summary: dict) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
+def read_summary(path: Path, work_dir: Path, started: float) -> dict | None:
+    """The controller's summary at ``path`` with the demo's wall time and work dir, or None
+    when there is none (yet)."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    summary["wall_s"] = round(time.monotonic() - started, 3)
+    summary["work_dir"] = str(work_dir)
+    return summary
+
+
+def interrupted_summary(path: Path, work_dir: Path, started: float) -> dict | None:
+    """What an interrupted demo reports: the controller's summary marked ``interrupted``."""
+    summary = read_summary(path, work_dir, started)
+    if summary is not None:
+        summary["interrupted"] = True
+    return summary
 
 
 def _last_error(log_text: str) -> str | None:
@@ -114,6 +153,7 @@ class Demo:
         self.gone: dict[str, str] = {}  # device -> why it exited (not restarted)
         self.restarts = {"controller": 0, "devices": 0, "broker": 0}
         self._next_device = options.devices
+        self.started = time.monotonic()
 
     def _spawn_device(self, index: int) -> None:
         self._spawn_named_device(f"dev{index}")
@@ -138,7 +178,7 @@ class Demo:
 
     def run(self) -> dict:
         """Run to the end; returns the controller's summary plus broker kind and wall time."""
-        started = time.monotonic()
+        started = self.started = time.monotonic()
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
         def interrupt(signum: int, _frame: object) -> None:
@@ -146,6 +186,8 @@ class Demo:
 
         signal.signal(signal.SIGTERM, interrupt)
         try:
+            # A bad data file or model is said now, not after every process has started.
+            check_job(self.options.train)
             broker_url, kind = self._start_broker()
             protocol = parse_protocol("3.1.1" if kind is BrokerKind.EMBEDDED else "auto")
             # Connecting the watcher first checks the broker: an unreachable one or a bad URL
@@ -178,6 +220,11 @@ class Demo:
                 summary["report_json"] = str(paths.json)
                 summary["report_png"] = str(paths.png)
             return summary
+        except KeyboardInterrupt:
+            # Stop the controller first (it writes what it had done), then report that.
+            self.stop()
+            raise DemoInterrupted(interrupted_summary(self.summary_path, self.work_dir,
+                                                      started)) from None
         finally:
             self.stop()
             for sig, handler in previous.items():
@@ -222,14 +269,10 @@ class Demo:
             self._say(f"controller {_exit_text(code)}: restarting it with --resume")
             self._spawn_controller(resume=True)
             return False
-        raise DemoError(self._controller_failure(code))
-
-    def _controller_failure(self, code: int) -> str:
-        try:
-            error = json.loads(self.summary_path.read_text()).get("error")
-        except (OSError, ValueError):
-            error = None
-        return f"the job failed: {error}" if error else f"controller {_exit_text(code)}"
+        summary = read_summary(self.summary_path, self.work_dir, self.started)
+        if summary is not None and summary.get("error"):
+            raise JobFailed(f"the job failed: {summary['error']}", summary)
+        raise DemoError(f"controller {_exit_text(code)}")
 
     def _check_devices(self) -> None:
         for name, proc in list(self.children.procs.items()):
