@@ -37,9 +37,10 @@ def check_job(train: TrainConfig, split_point: int | None = None,
     the pinned ``split_point`` (and that the model can be split at all). Returns the data set
     (the collaborative demo splits it among its devices). Raises ``DataError``, ``ModelError``
     or ``CollabError``."""
+    data = load_dataset(train.data)
+    # torch only now: a bad data file is said without waiting for its import (seconds).
     from ftpipe_iot.core.models import build_layers, cut_shapes
 
-    data = load_dataset(train.data)
     with _children_import_path():
         layers = build_layers(train.model, data.input_shape, data.num_classes, train.seed)
     if collaborative:
