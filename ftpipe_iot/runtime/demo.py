@@ -186,14 +186,15 @@ class Demo:
 
         signal.signal(signal.SIGTERM, interrupt)
         try:
-            # A bad data file or model is said now, not after every process has started.
+            # Everything that can be checked is checked before any process starts, the
+            # cheapest first: a given broker (its URL, whether it answers), then the data and
+            # the model (seconds: torch), then our own broker is started.
+            if self.options.broker_url:
+                self._watch(self.options.broker_url, BrokerKind.MOSQUITTO)
             check_job(self.options.train)
             broker_url, kind = self._start_broker()
-            protocol = parse_protocol("3.1.1" if kind is BrokerKind.EMBEDDED else "auto")
-            # Connecting the watcher first checks the broker: an unreachable one or a bad URL
-            # is said plainly before any process starts.
-            self.watcher = JobWatcher(BrokerConfig.from_url(broker_url, protocol=protocol),
-                                      self.options.job).start()
+            if self.watcher is None:
+                self._watch(broker_url, kind)
             self.common = ["--job", self.options.job, "--broker", broker_url]
             if kind is BrokerKind.EMBEDDED:
                 self.common += ["--mqtt-protocol", "3.1.1"]
@@ -229,6 +230,13 @@ class Demo:
             self.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _watch(self, broker_url: str, kind: BrokerKind) -> None:
+        """Connect the job's watcher; this checks the broker: an unreachable one or a bad URL
+        is said plainly before any process starts."""
+        protocol = parse_protocol("3.1.1" if kind is BrokerKind.EMBEDDED else "auto")
+        self.watcher = JobWatcher(BrokerConfig.from_url(broker_url, protocol=protocol),
+                                  self.options.job).start()
 
     def _metrics_args(self, offset: int) -> list[str]:
         """``--metrics-port`` for the process at ``offset`` (0 = controller, i+1 = dev i)."""
