@@ -31,13 +31,13 @@ from ftpipe_iot.observability.report import write_report
 from ftpipe_iot.protocol.vocab import CollabMode
 from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess
 from ftpipe_iot.runtime.demo import (
-    _MAX_RESTARTS,
+    MAX_RESTARTS,
     DemoInterrupted,
     JobFailed,
-    _exit_text,
-    _last_error,
     default_work_dir,
+    exit_text,
     interrupted_summary,
+    last_error,
     read_summary,
 )
 from ftpipe_iot.runtime.preflight import check_job
@@ -219,9 +219,9 @@ class CollabDemo:
             code = self.children.procs[name].poll()
             if name in self.gone or code in (None, 0):
                 continue
-            reason = _last_error(self.children.log(name))
-            why = _exit_text(code) + (f" ({reason})" if reason else "")
-            if self.options.restart_devices and self.restarts < _MAX_RESTARTS:
+            reason = last_error(self.children.log(name))
+            why = exit_text(code) + (f" ({reason})" if reason else "")
+            if self.options.restart_devices and self.restarts < MAX_RESTARTS:
                 self.restarts += 1
                 self._say(f"{name} {why}: restarting it")
                 self.children.start(name, *self.device_argv[name])
@@ -236,7 +236,7 @@ class CollabDemo:
         """Why the run cannot go on: the server or the broker exited."""
         server = self.children.procs.get("server")
         if server is not None and server.poll() not in (None, 0):
-            return f"the server {_exit_text(server.returncode)} (there is no standby server); " \
+            return f"the server {exit_text(server.returncode)} (there is no standby server); " \
                    f"its log: {self.children.log_path('server')}"
         broker = self.broker.proc if self.broker is not None else None
         if broker is not None and broker.poll() is not None:
@@ -259,7 +259,7 @@ class CollabDemo:
             if summary is not None and summary.get("error"):
                 summary.update(exited=dict(self.gone), restarts={"devices": self.restarts})
                 raise JobFailed(f"the job failed: {summary['error']}", summary)
-            raise DemoError(f"the coordinator {_exit_text(coordinator.returncode)}")
+            raise DemoError(f"the coordinator {exit_text(coordinator.returncode)}")
         for name in self.children.procs:
             try:
                 self.children.wait(name, 10.0)

@@ -34,10 +34,11 @@ from ftpipe_iot.transport.config import BrokerConfig, parse_protocol
 log = logging.getLogger(__name__)
 
 # Restarts of one kind of process after which the demo gives up (a crash loop is not recovery).
-_MAX_RESTARTS = 10
+MAX_RESTARTS = 10  # per kind of process, also in the collaborative demo
 
 
-def _exit_text(code: int) -> str:
+def exit_text(code: int) -> str:
+    """How a child ended, for a person: ``was killed by SIGKILL``, ``exited with code 1``."""
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
@@ -84,7 +85,7 @@ def interrupted_summary(path: Path, work_dir: Path, started: float) -> dict | No
     return summary
 
 
-def _last_error(log_text: str) -> str | None:
+def last_error(log_text: str) -> str | None:
     """The reason a CLI process gave for exiting: its last ``Error:`` line."""
     lines = [line.strip() for line in log_text.splitlines() if line.startswith("Error:")]
     return lines[-1].removeprefix("Error:").strip() if lines else None
@@ -272,24 +273,24 @@ class Demo:
             return False
         if code == 0:
             return True
-        if code < 0 and self.restarts["controller"] < _MAX_RESTARTS:
+        if code < 0 and self.restarts["controller"] < MAX_RESTARTS:
             self.restarts["controller"] += 1
-            self._say(f"controller {_exit_text(code)}: restarting it with --resume")
+            self._say(f"controller {exit_text(code)}: restarting it with --resume")
             self._spawn_controller(resume=True)
             return False
         summary = read_summary(self.summary_path, self.work_dir, self.started)
         if summary is not None and summary.get("error"):
             raise JobFailed(f"the job failed: {summary['error']}", summary)
-        raise DemoError(f"controller {_exit_text(code)}")
+        raise DemoError(f"controller {exit_text(code)}")
 
     def _check_devices(self) -> None:
         for name, proc in list(self.children.procs.items()):
             code = proc.poll()
             if name == "controller" or name in self.gone or code in (None, 0):
                 continue
-            reason = _last_error(self.children.log(name))
-            why = _exit_text(code) + (f" ({reason})" if reason else "")
-            if self.options.restart_devices and self.restarts["devices"] < _MAX_RESTARTS:
+            reason = last_error(self.children.log(name))
+            why = exit_text(code) + (f" ({reason})" if reason else "")
+            if self.options.restart_devices and self.restarts["devices"] < MAX_RESTARTS:
                 self.restarts["devices"] += 1
                 self._say(f"{name} {why}: restarting it")
                 self._spawn_named_device(name)
@@ -307,7 +308,7 @@ class Demo:
         broker = self.broker
         if broker is None or broker.proc is None or broker.proc.poll() is None:
             return
-        if self.restarts["broker"] >= _MAX_RESTARTS:
+        if self.restarts["broker"] >= MAX_RESTARTS:
             raise DemoError(f"the broker exited with code {broker.proc.returncode} "
                             f"{self.restarts['broker']} times")
         self.restarts["broker"] += 1
