@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import say  # noqa: E402
 
 
-def _demo(epochs: int, work: Path) -> dict:
+def _demo(epochs: int, work: Path, extra: list[str] | None = None) -> dict:
     out = subprocess.run([sys.executable, "-m", "ftpipe_iot", "demo", "--json", "--epochs",
-                          str(epochs), "--work-dir", str(work)],
+                          str(epochs), "--work-dir", str(work), *(extra or [])],
                          capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL)
     if out.returncode != 0:
         raise RuntimeError(f"demo failed: {out.stderr[-2000:]}")
@@ -39,11 +39,17 @@ def main() -> None:
     parser.add_argument("--long-epochs", type=int, default=30)
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "churn.json")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one 3-step demo run on 2 devices, no long run: checks the "
+                             "benchmark runs (give --out)")
     args = parser.parse_args()
+    smoke = ["--devices", "2", "--max-steps", "3"] if args.smoke else []
+    if args.smoke:
+        args.runs, args.long_epochs = 1, 0
     work = Path(tempfile.mkdtemp(prefix="bench-churn-"))
     runs = []
     for index in range(args.runs):
-        runs.append(_demo(6, work / f"demo-{index}"))
+        runs.append(_demo(6, work / f"demo-{index}", smoke))
         say(f"demo run {index + 1}/{args.runs}: {runs[-1]['repartitions']} repartitions")
     long = _demo(args.long_epochs, work / "long") if args.long_epochs else None
     if long:

@@ -58,20 +58,25 @@ class Setting:
     epochs: int
     target: float
     lr: float = 0.01
+    devices: int = 4
+    max_steps: int | None = None
+    profiles: bool = True  # the emulated devices and server; False: every process at 1x
 
 
 def _run(setting: Setting, mode: CollabMode, broker: BrokerProcess, work: Path,
          privacy: PrivacySettings | None = None) -> dict:
     train = TrainConfig(model=ModelSpec(setting.model), micro_batches=4, micro_batch_size=8,
-                        epochs=setting.epochs, lr=setting.lr, momentum=0.9, seed=0)
-    config = CollabConfig(mode=mode, train=train, devices=4,
+                        epochs=setting.epochs, lr=setting.lr, momentum=0.9, seed=0,
+                        max_steps=setting.max_steps)
+    config = CollabConfig(mode=mode, train=train, devices=setting.devices,
                           aggregate_every=setting.aggregate_every, privacy=privacy,
                           heartbeat_timeout_s=30.0, wait_devices_s=180.0)
     job = f"bench-{mode.value[:5]}-{setting.name}"[:60]
     options = CollabDemoOptions(config=config, job=job, broker_url=broker.url,
                                 work_dir=work / job, partition=PartitionSpec.parse(
                                     setting.partition),
-                                device_profile=DEVICE, server_profile=SERVER,
+                                device_profile=DEVICE if setting.profiles else None,
+                                server_profile=SERVER if setting.profiles else None,
                                 coordinator_args=["--save-weights", str(work / job / "w.npz"),
                                                   "--log-level", "WARNING"],
                                 device_args=["--log-level", "WARNING"])
@@ -96,8 +101,10 @@ def _run(setting: Setting, mode: CollabMode, broker: BrokerProcess, work: Path,
         "curve": [(e["train_s"], e["test_accuracy"]) for e in summary["evals"]],
         "weights": str(work / job / "w.npz"), "data_split": collab.get("data_split"),
     }
+    idle = result["server_idle_fraction"]
     say(f"{job}: {result['time_to_target_s']} s to {setting.target}, final "
-        f"{result['final_accuracy']:.3f}, server idle {result['server_idle_fraction']:.2f}")
+        f"{result['final_accuracy']:.3f}, server idle "
+        f"{'-' if idle is None else f'{idle:.2f}'}")
     return result
 
 
@@ -161,6 +168,10 @@ SETTINGS = [
     Setting("wide-dirichlet0.5-k5", SPLIT_FRIENDLY, "dirichlet:0.5", 5, 6, 0.90),
     Setting("cnn-iid-epoch", "cnn", "iid", None, 10, 0.85, lr=0.05),
 ]
+# --smoke: the benchmark's own model (imported by its devices) in both modes, 2 devices at 1x,
+# 2 iterations: checks that the benchmark runs, measures nothing.
+SMOKE = Setting("smoke", SPLIT_FRIENDLY, "iid", 1, 1, 0.0, devices=2, max_steps=2,
+                profiles=False)
 
 
 def main() -> None:
@@ -168,8 +179,12 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated setting names")
     parser.add_argument("--no-dp", action="store_true", help="skip the DP run")
     parser.add_argument("--out", default=str(RESULTS / "collab.json"))
+    parser.add_argument("--smoke", action="store_true",
+                        help="one tiny setting, no DP: checks the benchmark runs (give --out)")
     args = parser.parse_args()
     settings = [s for s in SETTINGS if args.only is None or s.name in args.only.split(",")]
+    if args.smoke:
+        settings, args.no_dp = [SMOKE], True
     os.chdir(REPO)  # children import the benchmark model from here
     load_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench-collab-"))
@@ -201,7 +216,7 @@ def main() -> None:
         broker.cleanup()
     speedups = [r["speedup"] for r in results if r["speedup"]]
     report = {
-        "benchmark": "collab", "devices": 4, "device_profile": DEVICE.name,
+        "benchmark": "collab", "devices": settings[0].devices, "device_profile": DEVICE.name,
         "server_profile": SERVER.name, "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(), "configurations": results,
         "median_speedup": statistics.median(speedups) if speedups else None,

@@ -253,6 +253,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" /
                         "links.json")
     args = parser.parse_args()
+    if args.steps < 4:
+        # The measured window is the last steps/2 steps of each run: fewer than 2 is no window.
+        parser.error(f"--steps must be at least 4 (the window is the last half), got {args.steps}")
     reason = unavailable()
     if reason is not None:
         print(json.dumps({"skipped": f"network namespaces unavailable: {reason}"}))

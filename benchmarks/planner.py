@@ -145,11 +145,13 @@ def random_fleet(rng: random.Random, count: int) -> list[DeviceSpec]:
     return out
 
 
-def decision_times(repeats: int) -> dict:
+def decision_times(repeats: int, fleets: tuple[tuple[int, str], ...] = (
+        (16, "F16"), (32, "F32"), (16, "random"), (32, "random")),
+        micro_batches: tuple[int, ...] = (4, 16, 32)) -> dict:
     rng = random.Random(2024)
     results: dict = {"layers": 60, "max_evaluations": DEFAULT_MAX_EVALUATIONS, "cases": []}
-    for n_dev, kind in ((16, "F16"), (32, "F32"), (16, "random"), (32, "random")):
-        for m in (4, 16, 32):
+    for n_dev, kind in fleets:
+        for m in micro_batches:
             walls, cpus, gaps = [], [], []
             for r in range(repeats):
                 costs = synthetic_costs(rng, 60)
@@ -234,7 +236,12 @@ def main() -> None:
                         help="profile MobileNetV2 here instead (median of 3 runs; needs torch)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--small", type=int, default=60, help="small instances for the gaps")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one case of each part: checks the benchmark runs (give --out)")
     args = parser.parse_args()
+    ms = [4] if args.smoke else [4, 8, 16, 32]
+    if args.smoke:
+        args.repeats, args.small = 1, 2
     load_before = os.getloadavg()
     if args.profile:
         say("profiling MobileNetV2 (width 0.25, micro-batch 32) on this machine, 3 runs")
@@ -244,10 +251,10 @@ def main() -> None:
     costs = LayerCosts.from_dict(cost_data)
     results = {"loadavg_before": load_before, "costs_source": source, "costs": cost_data,
                # the runtime exchanges every micro-batch's gradient (exact); sums as a what-if
-               "f16": f16_predictions(costs, [4, 8, 16, 32], GradientExchange.MICRO_BATCHES),
-               "f16_sums_exchange": f16_predictions(costs, [4, 8, 16, 32],
-                                                    GradientExchange.SUMS),
-               "decision_time": decision_times(args.repeats),
+               "f16": f16_predictions(costs, ms, GradientExchange.MICRO_BATCHES),
+               "f16_sums_exchange": f16_predictions(costs, ms, GradientExchange.SUMS),
+               "decision_time": decision_times(args.repeats, ((16, "F16"),), (4,))
+               if args.smoke else decision_times(args.repeats),
                "exact_vs_heuristic": exact_gaps(args.small)}
     results["loadavg_after"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)

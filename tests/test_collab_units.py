@@ -22,7 +22,7 @@ from ftpipe_iot.core.data import Dataset, load_dataset
 from ftpipe_iot.core.models import build_layers, cut_shapes
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.core.schedule import SyncSchedule
-from ftpipe_iot.errors import BadBody, CollabError, DataError, PrivacyError
+from ftpipe_iot.errors import BadBody, CollabError, DataError, ModelError, PrivacyError
 from ftpipe_iot.protocol.collab import LayerTimes, LocalUpdate, PrivacySettings, Round, Smashed
 from ftpipe_iot.protocol.messages import decode_message, envelope
 from ftpipe_iot.protocol.plan import TrainConfig
@@ -384,3 +384,48 @@ def test_a_data_device_takes_a_job_only_from_the_coordinator_and_imports_no_unli
     assert device.messenger.drops.counts.get("untrusted_plan") == 2
     assert publish(COORDINATOR_NAME, "cnn", 3) == [topics.collab_offer("d0")]
     assert device.job is not None and device.job.version == 3
+
+
+def test_the_recorder_names_who_each_round_left_out():
+    from prometheus_client import CollectorRegistry
+
+    from ftpipe_iot.collab.metrics import CoordinatorMetrics
+    from ftpipe_iot.collab.rounds import Member
+    from ftpipe_iot.collab.summary import CollabRecorder
+    from ftpipe_iot.observability.progress import SilentProgress
+
+    recorder = CollabRecorder("j", "collaborative", CoordinatorMetrics(CollectorRegistry()),
+                              SilentProgress(), lambda event: None, clock=lambda: 0.0)
+    members = {n: Member(n, 10) for n in ("dev0", "dev1", "dev2")}
+    recorder.round_completed(0, 5, ("dev0", "dev1", "dev2"), members, 0.0)
+    recorder.round_completed(1, 10, ("dev0", "dev2"), members, 0.0)
+    recorder.round_completed(2, 15, ("dev0",), members, 0.0)
+    figures = recorder.summary.collab
+    assert figures.left_out == {"dev1": [1, 2], "dev2": [2]}
+    assert [r["left_out"] for r in figures.round_log] == [[], ["dev1"], ["dev1", "dev2"]]
+    assert json.loads(json.dumps(recorder.summary.to_dict()))["collab"]["left_out"] == \
+        {"dev1": [1, 2], "dev2": [2]}
+
+
+def test_rounds_are_shown_one_based_with_runs_joined():
+    from ftpipe_iot.collab.summary import rounds_text
+
+    assert rounds_text([2, 3, 4, 7]) == "3-5, 8"
+    assert rounds_text([0]) == "1"
+    assert rounds_text([]) == ""
+
+
+@pytest.mark.parametrize("train, split_point, collaborative, error, message", [
+    (TrainConfig(), 999, True, CollabError, "split point 999 is not usable"),
+    (TrainConfig(data=DataSpec("npz:/nonexistent/d.npz")), None, False, DataError,
+     "does not exist"),
+    (TrainConfig(model=ModelSpec("no_such_module_here:build")), None, False, ModelError,
+     "cannot import user model module"),
+])
+def test_what_the_demo_checks_before_it_starts_anything(train, split_point, collaborative,
+                                                       error, message):
+    from ftpipe_iot.runtime.preflight import check_job
+
+    with pytest.raises(error, match=message):
+        check_job(train, split_point, collaborative)
+    check_job(TrainConfig(), 3, collaborative=True)  # a usable split point passes

@@ -189,6 +189,7 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                signing_key: str | None, roster: str | None, insecure_unsigned: bool,
                metrics_port: int, threads: int, log_level: str, **training: Any) -> None:
     """Run a job's controller: plan, feed data, collect losses, evaluate, snapshot."""
+    from ftpipe_iot.cli.stops import end_with
     from ftpipe_iot.control.config import ControllerConfig
     from ftpipe_iot.observability.progress import default_progress
 
@@ -252,8 +253,7 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
         return
     if as_json:
         click.echo(summary.to_json(with_history=False))
-    if summary.error:
-        raise click.ClickException(summary.error)
+    end_with(summary.error)
 
 
 @command()
@@ -310,7 +310,8 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
          **training: Any) -> None:
     """Train the CNN on digits with a broker, a controller and N device processes (with --mode
     collaborative or fedavg: N data devices, each with its share of the digits)."""
-    from ftpipe_iot.runtime.demo import Demo, DemoOptions
+    from ftpipe_iot.cli.stops import end_failed, end_interrupted
+    from ftpipe_iot.runtime.demo import Demo, DemoOptions, JobFailed
     from ftpipe_iot.runtime.faults import FaultAction, fault_schedule
 
     if broker_url and embedded_broker:
@@ -334,7 +335,7 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
         return run_collab_demo(collab, train, devices, job, broker_url,
                                embedded_broker, work_dir, metrics_port_base, partition,
                                device_profile, server_profile, as_json,
-                               signed=not insecure_unsigned)
+                               signed=not insecure_unsigned, restart_devices=restart_devices)
     if (partition != "iid" or device_profile or server_profile):
         raise click.UsageError("--partition, --device-profile and --server-profile need "
                                "--mode collaborative or fedavg")
@@ -355,9 +356,10 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
                           if init_from else [])
     try:
         summary = Demo(options).run()
-    except KeyboardInterrupt:
-        click.echo("interrupted: stopped every process the demo started", err=True)
-        sys.exit(130)
+    except KeyboardInterrupt as exc:
+        end_interrupted(exc, as_json)
+    except JobFailed as exc:
+        end_failed(exc, as_json)
     click.echo(_summary_text(summary), err=as_json)
     if "report_png" in summary:
         click.echo(f"report: {summary['report_png']} and {summary['report_json']}", err=True)

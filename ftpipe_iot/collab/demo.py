@@ -3,7 +3,11 @@ that each start with their own share of the training data (written to ``.npz`` f
 Dirichlet non-IID), and in collaborative mode a server, as separate OS processes.
 
 Processes are started and stopped through ``runtime.supervise.ProcessGroup`` (own sessions, die
-with their parent); any child failing, Ctrl-C or SIGTERM stops all of them and the broker.
+with their parent). The demo supervises them as the pipeline demo does: a data device that dies
+is the coordinator's business (it leaves the device out of its round and takes it back at the
+next; ``restart_devices`` starts it again); the demo fails only when the coordinator fails, the
+server dies (no standby server: no way forward) or the broker dies. Ctrl-C or SIGTERM stops
+every process and reports what was done.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import logging
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,12 +25,22 @@ from pathlib import Path
 
 from ftpipe_iot.collab.config import CollabConfig
 from ftpipe_iot.collab.partition import PartitionSpec, class_counts, split_indices, write_shards
-from ftpipe_iot.core.data import load_dataset
+from ftpipe_iot.core.data import Dataset
 from ftpipe_iot.errors import DemoError, ReportError
 from ftpipe_iot.observability.report import write_report
 from ftpipe_iot.protocol.vocab import CollabMode
 from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess
-from ftpipe_iot.runtime.demo import default_work_dir
+from ftpipe_iot.runtime.demo import (
+    MAX_RESTARTS,
+    DemoInterrupted,
+    JobFailed,
+    default_work_dir,
+    exit_text,
+    interrupted_summary,
+    last_error,
+    read_summary,
+)
+from ftpipe_iot.runtime.preflight import check_job
 from ftpipe_iot.runtime.supervise import ProcessGroup
 
 log = logging.getLogger(__name__)
@@ -49,6 +64,7 @@ class CollabDemoOptions:
     device_args: list[str] = field(default_factory=list)
     coordinator_args: list[str] = field(default_factory=list)
     signed: bool = True  # False: --insecure-unsigned (keys otherwise made in work_dir/keys)
+    restart_devices: bool = False  # start a data device again when it dies
 
 
 def coordinator_args(config: CollabConfig) -> list[str]:
@@ -93,10 +109,13 @@ class CollabDemo:
         self.children = ProcessGroup(self.work_dir, signed=options.signed)
         self.broker: BrokerProcess | None = None
         self.summary_path = self.work_dir / "summary.json"
+        self.device_argv: dict[str, list[str]] = {}
+        self.gone: dict[str, str] = {}  # data device -> why it exited (not restarted)
+        self.restarts = 0
+        self.started = time.monotonic()
 
-    def _shards(self) -> tuple[list[Path], dict]:
+    def _shards(self, data: Dataset) -> tuple[list[Path], dict]:
         config = self.options.config
-        data = load_dataset(config.train.data)
         parts = split_indices(data.y_train, config.devices, self.options.partition,
                               config.train.seed, min_samples=config.train.batch_size)
         paths = write_shards(data.x_train, data.y_train, parts, self.work_dir / "data")
@@ -109,23 +128,41 @@ class CollabDemo:
         return ["--metrics-port", str(base + offset)] if base else []
 
     def run(self) -> dict:
-        started = time.monotonic()
+        """Run to the end; returns the coordinator's summary plus the data split, the broker,
+        the wall time and which data devices exited. Raises ``DemoInterrupted`` on Ctrl-C or
+        SIGTERM, ``JobFailed`` when the coordinator failed, ``DemoError`` otherwise."""
+        started = self.started = time.monotonic()
+        config = self.options.config
         with _sigterm_interrupts():
             try:
-                shards, split = self._shards()
+                # Bad data, model or split point: said now, before any process starts.
+                data = check_job(config.train, config.split_point,
+                                 config.mode is CollabMode.COLLABORATIVE)
+                shards, split = self._shards(data)
                 url, kind = self._broker()
                 common = ["--job", self.options.job, "--broker", url]
                 if kind is BrokerKind.EMBEDDED:
                     common += ["--mqtt-protocol", "3.1.1"]
                 self._start(shards, common)
                 self._supervise(started + self.options.timeout_s)
+            except KeyboardInterrupt:
+                # The coordinator is stopped first: it writes what it had done.
+                self.stop()
+                raise DemoInterrupted(self._interrupted(started)) from None
             finally:
                 self.stop()
         summary = json.loads(self.summary_path.read_text())
         summary["collab"]["data_split"] = split
         summary.update(broker=kind.value, wall_s=round(time.monotonic() - started, 3),
-                       work_dir=str(self.work_dir))
+                       work_dir=str(self.work_dir), exited=dict(self.gone),
+                       restarts={"devices": self.restarts})
         return {**summary, **self._report(summary)}
+
+    def _interrupted(self, started: float) -> dict | None:
+        summary = interrupted_summary(self.summary_path, self.work_dir, started)
+        if summary is not None:
+            summary.update(exited=dict(self.gone), restarts={"devices": self.restarts})
+        return summary
 
     def _report(self, summary: dict) -> dict[str, str]:
         """Where the run report went, or why there is none (the result stands without it)."""
@@ -150,15 +187,20 @@ class CollabDemo:
     def _start(self, shards: list[Path], common: list[str]) -> None:
         options, config = self.options, self.options.config
         profile = ["--profile", str(options.device_profile)] if options.device_profile else []
+        model = config.train.model.name
+        # The user asked for this model: let the demo's own devices import it.
+        allow = ["--allow-model-module", model.partition(":")[0]] if ":" in model else []
         if config.mode is CollabMode.COLLABORATIVE:
             server = ["--profile", str(options.server_profile)] if options.server_profile else []
             self.children.start("server", "device", "--name", "server", "--server", *common,
-                                *server, *self._metrics(config.devices + 1),
+                                *server, *allow, *self._metrics(config.devices + 1),
                                 *options.device_args)
         for index, shard in enumerate(shards):
-            self.children.start(f"dev{index}", "device", "--name", f"dev{index}", "--data",
-                                f"npz:{shard}", *common, *profile, *self._metrics(index + 1),
-                                *options.device_args)
+            name = f"dev{index}"
+            self.device_argv[name] = ["device", "--name", name, "--data", f"npz:{shard}",
+                                      *common, *profile, *allow, *self._metrics(index + 1),
+                                      *options.device_args]
+            self.children.start(name, *self.device_argv[name])
         train_path = config.train.save(self.work_dir / "train.json")
         # The coordinator's progress lines are the demo's output: its stderr stays on ours.
         self.children.start("controller", "controller", *common, "--train-config",
@@ -166,21 +208,46 @@ class CollabDemo:
                             "--summary-json", str(self.summary_path), *self._metrics(0),
                             *options.coordinator_args, log=False)
 
+    def _say(self, text: str) -> None:
+        log.warning("%s", text)
+        print(text, file=sys.stderr, flush=True)
+
+    def _check_devices(self) -> None:
+        """A data device that exited is left to the coordinator (restarted with
+        ``restart_devices``); only when none is left can the job not go on."""
+        for name in self.device_argv:
+            code = self.children.procs[name].poll()
+            if name in self.gone or code in (None, 0):
+                continue
+            reason = last_error(self.children.log(name))
+            why = exit_text(code) + (f" ({reason})" if reason else "")
+            if self.options.restart_devices and self.restarts < MAX_RESTARTS:
+                self.restarts += 1
+                self._say(f"{name} {why}: restarting it")
+                self.children.start(name, *self.device_argv[name])
+                continue
+            self.gone[name] = why
+            self._say(f"{name} {why}; the coordinator goes on without it")
+        if self.device_argv and len(self.gone) == len(self.device_argv):
+            last = next(reversed(self.gone.items()))
+            raise DemoError(f"every data device has exited; {last[0]} {last[1]}")
+
     def _failure(self) -> str | None:
-        """Why the run cannot go on: a device, the server or the broker exited."""
-        for name, proc in self.children.procs.items():
-            if name != "controller" and proc.poll() not in (None, 0):
-                return f"{name} exited with code {proc.returncode}; its log: " \
-                       f"{self.children.log_path(name)}"
+        """Why the run cannot go on: the server or the broker exited."""
+        server = self.children.procs.get("server")
+        if server is not None and server.poll() not in (None, 0):
+            return f"the server {exit_text(server.returncode)} (there is no standby server); " \
+                   f"its log: {self.children.log_path('server')}"
         broker = self.broker.proc if self.broker is not None else None
         if broker is not None and broker.poll() is not None:
-            return f"broker exited with code {broker.returncode}"
+            return f"the broker exited with code {broker.returncode}"
         return None
 
     def _supervise(self, deadline: float) -> None:
         """Until the coordinator exits; then give the devices it shut down time to go."""
         coordinator = self.children.procs["controller"]
         while coordinator.poll() is None:
+            self._check_devices()
             problem = self._failure()
             if problem is None and time.monotonic() > deadline:
                 problem = f"demo did not finish within {self.options.timeout_s:.0f}s"
@@ -188,7 +255,11 @@ class CollabDemo:
                 raise DemoError(problem)
             time.sleep(0.1)
         if coordinator.returncode != 0:
-            raise DemoError(f"the coordinator exited with code {coordinator.returncode}")
+            summary = read_summary(self.summary_path, self.work_dir, self.started)
+            if summary is not None and summary.get("error"):
+                summary.update(exited=dict(self.gone), restarts={"devices": self.restarts})
+                raise JobFailed(f"the job failed: {summary['error']}", summary)
+            raise DemoError(f"the coordinator {exit_text(coordinator.returncode)}")
         for name in self.children.procs:
             try:
                 self.children.wait(name, 10.0)

@@ -273,17 +273,10 @@ class Choice:
                 if self.chosen.iteration_s else None}
 
 
-def choose(devices: Sequence[Machine], servers: Sequence[Machine], facts: ModelFacts,
-           batch: int, aggregate_every: int, latency_s: float = 0.002,
-           split_point: int | None = None, micro_batches: int | None = None,
-           private: bool = False) -> Choice:
-    """The split point, number of micro-batches and server (among ``servers``) of the shortest
-    predicted iteration; ``split_point``/``micro_batches`` pin those choices."""
-    if not devices:
-        raise CollabError("no data device to plan for")
-    if not servers:
-        raise CollabError("collaborative mode needs a server: start one with "
-                          "`ftpipe-iot device --server`")
+def usable_split_points(facts: ModelFacts, split_point: int | None = None) -> list[int]:
+    """The split points the planner may choose among: ``[split_point]`` when one is pinned.
+    Raises ``CollabError`` when the pinned one is not usable or the model has none (the demo
+    calls this before it starts anything, so the error comes at once)."""
     points = facts.split_points()
     if split_point is not None:
         if split_point not in points:
@@ -295,6 +288,21 @@ def choose(devices: Sequence[Machine], servers: Sequence[Machine], facts: ModelF
         raise CollabError(f"the model has no usable split point ({facts.n_layers} layers, the "
                           f"head from layer {facts.head_start}): it needs a layer with "
                           "parameters before the head and at least one layer between them")
+    return points
+
+
+def choose(devices: Sequence[Machine], servers: Sequence[Machine], facts: ModelFacts,
+           batch: int, aggregate_every: int, latency_s: float = 0.002,
+           split_point: int | None = None, micro_batches: int | None = None,
+           private: bool = False) -> Choice:
+    """The split point, number of micro-batches and server (among ``servers``) of the shortest
+    predicted iteration; ``split_point``/``micro_batches`` pin those choices."""
+    if not devices:
+        raise CollabError("no data device to plan for")
+    if not servers:
+        raise CollabError("collaborative mode needs a server: start one with "
+                          "`ftpipe-iot device --server`")
+    points = usable_split_points(facts, split_point)
     if micro_batches is not None and batch % micro_batches:
         raise CollabError(f"{micro_batches} micro-batches do not divide the mini-batch of "
                           f"{batch}")

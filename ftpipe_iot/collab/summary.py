@@ -46,6 +46,8 @@ class CollabFigures:
     members: dict[str, dict[str, Any]] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
     round_log: list[dict[str, Any]] = field(default_factory=list)
+    # data device -> indices (0-based, as in ``round_log``) of the rounds it was left out of
+    left_out: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,6 +63,24 @@ class CollabSummary(RunSummary):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_dict(), indent=2))
         return path
+
+
+def left_out_of(included: tuple[str, ...], members: dict[str, Member]) -> tuple[str, ...]:
+    """The known data devices a round's FedAvg did not include (dropped out of it, or offline
+    when it began), in name order."""
+    return tuple(sorted(set(members) - set(included)))
+
+
+def rounds_text(rounds: list[int]) -> str:
+    """Round indices as a person reads them (1-based, runs joined): ``[2, 3, 4, 7]`` ->
+    ``3-5, 8``."""
+    runs: list[list[int]] = []
+    for r in sorted(rounds):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a + 1}" if a == b else f"{a + 1}-{b + 1}" for a, b in runs)
 
 
 class CollabRecorder:
@@ -157,9 +177,13 @@ class CollabRecorder:
         for name, member in members.items():
             self.metrics.members.update(name, rounds_done=member.rounds_done,
                                         rounds_missed=member.rounds_missed)
+        missing = left_out_of(included, members)
+        for name in missing:
+            self.summary.collab.left_out.setdefault(name, []).append(index)
         self.summary.collab.round_log.append({
             "round": index, "end_iteration": end_iteration, "t": now - self._started,
-            "round_s": span, "aggregation_s": aggregation_s, "devices": list(included)})
+            "round_s": span, "aggregation_s": aggregation_s, "devices": list(included),
+            "left_out": list(missing)})
         self._round_started = now
         self._event(Event(EventType.ROUND_COMPLETED, at_step=index, steps=end_iteration,
                           devices=included))

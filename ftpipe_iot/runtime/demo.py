@@ -27,16 +27,18 @@ from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.vocab import EventType
 from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess
 from ftpipe_iot.runtime.faults import Fault, FaultAction
+from ftpipe_iot.runtime.preflight import check_job
 from ftpipe_iot.runtime.supervise import ProcessGroup
 from ftpipe_iot.transport.config import BrokerConfig, parse_protocol
 
 log = logging.getLogger(__name__)
 
 # Restarts of one kind of process after which the demo gives up (a crash loop is not recovery).
-_MAX_RESTARTS = 10
+MAX_RESTARTS = 10  # per kind of process, also in the collaborative demo
 
 
-def _exit_text(code: int) -> str:
+def exit_text(code: int) -> str:
+    """How a child ended, for a person: ``was killed by SIGKILL``, ``exited with code 1``."""
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
@@ -45,7 +47,45 @@ def _exit_text(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _last_error(log_text: str) -> str | None:
+class DemoInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped the demo after its processes were stopped; ``summary`` is what
+    the controller had done by then (``interrupted`` True), None when it wrote nothing."""
+
+    def __init__(self, summary: dict | None) -> None:
+        super().__init__("interrupted")
+        self.summary = summary
+
+
+class JobFailed(DemoError):
+    """The job failed and its controller already printed why (its stderr is the demo's):
+    the CLI says nothing more. ``summary`` is the controller's, ``error`` included."""
+
+    def __init__(self, message: str, summary: dict) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
+def read_summary(path: Path, work_dir: Path, started: float) -> dict | None:
+    """The controller's summary at ``path`` with the demo's wall time and work dir, or None
+    when there is none (yet)."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    summary["wall_s"] = round(time.monotonic() - started, 3)
+    summary["work_dir"] = str(work_dir)
+    return summary
+
+
+def interrupted_summary(path: Path, work_dir: Path, started: float) -> dict | None:
+    """What an interrupted demo reports: the controller's summary marked ``interrupted``."""
+    summary = read_summary(path, work_dir, started)
+    if summary is not None:
+        summary["interrupted"] = True
+    return summary
+
+
+def last_error(log_text: str) -> str | None:
     """The reason a CLI process gave for exiting: its last ``Error:`` line."""
     lines = [line.strip() for line in log_text.splitlines() if line.startswith("Error:")]
     return lines[-1].removeprefix("Error:").strip() if lines else None
@@ -114,6 +154,7 @@ class Demo:
         self.gone: dict[str, str] = {}  # device -> why it exited (not restarted)
         self.restarts = {"controller": 0, "devices": 0, "broker": 0}
         self._next_device = options.devices
+        self.started = time.monotonic()
 
     def _spawn_device(self, index: int) -> None:
         self._spawn_named_device(f"dev{index}")
@@ -138,7 +179,7 @@ class Demo:
 
     def run(self) -> dict:
         """Run to the end; returns the controller's summary plus broker kind and wall time."""
-        started = time.monotonic()
+        started = self.started = time.monotonic()
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
         def interrupt(signum: int, _frame: object) -> None:
@@ -146,12 +187,15 @@ class Demo:
 
         signal.signal(signal.SIGTERM, interrupt)
         try:
+            # Everything that can be checked is checked before any process starts, the
+            # cheapest first: a given broker (its URL, whether it answers), then the data and
+            # the model (seconds: torch), then our own broker is started.
+            if self.options.broker_url:
+                self._watch(self.options.broker_url, BrokerKind.MOSQUITTO)
+            check_job(self.options.train)
             broker_url, kind = self._start_broker()
-            protocol = parse_protocol("3.1.1" if kind is BrokerKind.EMBEDDED else "auto")
-            # Connecting the watcher first checks the broker: an unreachable one or a bad URL
-            # is said plainly before any process starts.
-            self.watcher = JobWatcher(BrokerConfig.from_url(broker_url, protocol=protocol),
-                                      self.options.job).start()
+            if self.watcher is None:
+                self._watch(broker_url, kind)
             self.common = ["--job", self.options.job, "--broker", broker_url]
             if kind is BrokerKind.EMBEDDED:
                 self.common += ["--mqtt-protocol", "3.1.1"]
@@ -178,10 +222,22 @@ class Demo:
                 summary["report_json"] = str(paths.json)
                 summary["report_png"] = str(paths.png)
             return summary
+        except KeyboardInterrupt:
+            # Stop the controller first (it writes what it had done), then report that.
+            self.stop()
+            raise DemoInterrupted(interrupted_summary(self.summary_path, self.work_dir,
+                                                      started)) from None
         finally:
             self.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _watch(self, broker_url: str, kind: BrokerKind) -> None:
+        """Connect the job's watcher; this checks the broker: an unreachable one or a bad URL
+        is said plainly before any process starts."""
+        protocol = parse_protocol("3.1.1" if kind is BrokerKind.EMBEDDED else "auto")
+        self.watcher = JobWatcher(BrokerConfig.from_url(broker_url, protocol=protocol),
+                                  self.options.job).start()
 
     def _metrics_args(self, offset: int) -> list[str]:
         """``--metrics-port`` for the process at ``offset`` (0 = controller, i+1 = dev i)."""
@@ -217,28 +273,24 @@ class Demo:
             return False
         if code == 0:
             return True
-        if code < 0 and self.restarts["controller"] < _MAX_RESTARTS:
+        if code < 0 and self.restarts["controller"] < MAX_RESTARTS:
             self.restarts["controller"] += 1
-            self._say(f"controller {_exit_text(code)}: restarting it with --resume")
+            self._say(f"controller {exit_text(code)}: restarting it with --resume")
             self._spawn_controller(resume=True)
             return False
-        raise DemoError(self._controller_failure(code))
-
-    def _controller_failure(self, code: int) -> str:
-        try:
-            error = json.loads(self.summary_path.read_text()).get("error")
-        except (OSError, ValueError):
-            error = None
-        return f"the job failed: {error}" if error else f"controller {_exit_text(code)}"
+        summary = read_summary(self.summary_path, self.work_dir, self.started)
+        if summary is not None and summary.get("error"):
+            raise JobFailed(f"the job failed: {summary['error']}", summary)
+        raise DemoError(f"controller {exit_text(code)}")
 
     def _check_devices(self) -> None:
         for name, proc in list(self.children.procs.items()):
             code = proc.poll()
             if name == "controller" or name in self.gone or code in (None, 0):
                 continue
-            reason = _last_error(self.children.log(name))
-            why = _exit_text(code) + (f" ({reason})" if reason else "")
-            if self.options.restart_devices and self.restarts["devices"] < _MAX_RESTARTS:
+            reason = last_error(self.children.log(name))
+            why = exit_text(code) + (f" ({reason})" if reason else "")
+            if self.options.restart_devices and self.restarts["devices"] < MAX_RESTARTS:
                 self.restarts["devices"] += 1
                 self._say(f"{name} {why}: restarting it")
                 self._spawn_named_device(name)
@@ -256,7 +308,7 @@ class Demo:
         broker = self.broker
         if broker is None or broker.proc is None or broker.proc.poll() is None:
             return
-        if self.restarts["broker"] >= _MAX_RESTARTS:
+        if self.restarts["broker"] >= MAX_RESTARTS:
             raise DemoError(f"the broker exited with code {broker.proc.returncode} "
                             f"{self.restarts['broker']} times")
         self.restarts["broker"] += 1

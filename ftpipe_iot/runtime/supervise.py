@@ -2,9 +2,10 @@
 the tests all run their brokers' clients through here.
 
 Every child runs in its own session (so a signal to its process group reaches everything it
-started) and, on Linux, is asked to die with its parent (PR_SET_PDEATHSIG): no orphans. Devices
-and controllers sign their messages with keys the group makes in ``<log_dir>/keys`` (unless they
-were given a bundle or keys of their own), or run unsigned where the group is told so.
+started) and, on Linux, is killed when its parent dies (PR_SET_PDEATHSIG, SIGKILL): no
+orphans, even after kill -9 of the parent. Devices and controllers sign their messages with keys
+the group makes in ``<log_dir>/keys`` (unless they were given a bundle or keys of their own), or
+run unsigned where the group is told so.
 """
 
 from __future__ import annotations
@@ -27,19 +28,26 @@ _SIGNING_COMMANDS = ("device", "controller")
 _OWN_KEYS = ("--config", "--signing-key", "--insecure-unsigned")
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
+    # SIGKILL, not SIGTERM: the parent is gone only when it could not stop its children itself
+    # (kill -9, a crash, a second Ctrl-C), and then nobody waits for a clean shutdown any more;
+    # a SIGTERM'd device or controller took seconds to flush and disconnect.
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
-        pass  # not Linux: the supervisor's own cleanup still applies
+        return  # not Linux: the supervisor's own cleanup still applies
+    if os.getppid() != parent:
+        os._exit(1)  # the parent died before the request was in place: nobody would kill us
 
 
 def child_setup(netns: str | None = None) -> Callable[[], None]:
     """What a child runs before exec: die with the parent and, if given, enter the network
     namespace ``netns`` (runtime/netns.py)."""
+    parent = os.getpid()
+
     def setup() -> None:
-        _die_with_parent()
+        _die_with_parent(parent)
         if netns is not None:
             from ftpipe_iot.runtime.netns import enter
 
@@ -76,12 +84,28 @@ def stop_process_groups(procs: Iterable[subprocess.Popen], grace_s: float = 5.0)
             signal_group(proc, signal.SIGCONT)
             signal_group(proc, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
+    try:
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                signal_group(proc, signal.SIGKILL)
+                proc.wait()
+    except KeyboardInterrupt:
+        # A second Ctrl-C while the children shut down: the user will not wait, so nothing
+        # the children would still do is worth outliving us.
+        kill_process_groups(procs)
+        raise
+
+
+def kill_process_groups(procs: Iterable[subprocess.Popen]) -> None:
+    """SIGKILL every child's process group and reap the children (no clean shutdown)."""
+    procs = list(procs)
     for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             signal_group(proc, signal.SIGKILL)
-            proc.wait()
+    for proc in procs:
+        proc.wait()
 
 
 class ProcessGroup:
@@ -145,6 +169,7 @@ class ProcessGroup:
         return self.procs[name].wait(timeout_s)
 
     def stop_all(self, grace_s: float = 5.0) -> None:
+        """Stop every child (``stop_process_groups``) and close their logs."""
         stop_process_groups(self.procs.values(), grace_s)
         for proc in self.procs.values():
             if proc.stdout:
