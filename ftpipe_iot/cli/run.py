@@ -119,8 +119,9 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 
 # Options only --mode pipeline implements: the collaborative modes refuse them, not ignore
 # them. One table for `controller` and `demo` (each has a part of them).
-_PIPELINE_ONLY = ("resume", "standby", "assignment", "checkpoint_dir", "device_names",
-                  "init_from", "save_model", "freeze_layers", "resiliency", "layout")
+_PIPELINE_ONLY = ("resume", "standby", "standby_controller", "assignment", "checkpoint_dir",
+                  "device_names", "init_from", "save_model", "freeze_layers", "resiliency",
+                  "layout")
 
 
 @command()
@@ -273,9 +274,12 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
 @click.option("--fault", "faults", multiple=True, metavar="ACTION[:DEVICE]@step=N",
               help="inject a fault with real signals: kill:2@step=30, hang:1@step=50, "
                    "cont:1@step=60, join@step=40, broker-restart@step=70, "
-                   "controller-restart@step=80 (repeatable)")
+                   "controller-restart@step=80, controller-kill@step=90 (repeatable)")
 @click.option("--restart-devices", is_flag=True,
               help="start a device process again when it dies (as systemd would)")
+@click.option("--standby-controller", is_flag=True,
+              help="start a second controller with --standby: when the leader dies (e.g. "
+                   "--fault controller-kill@step=N) it takes over and resumes exactly")
 @click.option("--max-message-bytes", type=click.IntRange(min=1024), default=None,
               help="largest MQTT message (larger payloads are chunked); at most the broker's "
                    "limit")
@@ -304,7 +308,8 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
 @click.pass_context
 def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_broker: bool,
          job: str, work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...],
-         restart_devices: bool, max_message_bytes: int | None, init_from: str | None,
+         restart_devices: bool, standby_controller: bool, max_message_bytes: int | None,
+         init_from: str | None,
          save_model: str | None, layout: str, as_json: bool, partition: str,
          device_profile: str | None, server_profile: str | None, insecure_unsigned: bool,
          **training: Any) -> None:
@@ -349,7 +354,9 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
                           embedded=embedded_broker, train=train,
                           work_dir=Path(work_dir) if work_dir else None,
                           metrics_port_base=metrics_port_base, faults=schedule,
-                          restart_devices=restart_devices, max_message_bytes=max_message_bytes,
+                          restart_devices=restart_devices,
+                          standby_controller=standby_controller,
+                          max_message_bytes=max_message_bytes,
                           save_model=Path(save_model) if save_model else None,
                           layout=Layout(layout), signed=not insecure_unsigned,
                           controller_args=["--init-from", str(Path(init_from).resolve())]

@@ -33,6 +33,9 @@ from ftpipe_iot.transport.config import BrokerConfig, parse_protocol
 
 log = logging.getLogger(__name__)
 
+# The demo's controller processes: the first leader and the standby of --standby-controller.
+_CONTROLLERS = ("controller", "standby")
+
 # Restarts of one kind of process after which the demo gives up (a crash loop is not recovery).
 MAX_RESTARTS = 10  # per kind of process, also in the collaborative demo
 
@@ -114,6 +117,7 @@ class DemoOptions:
     metrics_port_base: int = 0
     faults: list[Fault] = field(default_factory=list)
     restart_devices: bool = False
+    standby_controller: bool = False  # a second controller that takes over (--standby)
     max_message_bytes: int | None = None
     save_model: Path | None = None  # the trained model's checkpoint [default: work_dir/model.pt]
     layout: Layout = Layout.AUTO
@@ -153,6 +157,7 @@ class Demo:
         self.hung: set[str] = set()
         self.gone: dict[str, str] = {}  # device -> why it exited (not restarted)
         self.restarts = {"controller": 0, "devices": 0, "broker": 0}
+        self.leader = "controller"  # the controller process that leads the job
         self._next_device = options.devices
         self.started = time.monotonic()
 
@@ -167,15 +172,17 @@ class Demo:
         self.children.start(name, "device", "--name", name, *self.common, *allow,
                             *self._metrics_args(index + 1), *self.options.device_args)
 
-    def _spawn_controller(self, resume: bool = False) -> None:
+    def _spawn_controller(self, resume: bool = False, name: str = "controller",
+                          standby: bool = False) -> None:
         # The controller's progress lines are the demo's output: its stderr stays on ours.
-        self.children.start("controller", "controller", *self.common, "--devices",
+        self.children.start(name, "controller", *self.common, "--devices",
                             str(self.options.devices), "--stop-devices",
                             "--summary-json", str(self.summary_path),
                             "--save-model", str(self.model_path),
                             "--layout", self.options.layout.value,
                             *(["--resume"] if resume else ["--train-config", str(self.train_path)]),
-                            *self._metrics_args(0), *self.options.controller_args, log=False)
+                            *(["--standby"] if standby else self._metrics_args(0)),
+                            *self.options.controller_args, log=standby)
 
     def run(self) -> dict:
         """Run to the end; returns the controller's summary plus broker kind and wall time."""
@@ -204,6 +211,8 @@ class Demo:
             for index in range(self.options.devices):
                 self._spawn_device(index)
             self._spawn_controller()
+            if self.options.standby_controller:
+                self._spawn_controller(name="standby", standby=True)
             self._supervise(started)
             summary = json.loads(self.summary_path.read_text())
             summary.update(self._fleet_figures(summary))
@@ -268,11 +277,17 @@ class Demo:
         self._wait_devices()
 
     def _controller_finished(self) -> bool:
-        code = self.children.procs["controller"].poll()
-        if code is None or "controller" in self.expected_exit:
+        code = self.children.procs[self.leader].poll()
+        if code is None or self.leader in self.expected_exit:
             return False
         if code == 0:
             return True
+        standby = "standby"
+        if code < 0 and self.leader != standby and standby in self.children.procs and \
+                self.children.procs[standby].poll() is None:
+            self._say(f"controller {exit_text(code)}: the standby controller takes over")
+            self.leader = standby
+            return False
         if code < 0 and self.restarts["controller"] < MAX_RESTARTS:
             self.restarts["controller"] += 1
             self._say(f"controller {exit_text(code)}: restarting it with --resume")
@@ -286,7 +301,7 @@ class Demo:
     def _check_devices(self) -> None:
         for name, proc in list(self.children.procs.items()):
             code = proc.poll()
-            if name == "controller" or name in self.gone or code in (None, 0):
+            if name in _CONTROLLERS or name in self.gone or code in (None, 0):
                 continue
             reason = last_error(self.children.log(name))
             why = exit_text(code) + (f" ({reason})" if reason else "")
@@ -299,7 +314,7 @@ class Demo:
             if name not in self.expected_exit:
                 self._say(f"{name} {why}; the controller goes on without it")
         running = [n for n, p in self.children.procs.items()
-                   if n != "controller" and n not in self.gone]
+                   if n not in _CONTROLLERS and n not in self.gone]
         if not running:
             last = next(reversed(self.gone.items()))
             raise DemoError(f"every device has exited; {last[0]} {last[1]}")
@@ -349,6 +364,8 @@ class Demo:
                 log.warning("fault %s: the demo did not start the broker", fault)
                 return
             self.broker.restart()
+        elif fault.action is FaultAction.CONTROLLER_KILL:
+            self.children.signal(self.leader, signal.SIGKILL)
         elif fault.action is FaultAction.CONTROLLER_RESTART:
             self.expected_exit.add("controller")
             self.children.signal("controller", signal.SIGKILL)

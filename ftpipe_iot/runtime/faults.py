@@ -8,6 +8,8 @@ Syntax of one fault: ``ACTION[:TARGET]@step=N``
 - ``join``: start one more device (a replacement that was not there at start)
 - ``broker-restart``: stop the broker (SIGTERM) and start it again on the same port and data
 - ``controller-restart``: SIGKILL the controller and start ``controller --resume``
+- ``controller-kill``: SIGKILL the leading controller (the standby of ``--standby-controller``
+  takes over; without one, the demo restarts it with ``--resume``)
 
 ``I`` is the device index (``dev<I>``); ``N`` the step at which to strike (when the controller
 reports that step done).
@@ -31,6 +33,7 @@ class FaultAction(str, Enum):
     JOIN = "join"
     BROKER_RESTART = "broker-restart"
     CONTROLLER_RESTART = "controller-restart"
+    CONTROLLER_KILL = "controller-kill"
 
 
 _NEEDS_TARGET = (FaultAction.KILL, FaultAction.HANG, FaultAction.CONT)
