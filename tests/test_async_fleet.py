@@ -103,7 +103,9 @@ def _two_device_job(max_steps: int, run_until_step: int) -> tuple[TrainConfig, M
 
 
 def test_async_rejoin_repartitions_at_a_drain_point_and_stays_exact():
-    train, job = _two_device_job(max_steps=12, run_until_step=4)
+    # 18 steps: a drain point comes after the rejoin even when the recovery is late (a busy
+    # host), so the spare can be taken in before the job ends
+    train, job = _two_device_job(max_steps=18, run_until_step=4)
     job.devices[-1].transport.crash()
     while job.controller.summary.recoveries < 1:
         job.pump_once()
@@ -117,7 +119,7 @@ def test_async_rejoin_repartitions_at_a_drain_point_and_stays_exact():
     # every plan started at a drain point (replication every 3 steps), so none broke the rule
     assert all(e["resume_step"] % 3 == 0 for e in plans)
     weights = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
-    assert max_weight_diff(weights, train_reference(train, job.controller.data, 12)) < 1e-5
+    assert max_weight_diff(weights, train_reference(train, job.controller.data, 18)) < 1e-5
 
 
 def test_async_controller_resume_continues_from_the_retained_checkpoint():

@@ -96,7 +96,10 @@ def test_kill_9_of_one_device_mid_run(fault_job):
     fault_job.signal("dev1", signal.SIGKILL)
     summary = fault_job.finish()
     assert summary["failures_detected"] >= 1 and summary["recoveries"] >= 1
-    failures = [e for e in summary["events"] if e["type"] == "failure_detected"]
+    # The kill's failure (on a busy host a slow first deployment may come before it as
+    # not_ready: that one is not what this test is about)
+    failures = [e for e in summary["events"] if e["type"] == "failure_detected"
+                and e["cause"] != "not_ready"]
     assert failures[0]["cause"] == "last_will" and failures[0]["devices"] == ["dev1"]
     assert "dev1" not in {d["device"] for s in summary["stages"] for d in s["devices"]}
     # a recovery restores the newest complete version, so it computes again at most the
@@ -135,7 +138,8 @@ def test_hung_device_is_detected_by_missing_heartbeats(fault_job):
         summary = fault_job.finish()
     finally:
         fault_job.signal("dev2", signal.SIGCONT)
-    first = [e for e in summary["events"] if e["type"] == "failure_detected"][0]
+    first = [e for e in summary["events"] if e["type"] == "failure_detected"
+             and e["cause"] != "not_ready"][0]  # a slow first deployment is not the hang
     assert first["cause"] in ("heartbeat_timeout", "last_will") and first["devices"] == ["dev2"]
     assert detected_after < 30  # a functional bound (2 s heartbeat timeout), not a speed target
 

@@ -88,15 +88,17 @@ def coordinator_args(config: CollabConfig) -> list[str]:
 
 @contextmanager
 def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM stops the demo like Ctrl-C (KeyboardInterrupt), so the clean-up runs."""
+    """SIGTERM (and SIGINT, even when a parent left it ignored) stops the demo like Ctrl-C
+    (KeyboardInterrupt), so the clean-up runs."""
     def interrupt(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class CollabDemo:

@@ -192,7 +192,10 @@ class Demo:
         def interrupt(signum: int, _frame: object) -> None:
             raise KeyboardInterrupt
 
-        signal.signal(signal.SIGTERM, interrupt)
+        # SIGINT too: a demo started by a parent that ignores it (a background job of a
+        # non-interactive shell) must still stop on Ctrl-C.
+        for sig in previous:
+            signal.signal(sig, interrupt)
         try:
             # Everything that can be checked is checked before any process starts, the
             # cheapest first: a given broker (its URL, whether it answers), then the data and
