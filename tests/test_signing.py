@@ -338,8 +338,8 @@ def test_a_receiver_whose_key_was_rotated_still_checks_tags_made_for_its_old_key
     frame = encode(env, signer=sender.sealer("dev0", ["dev1"]))[0]
 
     def check(header) -> None:
-        receiver.check_tag(header.env.sender, header.key_id, "dev1", header.signed_content(),
-                           header.tags)
+        receiver.check_tag(header.env.sender, header.key_id, "dev1", header.tag_content(),
+                           header.tags, header.nonce)
 
     Reassembler(authenticate=check).feed(frame)
 
@@ -362,3 +362,21 @@ def test_a_retained_message_for_known_readers_carries_tags_and_a_signature(tmp_p
     late.transport.subscribe(topic)
     assert [i.message for i in dev0.received()] == [Heartbeat(queue_depth=3)]
     assert late.received() == [] and late.dropped("bad_signature") == 1
+
+
+@pytest.mark.parametrize("change", [{"mn": bytes(12)}, {"p": 10**15}, {"st": 99},
+                                    {"mac": {"dev1": bytes(16)}}, {"mn": None}])
+def test_any_change_to_a_tagged_frame_is_refused(change, tmp_path):
+    keys = LocalKeys(tmp_path)
+    paths = {name: keys.key_path(name) for name in ("dev0", "dev1")}
+    sender = Credentials.load(paths["dev0"], keys.roster_path)
+    receiver = Credentials.load(paths["dev1"], keys.roster_path)
+    frame = encode(envelope(Heartbeat(), JOB, "dev0"), signer=sender.sealer("dev0", ["dev1"]))[0]
+
+    def check(header) -> None:
+        receiver.check_tag(header.env.sender, header.key_id, "dev1", header.tag_content(),
+                           header.tags, header.nonce)
+
+    Reassembler(authenticate=check).feed(frame)  # the untouched frame passes
+    with pytest.raises(BadSignature):
+        Reassembler(authenticate=check).feed(_tamper(frame, **change))

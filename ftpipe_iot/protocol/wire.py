@@ -34,7 +34,7 @@ from ftpipe_iot.errors import (
     UnknownVersion,
     WireError,
 )
-from ftpipe_iot.protocol.signing import Sealer, signed_content
+from ftpipe_iot.protocol.signing import Sealer, signed_content, tag_content
 from ftpipe_iot.protocol.vocab import MessageKind, WireDtype
 
 PROTOCOL_VERSION = 1
@@ -229,10 +229,15 @@ class FrameHeader:
     signature: bytes | None = None
     signed_fields: list[Any] = field(default_factory=list)
     tags: dict[str, bytes] | None = None  # per-receiver MAC tags instead of a signature
+    nonce: bytes | None = None  # the tags' nonce
 
     def signed_content(self) -> bytes:
         """The bytes the frame's signature covers."""
         return signed_content(self.signed_fields, self.payload)
+
+    def tag_content(self) -> bytes:
+        """The bytes the frame's per-receiver tags cover."""
+        return tag_content(self.signed_fields, self.payload)
 
 
 Authenticate = Callable[[FrameHeader], None]
@@ -278,7 +283,8 @@ def _decode_header(data: bytes, max_bytes: int) -> FrameHeader:
             isinstance(k, str) and isinstance(v, bytes) for k, v in tags.items())):
         raise MalformedFrame("envelope field 'mac' is not a map of names to tags")
     return FrameHeader(kind, env, payload, compressed, _optional_bytes(raw, "kid"),
-                       _optional_bytes(raw, "sg"), signed_fields, tags)
+                       _optional_bytes(raw, "sg"), signed_fields, tags,
+                       _optional_bytes(raw, "mn"))
 
 
 def decode(data: bytes, max_body_bytes: int = 512 * 1024 * 1024,

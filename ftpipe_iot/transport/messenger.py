@@ -192,7 +192,7 @@ class Messenger:
             if header.tags is not None and (header.signature is None or
                                             self.name in header.tags):
                 self.credentials.check_tag(header.env.sender, header.key_id, self.name,
-                                           header.signed_content(), header.tags)
+                                           header.tag_content(), header.tags, header.nonce)
             else:
                 verifier.verify(header.env.sender, header.key_id, header.signed_content(),
                                 header.signature)
