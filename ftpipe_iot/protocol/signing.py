@@ -9,7 +9,7 @@ the controller's key; the controller publishes the current roster (retained, sig
 so devices added or re-keyed later are known without touching the other devices.
 
 Messages to known receivers (a stage's inputs, gradients and group partials, results for the
-controller: the hot path, dozens a step) may carry, instead of a signature, one HMAC tag per
+controller: the hot path, dozens a step) may carry, instead of a signature, one AES-GMAC tag per
 receiver, keyed by the X25519 agreement of sender and receiver (each identity's X25519 key is
 derived from its Ed25519 key; the roster carries both public keys). Only the two of them know
 that key, so a tag proves the sender to that receiver exactly as a signature would, and a
