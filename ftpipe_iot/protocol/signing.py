@@ -54,8 +54,6 @@ from ftpipe_iot.errors import BadSignature, ConfigError
 # collaborative modes (one job has one of them; a standby controller holds the same key).
 CONTROLLER_NAMES = ("controller", "coordinator")
 KEY_ID_BYTES = 8
-SIGNATURE_BYTES = 64
-MAC_BYTES = 16
 _DOMAIN = b"ftpipe-iot frame v1"
 _TAG_DOMAIN = b"ftpipe-iot tag v1"
 NONCE_BYTES = 12
@@ -472,10 +470,6 @@ class Credentials:
     def __post_init__(self) -> None:
         if self.signer is not None and self.pairwise is None:
             self.pairwise = PairwiseKeys()
-
-    @property
-    def signing(self) -> bool:
-        return self.signer is not None
 
     def sealer(self, name: str, receivers: Iterable[str] | None = None,
                also_sign: bool = False) -> Sealer | None:
