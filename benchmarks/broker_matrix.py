@@ -4,6 +4,7 @@ and 3.1.1 with the project's config, the embedded amqtt broker, and RabbitMQ's M
 private node. docs/brokers.md explains each column and what the project does about it.
 
     python benchmarks/broker_matrix.py [--out benchmarks/results/broker_matrix.json]
+                                       [--brokers mosquitto-5,rabbitmq]
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from ftpipe_iot.runtime.rabbitmq import (  # noqa: E402
 from ftpipe_iot.transport.config import BrokerConfig, MqttProtocol  # noqa: E402
 from ftpipe_iot.transport.probe import probe  # noqa: E402
 
+BROKERS = ("mosquitto-5", "mosquitto-3.1.1", "embedded-amqtt", "rabbitmq")
+
 
 def _mosquitto_version() -> str:
     import subprocess
@@ -39,30 +42,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" /
                         "broker_matrix.json")
+    parser.add_argument("--brokers", default=",".join(BROKERS),
+                        help=f"comma-separated subset of {', '.join(BROKERS)} (default: all)")
     args = parser.parse_args()
+    wanted = [name.strip() for name in args.brokers.split(",") if name.strip()]
+    unknown = sorted(set(wanted) - set(BROKERS))
+    if unknown or not wanted:
+        parser.error(f"--brokers takes names among {', '.join(BROKERS)}; got {args.brokers!r}")
     started = time.monotonic()
     rows: dict[str, dict] = {}
-    if mosquitto_binary():
-        for name, protocol in (("mosquitto-5", MqttProtocol.V5),
-                               ("mosquitto-3.1.1", MqttProtocol.V311)):
+    mosquitto_rows = [(name, protocol) for name, protocol in
+                      (("mosquitto-5", MqttProtocol.V5), ("mosquitto-3.1.1", MqttProtocol.V311))
+                      if name in wanted]
+    if mosquitto_rows and mosquitto_binary():
+        for name, protocol in mosquitto_rows:
             with BrokerProcess(kind=BrokerKind.MOSQUITTO) as broker:
                 rows[name] = {"version": _mosquitto_version(),
                               **probe(BrokerConfig(port=broker.port, protocol=protocol))
                               .to_dict()}
-    else:
+    elif mosquitto_rows:
         rows["mosquitto"] = {"skipped": "mosquitto is not installed"}
-    with BrokerProcess(kind=BrokerKind.EMBEDDED) as broker:
-        from importlib.metadata import version
+    if "embedded-amqtt" in wanted:
+        with BrokerProcess(kind=BrokerKind.EMBEDDED) as broker:
+            from importlib.metadata import version
 
-        rows["embedded-amqtt"] = {"version": f"amqtt {version('amqtt')}",
-                                  **probe(BrokerConfig(port=broker.port)).to_dict()}
-    reason = rabbitmq_unavailable()
-    if reason:
-        rows["rabbitmq"] = {"skipped": reason}
-    else:
-        with RabbitMqBroker() as node:
-            rows["rabbitmq"] = {"version": f"RabbitMQ {mqtt_plugin_version()} (rabbitmq_mqtt)",
-                                **probe(BrokerConfig(port=node.port)).to_dict()}
+            rows["embedded-amqtt"] = {"version": f"amqtt {version('amqtt')}",
+                                      **probe(BrokerConfig(port=broker.port)).to_dict()}
+    if "rabbitmq" in wanted:
+        reason = rabbitmq_unavailable()
+        if reason:
+            rows["rabbitmq"] = {"skipped": reason}
+        else:
+            with RabbitMqBroker() as node:
+                rows["rabbitmq"] = {"version": f"RabbitMQ {mqtt_plugin_version()} "
+                                               "(rabbitmq_mqtt)",
+                                    **probe(BrokerConfig(port=node.port)).to_dict()}
     for row in rows.values():
         row.pop("url", None)
     results = {"brokers": rows, "loadavg": os.getloadavg(),
