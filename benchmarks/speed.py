@@ -14,7 +14,10 @@ micro-batches of 32, M = 8, 4 stages on the split [0,3),[3,5),[5,12),[12,22):
   transport and queues, other Python, idle waits) and every thread's CPU seconds from
   /proc (the network thread is not seen by cProfile). ``--profile-run`` adds one profiled
   sync run of ``equal`` (profiling slows Python, so rates come from the unprofiled runs);
-* time to 0.95 test accuracy on digits, sync vs async (CNN, wall time of the job).
+* time to 0.95 test accuracy on digits (8x8, 3 devices, 4 x 8, lr 0.05): sync, async without
+  and with delay compensation, over seeds, for the CNN and full-width MobileNetV2 (``--only
+  accuracy``): the wall time from the first step to the first epoch at 0.95, the median over
+  the seeds, and a plot of accuracy against wall time.
 
 The host has 2 cores shared with other work: ``loadavg`` is recorded before and after every
 run; rates are noisy at the 10-20% level.
@@ -259,22 +262,90 @@ def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float,
     return result
 
 
-def time_to_accuracy(broker: BrokerProcess, schedule: str, target: float = 0.95,
-                     lr: float = 0.05, epochs: int = 4) -> dict:
-    """CNN on digits until the test accuracy reaches ``target`` (evaluated every epoch)."""
-    training = ["--model", "cnn", "--data", "digits", "--micro-batches", "4",
+ACCURACY_VARIANTS = {  # name -> (--schedule, --delay-compensation)
+    "sync": ("sync", "none"),
+    "async-none": ("async", "none"),
+    "async-predict": ("async", "predict"),
+}
+
+
+def time_to_accuracy(broker: BrokerProcess, variant: str, seed: int, model: str = "cnn",
+                     target: float = 0.95, lr: float = 0.05, epochs: int = 4) -> dict:
+    """One job on digits (8x8, 3 devices, 4 x 8) until ``epochs`` end, evaluated every epoch:
+    the wall time from its first step to the first evaluation at ``target``."""
+    schedule, compensation = ACCURACY_VARIANTS[variant]
+    training = ["--model", model, "--data", "digits", "--micro-batches", "4",
                 "--micro-batch-size", "8", "--lr", str(lr), "--epochs", str(epochs),
-                "--max-in-flight", "4"]
-    run = ftpipe(broker, f"acc-{schedule}", schedule, (1, 1, 1), 0, 0, training=training,
-                 assignment=False)
+                "--max-in-flight", "4", "--seed", str(seed),
+                "--delay-compensation", compensation]
+    run = ftpipe(broker, f"acc-{model}-{variant}-s{seed}", schedule, (1, 1, 1), 0, 0,
+                 training=training, assignment=False)
     evals = run["summary"]["evals"]
     first_t = run["history_t"][0][1] if run["history_t"] else 0.0
     hit = next((e for e in evals if e["test_accuracy"] >= target), None)
-    return {"schedule": schedule, "target": target, "lr": lr, "momentum": 0.9,
+    return {"variant": variant, "schedule": schedule, "delay_compensation": compensation,
+            "model": model, "seed": seed, "target": target, "lr": lr, "momentum": 0.9,
             "seconds_to_target": None if hit is None else round(hit["t"] - first_t, 2),
             "epochs_to_target": None if hit is None else hit["epoch"] + 1,
             "accuracy_by_epoch": [round(e["test_accuracy"], 4) for e in evals],
+            "seconds_by_epoch": [round(e["t"] - first_t, 2) for e in evals],
+            "final_accuracy": round(evals[-1]["test_accuracy"], 4) if evals else None,
             "train_samples_per_s": run["samples_per_s"], "loadavg_after": run["loadavg_after"]}
+
+
+def accuracy_summary(runs: list[dict]) -> dict:
+    """Per model and variant: the median wall time to the target over the seeds (a seed that
+    never reaches it counts as infinitely slow), the final accuracies, and async's median
+    time as a fraction of sync's."""
+    out: dict = {}
+    for model in sorted({r["model"] for r in runs}):
+        rows: dict = {}
+        for variant in ACCURACY_VARIANTS:
+            mine = [r for r in runs if r["model"] == model and r["variant"] == variant]
+            if not mine:
+                continue
+            times = sorted(r["seconds_to_target"] if r["seconds_to_target"] is not None
+                           else float("inf") for r in mine)
+            median = times[len(times) // 2] if len(times) % 2 else \
+                (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
+            finals = [r["final_accuracy"] for r in mine]
+            rows[variant] = {"median_seconds_to_target":
+                             None if median == float("inf") else round(median, 2),
+                             "reached": sum(r["seconds_to_target"] is not None for r in mine),
+                             "seeds": len(mine),
+                             "mean_final_accuracy": round(sum(finals) / len(finals), 4),
+                             "median_samples_per_s": sorted(
+                                 r["train_samples_per_s"] for r in mine)[len(mine) // 2]}
+        sync = rows.get("sync", {}).get("median_seconds_to_target")
+        for row in rows.values():
+            mine = row["median_seconds_to_target"]
+            row["time_vs_sync"] = None if not sync or mine is None else round(mine / sync, 3)
+        out[model] = rows
+    return out
+
+
+def plot_accuracy(runs: list[dict], path: Path) -> None:
+    """Test accuracy against wall time, one panel per model, one colour per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in runs})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    colours = dict(zip(ACCURACY_VARIANTS, ("tab:blue", "tab:red", "tab:green")))
+    for ax, model in zip(axes[0], models):
+        for r in (r for r in runs if r["model"] == model):
+            label = r["variant"] if r["seed"] == min(x["seed"] for x in runs) else None
+            ax.plot(r["seconds_by_epoch"], r["accuracy_by_epoch"], marker="o",
+                    color=colours[r["variant"]], alpha=0.7, label=label)
+        ax.axhline(runs[0]["target"], color="grey", linestyle=":")
+        ax.set(title=f"{model} on digits (one line per seed)", xlabel="wall time (s)",
+               ylabel="test accuracy", ylim=(0, 1))
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def configuration(broker: BrokerProcess, name: str, factors: tuple[float, ...], steps: int,
@@ -313,7 +384,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--only", choices=["equal", "h", "accuracy", "profile"], default=None)
     parser.add_argument("--acc-lr", type=float, default=0.05)
-    parser.add_argument("--acc-epochs", type=int, default=4)
+    parser.add_argument("--acc-epochs", type=int, default=8)
+    parser.add_argument("--acc-seeds", default="0,1,2", help="comma-separated seeds")
+    parser.add_argument("--acc-models", default="cnn,mobilenetv2",
+                        help="comma-separated models (mobilenetv2 at full width)")
+    parser.add_argument("--acc-variants", default=",".join(ACCURACY_VARIANTS),
+                        help=f"comma-separated among {', '.join(ACCURACY_VARIANTS)}")
     parser.add_argument("--profile-run", action="store_true",
                         help="also one profiled ftpipe-iot sync run of 'equal'")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent /
@@ -343,10 +419,19 @@ def main() -> None:
             configuration(broker, "h", FACTORS_H, args.steps, args.warmup, args.steps,
                           save("scenario_h"))
         if args.only in (None, "accuracy"):
-            say("time to 0.95 on digits: sync, then async")
-            results["time_to_accuracy"] = {s: time_to_accuracy(broker, s, lr=args.acc_lr,
-                                                               epochs=args.acc_epochs)
-                                           for s in ("sync", "async")}
+            runs: list[dict] = []
+            results["time_to_accuracy"] = {"runs": runs}
+            for model in args.acc_models.split(","):
+                for seed in (int(x) for x in args.acc_seeds.split(",")):
+                    for variant in args.acc_variants.split(","):
+                        say(f"time to 0.95 on digits: {model}, {variant}, seed {seed}")
+                        runs.append(time_to_accuracy(broker, variant, seed, model,
+                                                     lr=args.acc_lr, epochs=args.acc_epochs))
+                        results["time_to_accuracy"]["summary"] = accuracy_summary(runs)
+                        save("time_to_accuracy")(results["time_to_accuracy"])
+            plot = args.out.with_suffix(".png")
+            plot_accuracy(runs, plot)
+            results["time_to_accuracy"]["plot"] = str(plot)
         if args.profile_run or args.only == "profile":
             say("profiled ftpipe-iot sync run (equal devices)")
             results["profiled_sync"] = ftpipe(broker, "prof-sync", "sync", (1, 1, 1, 1),

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from helpers import max_weight_diff
 
 from ftpipe_iot.core.data import DataSpec, load_dataset
@@ -20,13 +21,14 @@ from ftpipe_iot.core.outputs import (
     SendGradient,
     StepDone,
 )
+from ftpipe_iot.core.prediction import predicted_weights
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.core.schedule import StepVersions, SyncSchedule
-from ftpipe_iot.core.stage import Stage
+from ftpipe_iot.core.stage import Stage, make_optimizer
 from ftpipe_iot.core.stash import WeightStash
 from ftpipe_iot.errors import PlanError
 from ftpipe_iot.protocol.plan import Member, Plan, StageAssignment, TrainConfig
-from ftpipe_iot.protocol.vocab import ScheduleName
+from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName, ScheduleName
 from ftpipe_iot.schedules import PipeDream2BW, Synchronous
 
 ASYNC = TrainConfig(model=ModelSpec("mobilenetv2", width=0.25), micro_batches=4,
@@ -83,6 +85,48 @@ def test_stash_holds_at_most_two_versions():
         WeightStash(layers, StepVersions(PipeDream2BW(), 100), 3)
 
 
+def test_predicted_weights_are_the_live_ones_minus_lr_times_the_momentum_buffer():
+    layers = build_layers(ModelSpec("mlp"), (1, 8, 8), 10, seed=0)
+    config = TrainConfig(model=ModelSpec("mlp"), lr=0.1, momentum=0.9)
+    optimizers = [make_optimizer(layer, config) for layer in layers]
+    versions = StepVersions(PipeDream2BW(), 100, compensation=DelayCompensation.PREDICT)
+    stash = WeightStash(layers, versions, 0, optimizers)
+    weight = layers[1].weight
+    # before any optimizer step there is nothing to predict: step 1 computes at version 0
+    assert torch.equal(stash.weights(1)[1]["weight"], weight.detach())
+    stash.weights(0)
+    for step in (0, 1):
+        for leaf in [*stash.weights(step)[1].values(), *stash.weights(step)[3].values()]:
+            leaf.grad = torch.ones_like(leaf)
+        stash.before_update(step)
+        for optimizer in optimizers:
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        stash.after_update(step)
+        assert stash.versions_held <= 3
+    buffer = optimizers[1].state[weight]["momentum_buffer"]
+    assert torch.allclose(stash.weights(3)[1]["weight"], weight.detach() - 0.1 * buffer)
+    assert not torch.equal(stash.weights(3)[1]["weight"], weight.detach())
+    with pytest.raises(PlanError, match="predicted"):
+        stash.weights(4)  # its version does not exist yet
+
+
+@pytest.mark.parametrize("steps", [1, 5])
+def test_adam_predicts_its_next_update_exactly_for_a_constant_gradient(steps):
+    param = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+    optimizer = torch.optim.Adam([param], lr=0.01)
+    gradient = torch.tensor([0.3, -0.1, 2.0])
+    for _ in range(steps):
+        param.grad = gradient.clone()
+        optimizer.step()
+    predicted = predicted_weights(optimizer, param)
+    param.grad = gradient.clone()
+    optimizer.step()
+    assert torch.allclose(predicted, param.detach(), atol=1e-7)
+    assert predicted_weights(torch.optim.SGD([param], lr=0.1), param).equal(param.detach())
+
+
 def _pipeline(config: TrainConfig, data, cuts: list[int], steps: int, seed: int,
               max_in_flight: int):
     """Stages of ``config``'s model cut at ``cuts``, fed by a ``TrainFeed`` and run in an
@@ -136,16 +180,25 @@ def _pipeline(config: TrainConfig, data, cuts: list[int], steps: int, seed: int,
     return weights, most_versions
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_async_stages_in_any_interleaving_equal_the_simulator(seed):
+@pytest.mark.parametrize("seed, compensation, optimizer, versions", [
+    (0, DelayCompensation.NONE, OptimizerName.SGD, 2),  # double buffering: no third version
+    (1, DelayCompensation.NONE, OptimizerName.SGD, 2),
+    # the live version and two steps' predicted weights, from momentum or Adam's moments
+    (0, DelayCompensation.PREDICT, OptimizerName.SGD, 3),
+    (1, DelayCompensation.PREDICT, OptimizerName.ADAM, 3),
+])
+def test_async_stages_in_any_interleaving_equal_the_simulator(seed, compensation, optimizer,
+                                                               versions):
+    config = replace(ASYNC, delay_compensation=compensation, optimizer=optimizer,
+                     lr=ASYNC.lr if optimizer is OptimizerName.SGD else 0.002)
     data = load_dataset(DataSpec("digits"))
     steps = 7  # drains after steps 4 (replicate_every 5): both kinds of step boundary
-    fleet, most = _pipeline(ASYNC, data, [4, 11], steps, seed, max_in_flight=4)
-    simulated = train_reference(ASYNC, data, steps)
+    fleet, most = _pipeline(config, data, [4, 11], steps, seed, max_in_flight=4)
+    simulated = train_reference(config, data, steps)
     assert max_weight_diff(fleet, simulated) < 1e-5
-    assert most == 2  # double buffering: never a third version
+    assert most == versions
     # the yardstick can fail: the synchronous answer differs
-    synchronous = train_reference(replace(ASYNC, schedule=ScheduleName.SYNC), data, steps)
+    synchronous = train_reference(replace(config, schedule=ScheduleName.SYNC), data, steps)
     assert max_weight_diff(simulated, synchronous) > 1e-4
 
 
@@ -163,3 +216,13 @@ def test_async_with_a_frozen_first_stage_equals_the_simulator():
     config = replace(ASYNC, frozen_layers=4)  # stage 0 holds only fixed layers
     fleet, _ = _pipeline(config, data, [4, 11], 6, seed=3, max_in_flight=4)
     assert max_weight_diff(fleet, train_reference(config, data, 6)) < 1e-5
+
+
+def test_the_compensation_travels_with_the_config_and_an_older_config_keeps_none():
+    config = replace(ASYNC, delay_compensation=DelayCompensation.NONE)
+    assert TrainConfig.from_dict(config.to_dict()) == config
+    assert ASYNC.delay_compensation is DelayCompensation.PREDICT  # on by default
+    saved_before = {k: v for k, v in ASYNC.to_dict().items() if k != "delay_compensation"}
+    assert TrainConfig.from_dict(saved_before).delay_compensation is DelayCompensation.NONE
+    assert StepVersions.of(ASYNC, 10).predicts_weights
+    assert not StepVersions.of(replace(ASYNC, schedule=ScheduleName.SYNC), 10).predicts_weights

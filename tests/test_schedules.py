@@ -130,6 +130,11 @@ def test_step_time_and_memory_terms():
     # async keeps one more weight copy and max_in_flight micro-batches, whatever M
     assert SYNC.stage_memory_bytes(100.0, 10.0, 4, 8, 1) == pytest.approx(300.0 + 40.0)
     assert ASYNC.stage_memory_bytes(100.0, 10.0, 4, 8, 1) == pytest.approx(400.0 + 80.0)
+    # weight prediction keeps the predicted weights of two steps instead of one old version
+    assert ASYNC.stage_memory_bytes(100.0, 10.0, 4, 8, 1, predicted_weights=True) == \
+        pytest.approx(500.0 + 80.0)
+    assert SYNC.stage_memory_bytes(100.0, 10.0, 4, 8, 1, predicted_weights=True) == \
+        pytest.approx(300.0 + 40.0)
 
 
 def test_the_schedules_package_imports_only_the_vocabulary_and_the_errors():

@@ -14,7 +14,7 @@ from ftpipe_iot.errors import ConfigError, FtpipeError
 from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
-from ftpipe_iot.protocol.vocab import OptimizerName, ScheduleName, WireDtype
+from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName, ScheduleName, WireDtype
 from ftpipe_iot.transport.config import BrokerConfig, Bundle, load_bundle, parse_protocol
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -120,11 +120,18 @@ _TRAINING: list[Decorator] = [
                  help="sync drains the pipeline every step; async runs 1F1B across steps "
                       "with two weight versions (PipeDream-2BW), draining only at "
                       "replication points and epoch ends (one device per stage)"),
+    click.option("--delay-compensation",
+                 type=click.Choice([c.value for c in DelayCompensation]),
+                 default="predict", show_default=True,
+                 help="async only: predict computes each stale step at the weights its "
+                      "update will reach (from the optimizer's momentum or Adam moments); "
+                      "none computes it at the previous version, as PipeDream-2BW does"),
 ]
 TRAINING_NAMES = ("model", "model_width", "data", "data_shape", "data_classes", "data_samples",
                   "epochs", "max_steps", "micro_batches", "micro_batch_size", "optimizer", "lr",
                   "momentum", "seed", "max_in_flight", "wire_dtype", "no_compress",
-                  "replicate_every", "freeze_layers", "resiliency", "schedule")
+                  "replicate_every", "freeze_layers", "resiliency", "schedule",
+                  "delay_compensation")
 
 _CONNECTION: list[Decorator] = [
     click.option("--broker", "broker_url", default="mqtt://127.0.0.1:1883", show_default=True,
@@ -236,7 +243,8 @@ def train_config(kw: dict[str, Any]) -> TrainConfig:
         max_in_flight=kw["max_in_flight"], wire_dtype=WireDtype(kw["wire_dtype"]),
         compress=not kw["no_compress"], replicate_every=kw["replicate_every"],
         frozen_layers=parse_frozen(kw["freeze_layers"]), resiliency=kw["resiliency"],
-        schedule=ScheduleName(kw["schedule"]))
+        schedule=ScheduleName(kw["schedule"]),
+        delay_compensation=DelayCompensation(kw["delay_compensation"]))
 
 
 def parse_frozen(text: str | None) -> int:

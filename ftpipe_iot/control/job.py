@@ -21,7 +21,7 @@ from ftpipe_iot.planning.micro import (
 )
 from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.plan import TrainConfig
-from ftpipe_iot.protocol.vocab import OptimizerName
+from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName
 from ftpipe_iot.schedules import schedule_for
 
 
@@ -92,7 +92,8 @@ def choose_job_micro_batching(train: TrainConfig, n_stages: int, auto_m: bool, a
         schedule=schedule_for(train.schedule),
         drain_every=train.replicate_every or model.schedule.steps_per_epoch,
         max_in_flight=train.max_in_flight, max_batch=len(data.x_train),
-        optimizer_copies=2 if train.optimizer is OptimizerName.ADAM else 1)
+        optimizer_copies=2 if train.optimizer is OptimizerName.ADAM else 1,
+        predicted_weights=train.delay_compensation is DelayCompensation.PREDICT)
     choice = choose_micro_batching(problem, None if auto_m else train.micro_batches,
                                    None if auto_b else train.micro_batch_size)
     return replace(train, micro_batches=choice.micro_batches,

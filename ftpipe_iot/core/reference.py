@@ -3,8 +3,9 @@
 This is the yardstick of the exactness contract: after K steps the pipeline's weights must equal
 what this produces (to float tolerance). For ``--schedule async`` it is a simulator of the
 asynchronous schedule: each step computes with the weight version ``StepVersions`` gives it
-(held by a ``WeightStash`` over the whole model, as each stage holds one over its layers), so a
-fleet that never drains between steps still has one single-process answer.
+(held by a ``WeightStash`` over the whole model, as each stage holds one over its layers, with
+the same delay compensation), so a fleet that never drains between steps still has one
+single-process answer.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _train(config: TrainConfig, data: Dataset, steps: int,
     schedule = SyncSchedule(len(data.x_train), config.micro_batches, config.micro_batch_size,
                             config.seed)
     versions = StepVersions.of(config, schedule.steps_per_epoch)
-    stash = WeightStash(layers, versions, 0) if versions.stashes_weights else None
+    stash = WeightStash(layers, versions, 0, optimizers) if versions.stashes_weights else None
     for step in range(steps):
         train_mode(layers, config.frozen_layers)
         weights = stash.weights(step) if stash is not None else None
@@ -76,5 +77,7 @@ def _train(config: TrainConfig, data: Dataset, steps: int,
             if optimizer is not None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+        if stash is not None:
+            stash.after_update(step)
     return [{k: v.detach().numpy().copy() for k, v in layer.state_dict().items()}
             for layer in layers]

@@ -14,6 +14,7 @@ import numpy as np
 
 from ftpipe_iot.errors import PlanError
 from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.vocab import DelayCompensation
 from ftpipe_iot.schedules import Schedule, schedule_for
 
 
@@ -97,6 +98,8 @@ class StepVersions:
     schedule: Schedule
     steps_per_epoch: int
     drain_every: int = 0  # 0: only epoch ends drain
+    # a stale step computes at predicted weights instead of the previous version's
+    compensation: DelayCompensation = DelayCompensation.NONE
 
     def __post_init__(self) -> None:
         if self.schedule.needs_steps_per_epoch and self.steps_per_epoch < 1:
@@ -106,12 +109,22 @@ class StepVersions:
     @classmethod
     def of(cls, config: TrainConfig, steps_per_epoch: int) -> StepVersions:
         """The rule of a job: its schedule, its epochs, its replication interval."""
-        return cls(schedule_for(config.schedule), steps_per_epoch, config.replicate_every)
+        return cls(schedule_for(config.schedule), steps_per_epoch, config.replicate_every,
+                   config.delay_compensation)
 
     @property
     def stashes_weights(self) -> bool:
         """Whether a stage keeps the previous weight version for steps still computing."""
         return self.schedule.stashes_weights
+
+    @property
+    def predicts_weights(self) -> bool:
+        """Whether a stale step computes at weights predicted from the optimizer's state."""
+        return self.stashes_weights and self.compensation is DelayCompensation.PREDICT
+
+    def is_stale(self, step: int) -> bool:
+        """Whether ``step`` computes with the version before the one its update applies to."""
+        return self.forward_version(step) == step - 1
 
     def drains_after(self, step: int) -> bool:
         """Whether nothing of step ``step + 1`` starts before ``step`` is applied everywhere."""

@@ -162,7 +162,8 @@ class Stage:
         # training inputs of a later step than the weights: held until the stage gets there
         self._future: dict[int, dict[int, tuple[np.ndarray, np.ndarray, int | None]]] = {}
         self.computed: dict[int, int] = {}  # step -> micro-batches this holder computed
-        self.stash = WeightStash(self.layers, self.versions, self.start_step) \
+        self.stash = WeightStash(self.layers, self.versions, self.start_step,
+                                 self.optimizers) \
             if asynchronous and self.versions is not None else None
 
     @property
@@ -197,6 +198,8 @@ class Stage:
         """Load every layer's weights and optimizer state from replicas (one version)."""
         for offset, (layer, optimizer) in enumerate(zip(self.layers, self.optimizers)):
             import_layer(replicas[self.first_layer + offset], layer, optimizer)
+        if self.stash is not None:
+            self.stash.reload()
 
     def _check_input(self, x: np.ndarray, y: np.ndarray) -> None:
         if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):
@@ -459,6 +462,8 @@ class Stage:
             if optimizer is not None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+        if self.stash is not None:
+            self.stash.after_update(step)
         self.backward_done.pop(step, None)
         self._early.pop(step, None)
         self._next_forward.pop(step, None)

@@ -10,6 +10,14 @@ the old storage stays behind as that version: at most two versions exist at once
 the in-flight micro-batches of the next step use and the live one), and the older one is
 dropped the moment the step that used it is applied. Buffers (BatchNorm's running
 statistics) are not versioned: they stay the module's own and are updated in forward order.
+
+With delay compensation (``StepVersions.predicts_weights``), a stale step computes at weights
+predicted from its version and the optimizer's state (``core.prediction``) instead of the
+version itself. Its weights are made the moment its version becomes live (after the optimizer
+step that makes it, or when the stage starts or loads replicas), because the live weights and
+the optimizer state move on as soon as the step before it is applied. The live weights are then
+updated in place: at most the live version and the predicted weights of two steps exist at
+once (one copy more than without compensation).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import torch
 from torch import nn
 
 from ftpipe_iot.core.grouping import OrderedGradients
+from ftpipe_iot.core.prediction import predicted_weights
 from ftpipe_iot.core.schedule import StepVersions
 from ftpipe_iot.errors import PlanError
 
@@ -31,7 +40,8 @@ class WeightStash:
     whose live weights are at version ``start_version``."""
 
     def __init__(self, layers: Sequence[nn.Module], versions: StepVersions,
-                 start_version: int) -> None:
+                 start_version: int,
+                 optimizers: Sequence[torch.optim.Optimizer | None] = ()) -> None:
         if versions.forward_version(start_version) != start_version:
             raise PlanError(f"the asynchronous schedule cannot start at step {start_version}: "
                             "it is not a drain point")
@@ -42,6 +52,12 @@ class WeightStash:
         self._kept: dict[int, list[list[torch.Tensor]]] = {}  # version -> storage, by layer
         self._steps: dict[int, list[LayerWeights]] = {}
         self._gradients: dict[int, OrderedGradients] = {}
+        # with compensation: the optimizer of each layer, and step -> predicted weights
+        self.optimizers = list(optimizers) or [None] * len(self.params)
+        if versions.predicts_weights and len(self.optimizers) != len(self.params):
+            raise PlanError("weight prediction needs one optimizer (or None) per layer")
+        self._predicted: dict[int, list[list[torch.Tensor]]] = {}
+        self._predict_next()
 
     def weights(self, step: int) -> list[LayerWeights]:
         """Per layer, the parameters step ``step`` computes with (the same leaves for all its
@@ -50,7 +66,12 @@ class WeightStash:
         if leaves is not None:
             return leaves
         version = self.versions.forward_version(step)
-        if version == self.live_version:
+        if step in self._predicted:
+            storage = self._predicted[step]
+        elif self.versions.predicts_weights and self.versions.is_stale(step):
+            raise PlanError(f"step {step} needs the weights predicted from version {version}; "
+                            f"this stage predicted for steps {sorted(self._predicted)}")
+        elif version == self.live_version:
             # ``.data`` aliases the storage with its own version counter: a later in-place
             # update of the live parameter cannot reach it (the storage moves first, ``apply``)
             storage = [[p.data for _, p in layer] for layer in self.params]
@@ -73,6 +94,8 @@ class WeightStash:
 
     def available(self, step: int) -> bool:
         """Whether this stage holds the version step ``step`` computes with."""
+        if self.versions.predicts_weights and self.versions.is_stale(step):
+            return step in self._predicted
         version = self.versions.forward_version(step)
         return version == self.live_version or version in self._kept
 
@@ -88,23 +111,48 @@ class WeightStash:
             for name, p in layer:
                 leaf = layer_leaves.get(name)
                 p.grad = None if leaf is None else leaf.grad
+        self._predicted.pop(step, None)
         version = step  # the live version before this update
         for old in [v for v in self._kept if v < version]:
             del self._kept[old]
-        if not self.versions.drains_after(step):
+        if not self.versions.drains_after(step) and not self.versions.predicts_weights:
             self._kept[version] = [[p.data for _, p in layer] for layer in self.params]
             for layer in self.params:
                 for _, p in layer:
                     p.data = p.data.clone()
         self.live_version = step + 1
 
+    def after_update(self, step: int) -> None:
+        """Step ``step``'s optimizer step is done: predict the weights of the step that will
+        compute with the new version. Call right after the optimizer step."""
+        if self.live_version != step + 1:
+            raise PlanError(f"after_update({step}) without before_update({step})")
+        self._predict_next()
+
+    def reload(self) -> None:
+        """The live weights and optimizer state were replaced (replicas loaded): predict
+        again from them."""
+        self._predicted.clear()
+        self._predict_next()
+
+    def _predict_next(self) -> None:
+        """Make the predicted weights of the step that computes with the live version while
+        it is stale (the step after next), if there is one."""
+        step = self.live_version + 1
+        if not self.versions.predicts_weights or not self.versions.is_stale(step):
+            return
+        self._predicted[step] = [[predicted_weights(optimizer, p) for _, p in layer]
+                                 for layer, optimizer in zip(self.params, self.optimizers)]
+
     @property
     def versions_held(self) -> int:
-        """Weight versions in memory: the live one and those kept for in-flight steps."""
-        return 1 + len(self._kept)
+        """Weight versions in memory: the live one and those kept or predicted for in-flight
+        steps."""
+        return 1 + len(self._kept) + len(self._predicted)
 
     @property
     def kept_bytes(self) -> int:
         """Bytes of parameter storage beyond the live weights (the cost of stashing)."""
-        return sum(t.numel() * t.element_size() for kept in self._kept.values()
+        return sum(t.numel() * t.element_size()
+                   for kept in [*self._kept.values(), *self._predicted.values()]
                    for layer in kept for t in layer)

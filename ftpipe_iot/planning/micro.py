@@ -83,6 +83,7 @@ class MicroBatchingProblem:
     max_in_flight: int = 8
     max_batch: int | None = None  # the mini-batch may not exceed this (the training set)
     optimizer_copies: int = 1
+    predicted_weights: bool = False  # async's delay compensation keeps one more weight copy
     message_overhead_s: float = 0.002
 
     def __post_init__(self) -> None:
@@ -115,7 +116,8 @@ class MicroBatchingProblem:
         activations = math.fsum(costs.activation_bytes[start:end]) * size / self.profiled_size
         return self.schedule.stage_memory_bytes(costs.stage_param_bytes(start, end),
                                                 activations, micro_batches,
-                                                self.max_in_flight, self.optimizer_copies)
+                                                self.max_in_flight, self.optimizer_copies,
+                                                self.predicted_weights)
 
     def evaluate(self, micro_batches: int, size: int) -> MicroBatching:
         step = self.step_s(micro_batches, size)

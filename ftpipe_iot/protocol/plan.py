@@ -14,7 +14,7 @@ from typing import Any
 
 from ftpipe_iot.errors import ConfigError, PlanError
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
-from ftpipe_iot.protocol.vocab import OptimizerName, ScheduleName, WireDtype
+from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName, ScheduleName, WireDtype
 from ftpipe_iot.schedules import JobOptions, PlanShape, schedule_for
 
 
@@ -42,6 +42,8 @@ class TrainConfig:
     # (group peers or warm standbys) that watch each other and take over late micro-batches
     resiliency: int = 0
     schedule: ScheduleName = ScheduleName.SYNC
+    # what the asynchronous schedule does about its stale weights (the sync schedule has none)
+    delay_compensation: DelayCompensation = DelayCompensation.PREDICT
 
     def __post_init__(self) -> None:
         checks = [
@@ -83,6 +85,7 @@ class TrainConfig:
         data["optimizer"] = self.optimizer.value
         data["wire_dtype"] = self.wire_dtype.value
         data["schedule"] = self.schedule.value
+        data["delay_compensation"] = self.delay_compensation.value
         data["data"]["shape"] = list(self.data.shape)
         return data
 
@@ -115,6 +118,10 @@ class TrainConfig:
             values["optimizer"] = OptimizerName(values["optimizer"])
             values["wire_dtype"] = WireDtype(values["wire_dtype"])
             values["schedule"] = ScheduleName(values.get("schedule", ScheduleName.SYNC.value))
+            # a config saved before delay compensation existed ran without it: a resumed job
+            # keeps its rule
+            values["delay_compensation"] = DelayCompensation(
+                values.get("delay_compensation", DelayCompensation.NONE.value))
             return cls(**values)
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"bad training config: {exc}") from exc

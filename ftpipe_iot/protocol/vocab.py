@@ -60,6 +60,16 @@ class ScheduleName(str, Enum):
     ASYNC = "async"
 
 
+class DelayCompensation(str, Enum):
+    """How the asynchronous schedule makes up for its one-step-stale weights (docs/design.md
+    §5): ``predict`` computes a stale step at the weights its update will reach, predicted
+    from the optimizer's own state (weight prediction, as SpecTrain and XPipe do); ``none``
+    computes it at the previous version, as PipeDream-2BW specifies."""
+
+    PREDICT = "predict"
+    NONE = "none"
+
+
 class DeviceState(str, Enum):
     """A device agent as published on its retained status topic (and its Last Will)."""
 

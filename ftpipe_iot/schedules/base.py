@@ -141,10 +141,12 @@ class Schedule(ABC):
     @abstractmethod
     def stage_memory_bytes(self, param_bytes: float, activation_bytes: float,
                            micro_batches: int, max_in_flight: int,
-                           optimizer_copies: int) -> float:
+                           optimizer_copies: int, predicted_weights: bool = False) -> float:
         """Predicted bytes a stage holds: ``param_bytes`` of parameters times the copies
         training keeps, plus ``activation_bytes`` (one micro-batch's layer outputs) for each
-        micro-batch in flight on it."""
+        micro-batch in flight on it. ``predicted_weights``: stale steps compute at predicted
+        weights (``--delay-compensation predict``), which a schedule without stale steps
+        ignores."""
 
     @abstractmethod
     def supports(self, shape: PlanShape, options: JobOptions) -> Refusal | None:

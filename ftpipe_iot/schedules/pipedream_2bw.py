@@ -42,10 +42,12 @@ class PipeDream2BW(Schedule):
 
     def stage_memory_bytes(self, param_bytes: float, activation_bytes: float,
                            micro_batches: int, max_in_flight: int,
-                           optimizer_copies: int) -> float:
-        # one more weight copy (the stashed version); the feed keeps max_in_flight in flight
-        # across step boundaries
-        return param_bytes * (3 + optimizer_copies) + max_in_flight * activation_bytes
+                           optimizer_copies: int, predicted_weights: bool = False) -> float:
+        # one more weight copy (the stashed version), or two with prediction (the predicted
+        # weights of the step in flight and of the next); the feed keeps max_in_flight in
+        # flight across step boundaries
+        copies = 4 if predicted_weights else 3
+        return param_bytes * (copies + optimizer_copies) + max_in_flight * activation_bytes
 
     def supports(self, shape: PlanShape, options: JobOptions) -> Refusal | None:
         if options.mode is not CollabMode.PIPELINE:
