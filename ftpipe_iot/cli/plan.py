@@ -26,7 +26,8 @@ from ftpipe_iot.planning.micro import (
 from ftpipe_iot.planning.profiles import fleet_device_specs, load_profile
 from ftpipe_iot.planning.resilience import ResilienceOption, resilience_options
 from ftpipe_iot.planning.solver import DeviceSpec, LayerCosts, Partition, solve_partition
-from ftpipe_iot.protocol.vocab import ScheduleName
+from ftpipe_iot.planning.stability import StabilityBounds
+from ftpipe_iot.protocol.vocab import DelayCompensation, ScheduleName
 from ftpipe_iot.schedules import schedule_for
 
 _DEFAULT_MODEL_MICRO_BATCH = 32
@@ -51,6 +52,19 @@ def _model_input_bytes(model: str, micro_batch_size: int) -> float:
     # The built-in models' usual inputs (core.models.profile_layer_costs), fp32.
     shape = (3, 32, 32) if model == "mobilenetv2" else (1, 8, 8)
     return 4.0 * micro_batch_size * math.prod(shape)
+
+
+def _stability_text(bounds: StabilityBounds, compensation: DelayCompensation) -> str:
+    """Where async is expected to be stable at this learning rate, against sync."""
+    mine = bounds.bound(ScheduleName.ASYNC, compensation)
+    return (f"stable learning rates (SGD, momentum {bounds.momentum:g}): async with "
+            f"--delay-compensation {compensation.value} converges while lr x curvature < "
+            f"{mine:g} (predict {bounds.async_predict:g}, none {bounds.async_none:g}; sync "
+            f"{bounds.sync:g}). At --lr {bounds.lr:g} that is the loss's largest curvature "
+            f"below {mine / bounds.lr:.3g} (sync: {bounds.sync / bounds.lr:.3g}); it grows "
+            f"during training (the digits CNN: 0.3 at the start, about 28 after two epochs "
+            f"at lr 0.05), so async may need a smaller --lr than sync; for a curvature h it "
+            f"needs --lr below {mine:g} / h.")
 
 
 def _resilience_table(options: list[ResilienceOption], source: str, micro_batches: int) -> str:
@@ -185,6 +199,14 @@ def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, objec
 @click.option("--schedule", type=click.Choice([s.value for s in ScheduleName]), default="sync",
               show_default=True, help="the schedule --micro-batches/--micro-batch-size auto "
                                       "choose for (async drains once per --drain-every steps)")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.05,
+              show_default=True, help="with --schedule async: the learning rate whose stable "
+              "range to print")
+@click.option("--momentum", type=click.FloatRange(0, 1, max_open=True), default=0.9,
+              show_default=True, help="with --schedule async: SGD's momentum, for the range")
+@click.option("--delay-compensation", type=click.Choice([c.value for c in DelayCompensation]),
+              default="predict", show_default=True,
+              help="with --schedule async: the compensation the job will run with")
 @click.option("--drain-every", type=click.IntRange(min=1), default=10, show_default=True,
               help="async: steps between drains (the training's --replicate-every)")
 @click.option("--max-in-flight", type=click.IntRange(min=1), default=8, show_default=True,
@@ -223,7 +245,8 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
          as_json: bool, mode: str, server_profiles: tuple[Path, ...], batch_size: int,
          aggregate_every: int, split_point: int | None, dp: bool, resiliency: int | None,
          input_bytes: float | None, schedule: str = "sync", drain_every: int = 10,
-         max_in_flight: int = 8) -> None:
+         max_in_flight: int = 8, lr: float = 0.05, momentum: float = 0.9,
+         delay_compensation: str = "predict") -> None:
     """Plan stages for a model over devices given by profiles (ftpipe-iot plan --costs c.json
     --profiles a.json b.json): the number of stages, their layers, the group of devices of each
     stage and every member's share of the micro-batches, minimising the time per sample.
@@ -323,6 +346,9 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
                                         "auto": [n for n, on in (("micro_batches", auto_m),
                                                                  ("micro_batch_size", auto_b))
                                                  if on]}
+        if schedule == ScheduleName.ASYNC.value:
+            report["stability"] = {**StabilityBounds.at(lr, momentum).to_dict(),
+                                   "delay_compensation": delay_compensation}
         if compare:
             report["compare"] = {
                 "single_pipeline": _json_baseline(baselines["best single pipeline"], chosen),
@@ -336,6 +362,9 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
                        f"samples/s on the one-device-per-stage pipeline; memory per stage "
                        + ", ".join(f"{m / 2**20:.1f}" for m in auto.stage_memory_bytes)
                        + " MiB")
+        if schedule == ScheduleName.ASYNC.value:
+            click.echo(_stability_text(StabilityBounds.at(lr, momentum),
+                                       DelayCompensation(delay_compensation)))
 
 
 COMMANDS: list[click.Command] = [plan]

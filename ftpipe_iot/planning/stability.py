@@ -1,0 +1,105 @@
+"""How large a learning rate each schedule tolerates: the linear stability of SGD with heavy-ball
+momentum on a quadratic of curvature h (docs/design.md §5).
+
+On f(w) = h w^2 / 2, SGD with momentum mu and learning rate lr is a linear recurrence; it
+converges while the spectral radius of its companion matrix stays below 1, which holds while
+lr * h stays below a constant of the schedule and the momentum:
+
+- sync: lr * h < 2 (1 + mu), the classical bound (3.8 at mu = 0.9);
+- async without compensation (PipeDream-2BW: the gradient taken at version t - 1 and applied
+  to version t): lr * h < 1 - mu (0.1 at mu = 0.9);
+- async with weight prediction (the gradient taken at W(t-1) - lr * buf(t-1),
+  ``core.prediction``): 0.27 at mu = 0.9.
+
+The constant is found numerically, by bisection on the spectral radius, so it holds for any
+momentum. Along a direction whose curvature is h, a learning rate above constant / h makes that
+direction oscillate and grow; the largest curvature of a network's loss grows during training
+(the digits CNN: 0.3 at the start, about 28 after two epochs at lr 0.05), which is why async
+needs the compensation at the learning rates sync trains well with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ftpipe_iot.errors import PlanError
+from ftpipe_iot.protocol.vocab import DelayCompensation, ScheduleName
+
+
+def _companion(lr_h: float, momentum: float, schedule: ScheduleName,
+               compensation: DelayCompensation) -> np.ndarray:
+    """The recurrence's matrix over the state (w(t), w(t-1), b(t), b(t-1)), with b the
+    momentum buffer scaled by lr; torch's SGD: b' = mu b + lr g, w' = w - b'."""
+    if schedule is ScheduleName.SYNC:
+        at = np.array([1.0, 0.0, 0.0, 0.0])  # the gradient at w(t)
+    elif compensation is DelayCompensation.PREDICT and momentum > 0:
+        # at w(t-1) - b(t-1); plain SGD keeps no buffer, so nothing is predicted
+        at = np.array([0.0, 1.0, 0.0, -1.0])
+    else:
+        at = np.array([0.0, 1.0, 0.0, 0.0])  # at w(t-1)
+    buffer = momentum * np.array([0.0, 0.0, 1.0, 0.0]) + lr_h * at
+    weights = np.array([1.0, 0.0, 0.0, 0.0]) - buffer
+    return np.array([weights, [1.0, 0.0, 0.0, 0.0], buffer, [0.0, 0.0, 1.0, 0.0]])
+
+
+def converges(lr_h: float, momentum: float, schedule: ScheduleName,
+              compensation: DelayCompensation = DelayCompensation.NONE) -> bool:
+    """Whether the recurrence at ``lr * h = lr_h`` shrinks every start."""
+    matrix = _companion(lr_h, momentum, schedule, compensation)
+    return float(np.max(np.abs(np.linalg.eigvals(matrix)))) < 1.0
+
+
+def stable_lr_curvature(momentum: float, schedule: ScheduleName,
+                        compensation: DelayCompensation = DelayCompensation.NONE) -> float:
+    """The largest lr * h (to 3 significant digits) below which the schedule converges on a
+    quadratic of curvature h, with heavy-ball momentum ``momentum``."""
+    if not 0.0 <= momentum < 1.0:
+        raise PlanError(f"momentum must be in [0, 1), got {momentum}")
+    low, high = 1e-6, 8.0
+    if not converges(low, momentum, schedule, compensation):
+        return 0.0
+    while high - low > 1e-4 * high:
+        middle = (low + high) / 2
+        if converges(middle, momentum, schedule, compensation):
+            low = middle
+        else:
+            high = middle
+    return float(f"{low:.3g}")
+
+
+@dataclass(frozen=True)
+class StabilityBounds:
+    """The stable lr * h of each schedule at one momentum, and what they mean at a learning
+    rate: the largest curvature each tolerates."""
+
+    momentum: float
+    lr: float
+    sync: float
+    async_none: float
+    async_predict: float
+
+    @classmethod
+    def at(cls, lr: float, momentum: float) -> StabilityBounds:
+        return cls(momentum, lr,
+                   stable_lr_curvature(momentum, ScheduleName.SYNC),
+                   stable_lr_curvature(momentum, ScheduleName.ASYNC, DelayCompensation.NONE),
+                   stable_lr_curvature(momentum, ScheduleName.ASYNC,
+                                       DelayCompensation.PREDICT))
+
+    def bound(self, schedule: ScheduleName, compensation: DelayCompensation) -> float:
+        if schedule is ScheduleName.SYNC:
+            return self.sync
+        return self.async_predict if compensation is DelayCompensation.PREDICT \
+            else self.async_none
+
+    def to_dict(self) -> dict[str, float]:
+        return {"momentum": self.momentum, "lr": self.lr,
+                "stable_lr_times_curvature": {"sync": self.sync,
+                                              "async_none": self.async_none,
+                                              "async_predict": self.async_predict},
+                "largest_stable_curvature": {
+                    "sync": round(self.sync / self.lr, 3),
+                    "async_none": round(self.async_none / self.lr, 3),
+                    "async_predict": round(self.async_predict / self.lr, 3)}}
