@@ -34,7 +34,7 @@ EXPECTED = {
 }
 COMMON = dict(chunked_round_trip=True, retained_exact=True, retained_cleared=True,
               last_will=True)
-STEPS = 10
+STEPS = 7  # past one replication point (--replicate-every 5)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,13 @@ import subprocess
 import sys
 import uuid
 
+import numpy as np
 import pytest
+from helpers import max_weight_diff
 
+from ftpipe_iot.artifacts.checkpoint import read_checkpoint
+from ftpipe_iot.core.data import load_dataset
+from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.runtime.broker import mosquitto_binary
 
 pytestmark = pytest.mark.slow
@@ -19,6 +24,15 @@ pytestmark = pytest.mark.slow
 
 def _job() -> str:
     return f"demo-{uuid.uuid4().hex[:8]}"
+
+
+def _by_layer(state_dict) -> dict[int, dict[str, np.ndarray]]:
+    """``{"3.weight": tensor}`` -> ``{3: {"weight": array}}``."""
+    out: dict[int, dict[str, np.ndarray]] = {}
+    for key, value in state_dict.items():
+        layer, _, name = key.partition(".")
+        out.setdefault(int(layer), {})[name] = value.numpy()
+    return out
 
 
 def _leftovers(job: str) -> list[str]:
@@ -166,7 +180,7 @@ def _broker_processes(tmp_path) -> list[str]:
     return [line for line in out.stdout.splitlines() if "pgrep" not in line]
 
 
-def test_demo_with_injected_faults_reports_them_and_matches_a_clean_run(tmp_path):
+def test_demo_with_injected_faults_reports_them_and_trains_like_one_process(tmp_path):
     if mosquitto_binary() is None:
         pytest.fail("mosquitto is not installed; .ci/run installs it")
     job = _job()
@@ -179,8 +193,9 @@ def test_demo_with_injected_faults_reports_them_and_matches_a_clean_run(tmp_path
     assert summary["failures_detected"] >= 1 and summary["recoveries"] >= 1
     assert len(summary["detect_s"]) == 1 and summary["detect_s"][0] >= 0
     assert summary["steps"] == 40
-    clean = _run_demo(*common, "--job", _job(), "--work-dir", str(tmp_path / "c"))
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    reference = json.loads(clean.stdout.strip().splitlines()[-1])
-    assert summary["test_accuracy"] == reference["test_accuracy"]  # same model, bit for bit
+    # the model it saved is what one process trains in 40 steps: nothing lost or repeated
+    checkpoint = read_checkpoint(summary["model"])
+    expected = train_reference(checkpoint.train, load_dataset(checkpoint.train.data), 40)
+    trained = _by_layer(checkpoint.state_dict)
+    assert max_weight_diff([trained.get(k, {}) for k in range(len(expected))], expected) < 1e-5
     assert _leftovers(job) == []
