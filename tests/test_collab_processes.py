@@ -15,7 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from ftpipe_iot.artifacts.checkpoint import read_checkpoint
 from ftpipe_iot.core.data import Dataset, load_dataset
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.observability.watch import JobWatcher
@@ -161,7 +163,8 @@ def test_one_device_equals_single_process_training_and_no_raw_data_leaves_it(
                      "--mode", "collaborative", "--devices", "1", "--epochs", "2",
                      "--micro-batches", "4", "--micro-batch-size", "8", "--fixed-micro-batches",
                      "--split-point", "3", "--aggregate-every", "0",
-                     "--save-weights", str(tmp_path / "weights.npz"))
+                     "--save-weights", str(tmp_path / "weights.npz"),
+                     "--save-model", str(tmp_path / "model.pt"))
         summary = _finish(processes, tmp_path)
         time.sleep(0.5)  # the last messages reach the sniffer
         frames = sniffer.drain()
@@ -179,6 +182,16 @@ def test_one_device_equals_single_process_training_and_no_raw_data_leaves_it(
         for name, value in state.items():
             np.testing.assert_allclose(got[f"{layer}/{name}"], value, rtol=1e-5, atol=1e-6,
                                        err_msg=f"layer {layer} {name}")
+    # the standard checkpoint every mode writes: the same weights, a model that rebuilds in one
+    # call and scores what the coordinator reported
+    checkpoint = read_checkpoint(tmp_path / "model.pt")
+    assert checkpoint.step == 6 and checkpoint.train.model.name == "cnn"
+    for key, value in checkpoint.state_dict.items():
+        np.testing.assert_array_equal(value.numpy(), got[key.replace(".", "/", 1)])
+    model = checkpoint.build()
+    with torch.no_grad():
+        predicted = model(torch.from_numpy(data.x_test)).argmax(1).numpy()
+    assert float((predicted == data.y_test).mean()) == pytest.approx(summary["test_accuracy"])
 
     leaks = Leaks(x, y, micro_batch_size=8)
     assert leaks.in_arrays([x[:8]]) and leaks.in_frame(x[3].tobytes())  # the detector works

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from ftpipe_iot.artifacts.checkpoint import read_checkpoint
+
 pytestmark = pytest.mark.slow
 
 
@@ -151,4 +153,7 @@ def test_the_collaborative_demo_goes_on_without_a_killed_data_device(tmp_path):
     assert all("dev1" not in collab["round_log"][r]["devices"] for r in left)
     assert set(collab["left_out"]) == {"dev1"}
     assert "dev1 left out of" in err and "goes on without it" in err
+    # like every demo, it leaves the trained model as a standard checkpoint
+    assert summary["model"] == str((tmp_path / "run" / "model.pt").resolve())
+    assert read_checkpoint(summary["model"]).step == summary["steps"]
     assert _processes_of(job, tmp_path / "run") == {}

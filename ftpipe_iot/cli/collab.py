@@ -124,6 +124,8 @@ def print_summary(summary: dict, as_json: bool) -> None:
                    f"{rounds_text(rounds)})" + (f": it {why}" if why else ""), err=as_json)
     if "report_png" in summary:
         click.echo(f"report: {summary['report_png']} and {summary['report_json']}", err=True)
+    if "model" in summary:
+        click.echo(f"model: {summary['model']} (ftpipe-iot evaluate / export read it)", err=True)
     if as_json:
         summary.pop("history", None)
         click.echo(json.dumps(summary))
@@ -133,7 +135,7 @@ def run_demo(choices: CollabChoices, train: TrainConfig, devices: int, job: str,
              broker_url: str | None, embedded: bool, work_dir: str | None,
              metrics_port_base: int, partition: str, device_profile: str | None,
              server_profile: str | None, as_json: bool, signed: bool = True,
-             restart_devices: bool = False) -> None:
+             restart_devices: bool = False, save_model: Path | None = None) -> None:
     """``ftpipe-iot demo --mode collaborative|fedavg``."""
     from ftpipe_iot.cli.stops import end_failed, end_interrupted
     from ftpipe_iot.collab.demo import CollabDemo, CollabDemoOptions
@@ -143,7 +145,8 @@ def run_demo(choices: CollabChoices, train: TrainConfig, devices: int, job: str,
     if not explicit(click.get_current_context(), ("epochs",)):
         train = replace(train, epochs=DEMO_EPOCHS)
     options = CollabDemoOptions(
-        config=collab_config(choices, train, devices), job=job, broker_url=broker_url,
+        config=collab_config(choices, train, devices, save_model=save_model), job=job,
+        broker_url=broker_url,
         embedded=embedded, work_dir=Path(work_dir) if work_dir else None,
         metrics_port_base=metrics_port_base, partition=PartitionSpec.parse(partition),
         device_profile=Path(device_profile) if device_profile else None,
@@ -165,7 +168,8 @@ def run_controller(choices: CollabChoices, train: TrainConfig, job: str, broker:
                    stall_timeout: float, stop_devices: bool, save_weights: str | None,
                    summary_json: str | None, as_json: bool, client_id: str | None,
                    process: Any, pipeline_only: list[str],
-                   credentials: Callable[[], Any] = lambda: None) -> None:
+                   credentials: Callable[[], Any] = lambda: None,
+                   save_model: Path | None = None) -> None:
     """``ftpipe-iot controller --mode collaborative|fedavg``: the coordinator."""
     from ftpipe_iot.cli.stops import end_with
     from ftpipe_iot.collab.entry import run_coordinator
@@ -178,7 +182,8 @@ def run_controller(choices: CollabChoices, train: TrainConfig, job: str, broker:
                            heartbeat_timeout_s=heartbeat_timeout,
                            stall_timeout_s=max(stall_timeout, 4 * heartbeat_timeout),
                            stop_devices=stop_devices,
-                           save_weights=Path(save_weights) if save_weights else None)
+                           save_weights=Path(save_weights) if save_weights else None,
+                           save_model=save_model)
     summary = run_coordinator(config, job, broker, process, default_progress(),
                               Path(summary_json) if summary_json else None, client_id,
                               credentials())

@@ -36,6 +36,8 @@ class CollabConfig:
     link_latency_s: float = 0.002
     stop_devices: bool = False
     save_weights: Path | None = None
+    # the trained model as a standard checkpoint (``artifacts.checkpoint``), like every mode's
+    save_model: Path | None = None
 
     def __post_init__(self) -> None:
         if self.mode is CollabMode.PIPELINE:

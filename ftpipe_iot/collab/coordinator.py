@@ -21,6 +21,7 @@ from dataclasses import replace
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from ftpipe_iot.artifacts.checkpoint import save_checkpoint
 from ftpipe_iot.collab.config import COORDINATOR_NAME, CollabConfig
 from ftpipe_iot.collab.metrics import CoordinatorMetrics
 from ftpipe_iot.collab.parts import evaluate, export_states, load_states
@@ -439,6 +440,10 @@ class Coordinator:
             np.savez(self.config.save_weights,
                      **{f"{layer}/{name}": value for layer, state in self.global_states.items()
                         for name, value in state.items()})
+        if self.config.save_model is not None:
+            # the global model the last round's evaluation used: device part and server part
+            save_checkpoint(self.config.save_model, self.global_states, self.config.train,
+                            self.data.input_shape, self.data.num_classes, self.summary.steps)
         if self.config.stop_devices:
             for device in sorted({*self.members, *self.server_online}):
                 self.messenger.send(self.topics.cmd(device), Command(CommandOp.SHUTDOWN),

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ftpipe_iot.collab.config import CollabConfig
@@ -83,6 +83,8 @@ def coordinator_args(config: CollabConfig) -> list[str]:
         args += ["--dp-noise-multiplier", str(config.privacy.noise_multiplier),
                  "--dp-max-grad-norm", str(config.privacy.max_grad_norm),
                  "--dp-delta", str(config.privacy.delta)]
+    if config.save_model is not None:
+        args += ["--save-model", str(config.save_model)]
     return args
 
 
@@ -105,9 +107,12 @@ class CollabDemo:
     """Starts and supervises the demo's processes; ``run`` returns the summary."""
 
     def __init__(self, options: CollabDemoOptions) -> None:
-        self.options = options
         self.work_dir = options.work_dir or default_work_dir(options.job)
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        # like the pipeline demo, the trained model is a checkpoint in the work dir by default
+        self.model_path = (options.config.save_model or self.work_dir / "model.pt").resolve()
+        self.options = replace(options, config=replace(options.config,
+                                                       save_model=self.model_path))
         self.children = ProcessGroup(self.work_dir, signed=options.signed)
         self.broker: BrokerProcess | None = None
         self.summary_path = self.work_dir / "summary.json"
@@ -155,6 +160,8 @@ class CollabDemo:
                 self.stop()
         summary = json.loads(self.summary_path.read_text())
         summary["collab"]["data_split"] = split
+        if self.model_path.exists():
+            summary["model"] = str(self.model_path)
         summary.update(broker=kind.value, wall_s=round(time.monotonic() - started, 3),
                        work_dir=str(self.work_dir), exited=dict(self.gone),
                        restarts={"devices": self.restarts})
