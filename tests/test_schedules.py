@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -30,6 +31,7 @@ from ftpipe_iot.schedules import (
     SCHEDULES,
     JobOptions,
     PipeDream2BW,
+    PipeDreamFlush,
     PlanShape,
     Refusal,
     ShapeOrigin,
@@ -221,6 +223,54 @@ def test_an_async_auto_layout_controller_trains_like_its_simulator():
     assert all(len(s.members) == 1 for s in controller.plan.stages)
     gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
     assert max_weight_diff(gathered, train_reference(train, controller.data, steps=6)) < 1e-5
+
+
+# -- the third schedule, one file: PipeDream-Flush (1f1b) ---------------------------------------
+def test_1f1b_is_sync_with_one_micro_batch_in_flight_per_stage():
+    flush = schedule_for(ScheduleName.FLUSH)
+    assert isinstance(flush, PipeDreamFlush)
+    assert flush.in_flight_limit(8, 3) == 3 and flush.in_flight_limit(2, 3) == 2
+    assert SYNC.in_flight_limit(8, 3) == 8 and ASYNC.in_flight_limit(8, 3) == 8
+    assert all(flush.drains_after(s, 10, 5) for s in range(4))
+    assert [flush.forward_version(s, 10, 5) for s in range(4)] == [0, 1, 2, 3]
+    assert flush.step_time_s([1.0, 3.0, 2.0], 4, 10) == SYNC.step_time_s([1.0, 3.0, 2.0], 4, 10)
+    assert flush.supports(PlanShape((2, 1), (1, 0)), JobOptions(resiliency=1)) is None
+    refusal = flush.supports(PlanShape(), JobOptions(mode=CollabMode.COLLABORATIVE))
+    assert refusal is not None and refusal.option == "--mode"
+
+
+def test_micro_batching_counts_the_1f1b_bound_in_memory():
+    from ftpipe_iot.planning.micro import MicroBatchingProblem
+
+    costs = LayerCosts((0.01,) * 6, (1000.0,) * 6, (1e6,) * 6, micro_batch_size=8,
+                       param_bytes=(1e5,) * 6)
+    devices = [DeviceSpec(f"d{k}") for k in range(3)]
+    stages = [(0, 2), (2, 4), (4, 6)]
+    memory = {name: MicroBatchingProblem(costs, stages, devices, schedule=schedule_for(name),
+                                         max_in_flight=8).stage_memory(0, 8, 8)
+              for name in (ScheduleName.SYNC, ScheduleName.FLUSH)}
+    # 8 micro-batches' activations in sync, 3 (one per stage) in 1f1b
+    assert memory[ScheduleName.SYNC] - memory[ScheduleName.FLUSH] == pytest.approx(
+        (8 - 3) * 2 * 1000.0)
+
+
+def test_a_1f1b_job_trains_like_one_process_and_never_holds_more_than_n_micro_batches():
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=6, micro_batch_size=8,
+                        max_steps=4, lr=0.05, schedule=ScheduleName.FLUSH)
+    job = MemoryJob(ControllerConfig(train=train, devices=3, layout=Layout.PIPELINE), devices=3)
+    job.start()
+    most = 0  # micro-batches whose activations a stage held at once
+    started = time.monotonic()
+    while job.controller.phase not in (ControllerPhase.DONE, ControllerPhase.FAILED):
+        assert time.monotonic() - started < 120, job.controller.phase
+        job.pump_once()
+        most = max([most, *(len(d.stage.pending) for d in job.devices if d.stage is not None)])
+    assert job.controller.phase is ControllerPhase.DONE
+    controller = job.controller
+    assert controller.plan.n_stages == 3
+    assert 0 < most <= 3 < train.micro_batches
+    gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
+    assert max_weight_diff(gathered, train_reference(train, controller.data, steps=4)) < 1e-5
 
 
 # -- the CLI: refused before anything starts ------------------------------------------------------

@@ -117,9 +117,11 @@ _TRAINING: list[Decorator] = [
                       "micro-batches; costs traffic (see `ftpipe-iot plan --resiliency`)"),
     click.option("--schedule", type=click.Choice([s.value for s in ScheduleName]),
                  default="sync", show_default=True,
-                 help="sync drains the pipeline every step; async runs 1F1B across steps "
-                      "with two weight versions (PipeDream-2BW), draining only at "
-                      "replication points and epoch ends (one device per stage)"),
+                 help="sync drains the pipeline every step; 1f1b too, with at most one "
+                      "micro-batch in flight per stage (PipeDream-Flush: sync's result, less "
+                      "activation memory); async runs 1F1B across steps with two weight "
+                      "versions (PipeDream-2BW), draining only at replication points and "
+                      "epoch ends (one device per stage)"),
     click.option("--delay-compensation",
                  type=click.Choice([c.value for c in DelayCompensation]),
                  default="predict", show_default=True,

@@ -46,7 +46,11 @@ class PlanTraining:
         self._step_done = step_done
         self.versions = StepVersions.of(self.train, model.schedule.steps_per_epoch)
         self.feed = TrainFeed(model.schedule, plan.n_stages, plan.resume_step,
-                              model.total_steps, self.train.max_in_flight, self.versions)
+                              model.total_steps,
+                              self.versions.schedule.in_flight_limit(
+                                  self.train.max_in_flight,
+                                  sum(m.share > 0 for s in plan.stages for m in s.members)),
+                              self.versions)
         self.eval_round: EvalRound | None = None
         self.counts: Counts = plan_counts(plan.stages, self.train.micro_batches)
         self._proposed: Counts | None = None  # counts a retune asked for at the last boundary

@@ -116,8 +116,9 @@ class MicroBatchingProblem:
         activations = math.fsum(costs.activation_bytes[start:end]) * size / self.profiled_size
         return self.schedule.stage_memory_bytes(costs.stage_param_bytes(start, end),
                                                 activations, micro_batches,
-                                                self.max_in_flight, self.optimizer_copies,
-                                                self.predicted_weights)
+                                                self.schedule.in_flight_limit(
+                                                    self.max_in_flight, len(self.stages)),
+                                                self.optimizer_copies, self.predicted_weights)
 
     def evaluate(self, micro_batches: int, size: int) -> MicroBatching:
         step = self.step_s(micro_batches, size)

@@ -26,13 +26,14 @@ import numpy as np
 
 from ftpipe_iot.errors import PlanError
 from ftpipe_iot.protocol.vocab import DelayCompensation, ScheduleName
+from ftpipe_iot.schedules import schedule_for
 
 
 def _companion(lr_h: float, momentum: float, schedule: ScheduleName,
                compensation: DelayCompensation) -> np.ndarray:
     """The recurrence's matrix over the state (w(t), w(t-1), b(t), b(t-1)), with b the
     momentum buffer scaled by lr; torch's SGD: b' = mu b + lr g, w' = w - b'."""
-    if schedule is ScheduleName.SYNC:
+    if not schedule_for(schedule).stashes_weights:
         at = np.array([1.0, 0.0, 0.0, 0.0])  # the gradient at w(t)
     elif compensation is DelayCompensation.PREDICT and momentum > 0:
         # at w(t-1) - b(t-1); plain SGD keeps no buffer, so nothing is predicted
@@ -89,7 +90,7 @@ class StabilityBounds:
                                        DelayCompensation.PREDICT))
 
     def bound(self, schedule: ScheduleName, compensation: DelayCompensation) -> float:
-        if schedule is ScheduleName.SYNC:
+        if not schedule_for(schedule).stashes_weights:
             return self.sync
         return self.async_predict if compensation is DelayCompensation.PREDICT \
             else self.async_none

@@ -53,10 +53,13 @@ class OptimizerName(str, Enum):
 
 class ScheduleName(str, Enum):
     """How steps follow each other (docs/design.md §5): ``sync`` drains the pipeline every step;
-    ``async`` runs 1F1B across steps with two weight versions (PipeDream-2BW) and drains only
-    where a consistent version is needed (replication points, epoch ends)."""
+    ``1f1b`` drains every step too, with at most one micro-batch in flight per stage
+    (PipeDream-Flush: sync's weights, less activation memory); ``async`` runs 1F1B across steps
+    with two weight versions (PipeDream-2BW) and drains only where a consistent version is
+    needed (replication points, epoch ends)."""
 
     SYNC = "sync"
+    FLUSH = "1f1b"
     ASYNC = "async"
 
 

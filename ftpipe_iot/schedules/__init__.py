@@ -1,5 +1,6 @@
 """Pipeline schedules as objects, one file per schedule (docs/design.md §5, "Schedules as
-objects"): ``sync`` (``Synchronous``: drain every step) and ``async`` (``PipeDream2BW``).
+objects"): ``sync`` (``Synchronous``: drain every step), ``1f1b`` (``PipeDreamFlush``: sync
+with at most one micro-batch in flight per stage) and ``async`` (``PipeDream2BW``).
 
 ``schedule_for(name)`` is the table the rest of the code asks instead of testing the
 ``ScheduleName`` flag; ``base`` says what a schedule answers and why this package imports only
@@ -14,11 +15,13 @@ from types import MappingProxyType
 from ftpipe_iot.protocol.vocab import ScheduleName
 from ftpipe_iot.schedules.base import JobOptions, PlanShape, Refusal, Schedule, ShapeOrigin
 from ftpipe_iot.schedules.pipedream_2bw import PipeDream2BW
+from ftpipe_iot.schedules.pipedream_flush import PipeDreamFlush
 from ftpipe_iot.schedules.sync import Synchronous
 
 # Schedules are stateless: one instance each serves every job.
 SCHEDULES: Mapping[ScheduleName, Schedule] = MappingProxyType({
     ScheduleName.SYNC: Synchronous(),
+    ScheduleName.FLUSH: PipeDreamFlush(),
     ScheduleName.ASYNC: PipeDream2BW(),
 })
 
@@ -28,5 +31,5 @@ def schedule_for(name: ScheduleName) -> Schedule:
     return SCHEDULES[ScheduleName(name)]
 
 
-__all__ = ["SCHEDULES", "JobOptions", "PipeDream2BW", "PlanShape", "Refusal", "Schedule",
-           "ShapeOrigin", "Synchronous", "schedule_for"]
+__all__ = ["SCHEDULES", "JobOptions", "PipeDream2BW", "PipeDreamFlush", "PlanShape", "Refusal",
+           "Schedule", "ShapeOrigin", "Synchronous", "schedule_for"]

@@ -133,6 +133,12 @@ class Schedule(ABC):
         return step == next_to_complete + 1 and \
             not self.drains_after(next_to_complete, steps_per_epoch, drain_every)
 
+    def in_flight_limit(self, max_in_flight: int, holders: int) -> int:
+        """Micro-batches the feed keeps in flight at most, given ``--max-in-flight`` and the
+        devices that compute (one per stage in a pipeline; every computing member of a
+        group): each stage then stashes the activations of at most that many."""
+        return max_in_flight
+
     @abstractmethod
     def step_time_s(self, stage_times_s: Sequence[float], micro_batches: int,
                     drain_every: int) -> float:
