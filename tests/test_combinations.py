@@ -1,0 +1,91 @@
+"""The combination matrix: schedule x layout x resiliency x fault. Every cell either trains and
+equals its yardstick (one process for sync and 1f1b, the 2BW simulator for async; allclose
+1e-5), or is refused before anything starts by the schedule's one compatibility check, with the
+option to change.
+
+The cells drive the controller and device agents in memory (the logic, fast enough for every
+cell); the same paths over a real Mosquitto with real processes and SIGKILL are in
+test_faults.py (pipeline, r = 0), test_groups_mosquitto.py (groups), test_resilience_mosquitto.py
+(r = 1) and test_async_fleet.py (async).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+from helpers import MemoryJob, max_weight_diff
+
+from ftpipe_iot.control.config import ControllerConfig
+from ftpipe_iot.core.reference import train_reference
+from ftpipe_iot.errors import ConfigError, PlanError
+from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
+from ftpipe_iot.protocol.specs import ModelSpec
+from ftpipe_iot.protocol.vocab import ControllerPhase, ScheduleName
+
+TRAIN = TrainConfig(model=ModelSpec("mlp"), micro_batches=4, micro_batch_size=8, max_steps=7,
+                    lr=0.05, replicate_every=3)
+KILLED = "d1"  # holds stage 1 in every layout
+KILL_AFTER = 4  # steps done when it dies (the last replication point was after step 2)
+
+
+def _members(computing: tuple[str, ...], standbys: tuple[str, ...] = ()) -> tuple[Member, ...]:
+    share = 1.0 / len(computing)
+    return (*(Member(d, share) for d in computing), *(Member(d, 0.0) for d in standbys))
+
+
+def _assignment(layout: str, resiliency: int) -> tuple[StageAssignment, ...]:
+    """Stage 0 = layers [0, 3), stage 1 = [3, 6). ``pipeline``: one device each (plus a warm
+    standby each at r = 1); ``group``: stage 0 held by a group of two (and stage 1 too at
+    r = 1, where every stage needs a second holder)."""
+    if layout == "pipeline":
+        standbys = (("d2",), ("d3",)) if resiliency else ((), ())
+        return (StageAssignment(0, 0, 3, _members(("d0",), standbys[0])),
+                StageAssignment(1, 3, 6, _members((KILLED,), standbys[1])))
+    second = ("d1", "d3") if resiliency else ("d1",)
+    return (StageAssignment(0, 0, 3, _members(("d0", "d2"))),
+            StageAssignment(1, 3, 6, _members(second)))
+
+
+CELLS = list(itertools.product(list(ScheduleName), ["pipeline", "group"], [0, 1],
+                               ["none", "kill"]))
+
+
+@pytest.mark.parametrize("schedule, layout, resiliency, fault", CELLS,
+                         ids=[f"{s.value}-{layout}-r{r}-{fault}" for s, layout, r, fault in CELLS])
+def test_every_cell_equals_its_yardstick_or_is_refused_before_it_starts(schedule, layout,
+                                                                          resiliency, fault):
+    try:
+        train = replace(TRAIN, schedule=schedule, resiliency=resiliency)
+        stages = _assignment(layout, resiliency)
+        devices = len({m.device for s in stages for m in s.members})
+        config = ControllerConfig(train=train, devices=devices, assignment=stages,
+                                  heartbeat_timeout_s=30.0)
+    except (PlanError, ConfigError) as refusal:
+        # only async refuses, and it says which option to change
+        assert schedule is ScheduleName.ASYNC, refusal
+        assert "--schedule sync" in str(refusal)
+        assert (resiliency and "--resiliency" in str(refusal)) or \
+            (layout == "group" and "--assignment" in str(refusal))
+        return
+    job = MemoryJob(config, devices=devices)
+    job.start()
+    if fault == "kill":
+        while job.controller.summary.steps < KILL_AFTER:
+            job.pump_once()
+        next(d for d in job.devices if d.name == KILLED).transport.crash()  # its Last Will
+    assert job.run() is ControllerPhase.DONE
+    controller = job.controller
+    gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
+    expected = train_reference(train, controller.data, steps=TRAIN.max_steps)
+    assert max_weight_diff(gathered, expected) < 1e-5
+    summary = controller.summary
+    assert summary.steps == TRAIN.max_steps
+    if fault == "kill":
+        assert summary.failures_detected + summary.covered_failures >= 1
+        if resiliency:  # a second holder of stage 1 (peer or standby) covers it: no rollback
+            assert summary.rollbacks == 0 and summary.recomputed_steps == 0
+        else:  # a rollback to the newest complete version: at most one interval recomputed
+            assert summary.recoveries >= 1
+            assert 0 < summary.recomputed_steps <= train.replicate_every
