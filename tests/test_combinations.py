@@ -19,7 +19,9 @@ from helpers import MemoryJob, max_weight_diff
 
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.core.reference import train_reference
+from ftpipe_iot.device.agent import DeviceOptions
 from ftpipe_iot.errors import ConfigError, PlanError
+from ftpipe_iot.planning.layouts import Layout
 from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.specs import ModelSpec
 from ftpipe_iot.protocol.vocab import ControllerPhase, ScheduleName
@@ -89,3 +91,49 @@ def test_every_cell_equals_its_yardstick_or_is_refused_before_it_starts(schedule
         else:  # a rollback to the newest complete version: at most one interval recomputed
             assert summary.recoveries >= 1
             assert 0 < summary.recomputed_steps <= train.replicate_every
+
+
+# -- a model whose layers cannot be held by a group ------------------------------------------------
+CUMULATIVE_BN = (
+    "import torch.nn as nn\n"
+    "def build():\n"
+    "    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32),\n"
+    "                         nn.BatchNorm1d(32, momentum=None), nn.ReLU(), nn.Linear(32, 10))\n")
+
+
+@pytest.fixture
+def cumulative_bn(tmp_path, monkeypatch) -> TrainConfig:
+    """A user model with a cumulative BatchNorm average (momentum=None): members cannot replay
+    it, so no stage of it may have two holders."""
+    (tmp_path / "cumulative_bn.py").write_text(CUMULATIVE_BN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return replace(TRAIN, model=ModelSpec("cumulative_bn:build"), max_steps=4)
+
+
+@pytest.mark.parametrize("options, change", [
+    (dict(layout=Layout.DATA), "--layout pipeline"),
+    (dict(resiliency=1), "--resiliency 0"),
+    (dict(assignment=_assignment("group", 0)), "--assignment"),
+])
+def test_a_model_that_cannot_be_grouped_is_refused_before_the_job_starts(cumulative_bn,
+                                                                         options, change):
+    train = replace(cumulative_bn, resiliency=options.pop("resiliency", 0))
+    config = ControllerConfig(train=train, devices=4, **options)
+    with pytest.raises(ConfigError, match=f"momentum=None.*{change}"):
+        MemoryJob(config, devices=4)
+
+
+def test_layout_auto_keeps_such_a_model_in_a_pipeline_and_trains_it_exactly(cumulative_bn):
+    job = MemoryJob(ControllerConfig(train=cumulative_bn, devices=3, layout=Layout.AUTO),
+                    devices=3, options=DeviceOptions(allowed_model_modules=("cumulative_bn",)))
+    said: list[str] = []
+    job.controller.recorder.message = said.append  # the lines a user watching would read
+    job.start()
+    assert job.run() is ControllerPhase.DONE
+    controller = job.controller
+    assert all(len(s.members) == 1 for s in controller.plan.stages)
+    assert sum("keeps a single pipeline" in line and "momentum=None" in line
+               for line in said) == 1
+    gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
+    expected = train_reference(cumulative_bn, controller.data, steps=cumulative_bn.max_steps)
+    assert max_weight_diff(gathered, expected) < 1e-5

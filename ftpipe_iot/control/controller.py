@@ -20,7 +20,7 @@ from ftpipe_iot.control.central import CentralReplicas
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.failures import FailureAction, FailureFacts, respond_to_failure
 from ftpipe_iot.control.job import JobModel, prepare_job
-from ftpipe_iot.control.layout import LayoutInputs, choose_stages
+from ftpipe_iot.control.layout import LayoutInputs, check_grouping, choose_stages
 from ftpipe_iot.control.lease import fenced
 from ftpipe_iot.control.liveness import Failure, LivenessTracker
 from ftpipe_iot.control.outbox import JobOutbox
@@ -123,6 +123,8 @@ class Controller:
         self.train = train
         self.messenger.options = WireOptions(compress=train.compress, wire_dtype=train.wire_dtype)
         self.model = prepare_job(train, self._given_data)
+        check_grouping(self.model.grouping_refusal, self.config.layout, train.resiliency,
+                       self.config.assignment)
         self.central = CentralReplicas(self.model, self.config.checkpoint_dir)
         if self.config.init_from is not None and not self.config.resume:
             # Version 0 is the given weights (fresh optimizer state), not the seed's.
@@ -354,7 +356,7 @@ class Controller:
                 devices, self.plan, self.config.assignment, self.model.cost_model,
                 self.capacity, self.roster.capabilities, self.train.resiliency,
                 self.config.layout, self.train.micro_batches, self.config.repartition_threshold,
-                self.train.schedule))
+                self.train.schedule, self.model.grouping_refusal))
             for warning in warnings:
                 self.recorder.message(warning)
         init_weights = self.central.started_from_file or bool(self.plan and self.plan.init_weights)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ftpipe_iot.core.data import Dataset, load_dataset
+from ftpipe_iot.core.grouping import grouping_refusal
 from ftpipe_iot.core.models import build_layers, cut_shapes
 from ftpipe_iot.core.profiling import profile_stages
 from ftpipe_iot.core.schedule import SyncSchedule
@@ -38,6 +39,8 @@ class JobModel:
     cost_model: LayerCosts
     schedule: SyncSchedule
     total_steps: int
+    # why the trained layers cannot be held by more than one device, or None (``core.grouping``)
+    grouping_refusal: str | None = None
 
     @property
     def num_layers(self) -> int:
@@ -74,7 +77,9 @@ def prepare_job(train: TrainConfig, data: Dataset | None = None) -> JobModel:
     schedule = SyncSchedule(len(data.x_train), train.micro_batches, train.micro_batch_size,
                             train.seed)
     return JobModel(train, data, shapes, costs, cost_model, schedule,
-                    schedule.total_steps(train.epochs, train.max_steps))
+                    schedule.total_steps(train.epochs, train.max_steps),
+                    # fixed layers run in evaluation mode: their buffers never change
+                    grouping_refusal(layers[train.frozen_layers:]))
 
 
 def choose_job_micro_batching(train: TrainConfig, n_stages: int, auto_m: bool, auto_b: bool,

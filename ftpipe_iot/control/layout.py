@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ftpipe_iot.control.replan import without
+from ftpipe_iot.errors import ConfigError
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
 from ftpipe_iot.planning.layouts import Layout, LayoutChoice, choose_layout
@@ -35,6 +36,25 @@ class LayoutInputs:
     micro_batches: int = 1
     min_gain: float = 0.10  # predicted gain the fleet planner's plan needs (``auto``)
     schedule: ScheduleName = ScheduleName.SYNC  # a new layout is one this schedule supports
+    # why the model's layers cannot be held by a group (``core.grouping``): auto then keeps a
+    # single pipeline (``check_grouping`` refused the rest before the job started)
+    grouping_refusal: str | None = None
+
+
+def check_grouping(refusal: str | None, layout: Layout, resiliency: int,
+                   pinned: Sequence[StageAssignment]) -> None:
+    """Raise ``ConfigError`` when the options ask for more than one holder of a stage (a group
+    or a warm standby) and the model cannot have one: every holder must keep the layers'
+    changing buffers identical, and only BatchNorm's are replayed (``core.grouping``)."""
+    if refusal is None:
+        return
+    why = f"the model cannot be held by more than one device per stage: {refusal}"
+    if any(len(s.members) > 1 for s in pinned):
+        raise ConfigError(f"{why}; give --assignment one device per stage")
+    if layout is Layout.DATA:
+        raise ConfigError(f"{why}; pass --layout pipeline (or auto)")
+    if resiliency > 0:
+        raise ConfigError(f"{why}; pass --resiliency 0")
 
 
 def group_stages(choice: LayoutChoice, micro_batches: int) -> tuple[StageAssignment, ...]:
@@ -63,13 +83,18 @@ def choose_stages(inputs: LayoutInputs) -> tuple[tuple[StageAssignment, ...], li
             computing, spares = split_for_resiliency(devices, inputs.resiliency,
                                                      inputs.capacity.factor)
         specs = device_specs(computing, inputs.capacity, inputs.capabilities)
-        if inputs.layout is not Layout.PIPELINE:
+        layout = inputs.layout
+        if inputs.grouping_refusal is not None and layout is Layout.AUTO:
+            layout = Layout.PIPELINE
+            warnings.append(f"layout auto keeps a single pipeline: the model cannot be held by "
+                            f"a group ({inputs.grouping_refusal})")
+        if layout is not Layout.PIPELINE:
             specs = _comparable(specs, inputs.capacity)
-        choice = choose_layout(inputs.costs, specs, inputs.micro_batches, inputs.layout,
+        choice = choose_layout(inputs.costs, specs, inputs.micro_batches, layout,
                                inputs.min_gain, schedule_for(inputs.schedule))
         if choice.warning:
             warnings.append(choice.warning)
-        if inputs.layout is not Layout.PIPELINE:
+        if layout is not Layout.PIPELINE:
             warnings.append(_described(choice))
         stages = group_stages(choice, inputs.micro_batches)
         used = {d for s in stages for d in s.devices}

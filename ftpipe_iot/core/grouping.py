@@ -11,7 +11,8 @@ BatchNorm's running statistics are sequential in micro-batch order
 member records the batch statistics of its micro-batches, and every member replays all of them
 in micro-batch order from the step's start (equal to the reference to float rounding: they do
 not feed back into training).
-Layers with other buffers that change in training cannot be grouped (``grouping_refusal``).
+Layers with other buffers that change in training cannot be grouped (``grouping_refusal``, asked
+by the controller before a job starts and by the layout chooser).
 """
 
 from __future__ import annotations
