@@ -33,8 +33,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import PROFILES, say  # noqa: E402
 from ftpipe_iot.collab.config import CollabConfig  # noqa: E402
+from ftpipe_iot.collab.data_split import PartitionSpec  # noqa: E402
 from ftpipe_iot.collab.demo import CollabDemo, CollabDemoOptions  # noqa: E402
-from ftpipe_iot.collab.partition import PartitionSpec  # noqa: E402
 from ftpipe_iot.protocol.collab import PrivacySettings  # noqa: E402
 from ftpipe_iot.protocol.plan import TrainConfig  # noqa: E402
 from ftpipe_iot.protocol.specs import ModelSpec  # noqa: E402

@@ -22,8 +22,8 @@ from ftpipe_iot.artifacts.checkpoint import (
 from ftpipe_iot.artifacts.evaluate import evaluate
 from ftpipe_iot.artifacts.export import ExportFormat, export_model
 from ftpipe_iot.cli import main
-from ftpipe_iot.control.checkpoint import load_weights
 from ftpipe_iot.control.config import ControllerConfig
+from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.core.data import load_dataset
 from ftpipe_iot.core.models import build_layers
 from ftpipe_iot.core.reference import train_reference

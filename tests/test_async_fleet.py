@@ -10,8 +10,8 @@ import pytest
 from helpers import MemoryJob, max_weight_diff
 from prometheus_client import CollectorRegistry
 
-from ftpipe_iot.control.checkpoint import load_weights
 from ftpipe_iot.control.controller import Controller, ControllerConfig
+from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.core.data import DataSpec, load_dataset
 from ftpipe_iot.core.models import ModelSpec
 from ftpipe_iot.core.reference import train_reference

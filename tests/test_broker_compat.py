@@ -11,7 +11,7 @@ import pytest
 from helpers import max_weight_diff
 from test_faults import reference
 
-from ftpipe_iot.control.checkpoint import load_weights
+from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.observability.watch import JobWatcher
 from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess
 from ftpipe_iot.runtime.rabbitmq import RabbitMqBroker, rabbitmq_unavailable

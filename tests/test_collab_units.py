@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ftpipe_iot.collab.data_split import PartitionSpec, split_indices
 from ftpipe_iot.collab.fedavg import merge_parts, weighted_mean
-from ftpipe_iot.collab.partition import PartitionSpec, split_indices
 from ftpipe_iot.collab.parts import DevicePart, ServerReplica, export_states
 from ftpipe_iot.collab.planner import Machine, ModelFacts, choose, simulate_iteration
 from ftpipe_iot.collab.privacy import check_private_layers

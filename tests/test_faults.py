@@ -11,7 +11,7 @@ import time
 import pytest
 from helpers import max_weight_diff
 
-from ftpipe_iot.control.checkpoint import load_weights
+from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.core.data import DataSpec, load_dataset
 from ftpipe_iot.core.models import ModelSpec
 from ftpipe_iot.core.reference import train_reference

@@ -19,7 +19,6 @@ from ftpipe_iot.planning.group_search import (
     solve_groups,
 )
 from ftpipe_iot.planning.groups import GradientExchange, GroupPlan, evaluate_groups
-from ftpipe_iot.planning.retune import retune_shares
 from ftpipe_iot.planning.solver import InfeasiblePartitionError, PartitionError
 
 INF = math.inf
@@ -156,7 +155,6 @@ def test_the_exchange_decides_between_replicas_and_a_pipeline():
     each = solve_groups(costs, devices, 8)
     assert each.largest_group == 1 and each.step_s == pytest.approx(18.0)
     assert each.exchange is GradientExchange.MICRO_BATCHES
-    assert retune_shares(each, costs, devices).replanned.exchange is GradientExchange.MICRO_BATCHES
 
 
 def test_groups_never_exceed_the_micro_batches():
@@ -209,54 +207,3 @@ def test_bad_planner_arguments(kwargs, message):
         solve_groups(flat(2), [DeviceSpec("a")], **kwargs)
     with pytest.raises(PartitionError, match="unique"):
         solve_groups(flat(2), [DeviceSpec("a"), DeviceSpec("a")], 2)
-
-
-# --- share retuning ------------------------------------------------------------------------------
-
-
-def slowed(devices: list[DeviceSpec], name: str, by: float) -> list[DeviceSpec]:
-    return [DeviceSpec(d.name, d.factor * by, d.bandwidth_bytes_per_s, d.memory_bytes)
-            if d.name == name else d for d in devices]
-
-
-def test_a_slowed_member_loses_share_first():
-    costs = flat(4)
-    devices = [DeviceSpec("a"), DeviceSpec("b"), DeviceSpec("c", 2.0)]
-    plan = evaluate_groups([(0, 4, ["a", "b", "c"])], costs, devices, 10)
-    assert plan.micro_batch_counts == ((4, 4, 2),)  # 16 s each
-    decision = retune_shares(plan, costs, slowed(devices, "a", 4.0))
-    assert decision.micro_batch_counts == ((1, 6, 3),)  # 16, 24, 24 s
-    assert decision.shares_changed
-    assert decision.current_step_s == pytest.approx(4 * 16.0)  # a keeps 4 at 16 s each
-    assert decision.retuned_step_s == pytest.approx(24.0)
-    assert decision.retune_gain == pytest.approx(1 - 24 / 64)
-    assert decision.replanned_step_s <= decision.retuned_step_s
-    assert decision.replan_gain >= 0
-
-
-def test_nothing_changed_means_no_gain():
-    costs = flat(6, act=10.0, params=5.0)
-    devices = [DeviceSpec("a"), DeviceSpec("b", 1.5, 100.0), DeviceSpec("c", 3.0, 50.0)]
-    plan = solve_groups(costs, devices, 4)
-    decision = retune_shares(plan, costs, devices)
-    assert not decision.shares_changed and decision.retune_gain == 0.0
-    assert decision.replan_gain == pytest.approx(0.0, abs=1e-9)
-    assert retune_shares(plan, costs, devices, replan=False).replanned is None
-
-
-def test_a_lasting_change_shares_cannot_absorb_calls_for_a_new_plan():
-    costs = flat(8)
-    devices = [DeviceSpec("a"), DeviceSpec("b")]
-    plan = evaluate_groups([(0, 4, ["a"]), (4, 8, ["b"])], costs, devices, 4)
-    decision = retune_shares(plan, costs, slowed(devices, "b", 10.0))
-    assert decision.retune_gain == 0.0  # single-member groups have no shares to move
-    assert decision.replan_gain > 0.5
-    assert decision.replanned.assignment != plan.assignment
-
-
-def test_a_missing_member_cannot_be_retuned():
-    costs = flat(2)
-    devices = [DeviceSpec("a"), DeviceSpec("b")]
-    plan = evaluate_groups([(0, 2, ["a", "b"])], costs, devices, 2)
-    with pytest.raises(PartitionError, match="unknown device 'b'"):
-        retune_shares(plan, costs, devices[:1])

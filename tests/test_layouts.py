@@ -11,7 +11,7 @@ import pytest
 from helpers import MemoryJob, max_weight_diff
 
 from ftpipe_iot.control.config import ControllerConfig
-from ftpipe_iot.control.layout import LayoutInputs, choose_stages
+from ftpipe_iot.control.plan_stages import LayoutInputs, choose_stages
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.core.routing import counts_from_shares, plan_counts
 from ftpipe_iot.errors import ConfigError

@@ -17,7 +17,7 @@ import pytest
 from helpers import max_weight_diff
 from test_faults import reference
 
-from ftpipe_iot.control.checkpoint import load_weights
+from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.observability.watch import JobWatcher
 from ftpipe_iot.protocol.vocab import EventType
 from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess

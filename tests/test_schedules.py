@@ -17,7 +17,7 @@ from helpers import MemoryJob, max_weight_diff
 
 from ftpipe_iot.cli import main
 from ftpipe_iot.control.config import ControllerConfig, requested_shape, schedule_refusal
-from ftpipe_iot.control.layout import LayoutInputs, choose_stages
+from ftpipe_iot.control.plan_stages import LayoutInputs, choose_stages
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.core.schedule import StepVersions
 from ftpipe_iot.errors import ConfigError, PlanError

@@ -15,7 +15,7 @@ import pytest
 from helpers import max_weight_diff
 from prometheus_client import CollectorRegistry
 
-from ftpipe_iot.control.checkpoint import load_weights
+from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.core.data import load_dataset
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.observability.metrics import DeviceMetrics

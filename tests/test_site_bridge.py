@@ -15,7 +15,7 @@ from helpers import max_weight_diff
 from test_faults import reference
 
 from ftpipe_iot.cli import main
-from ftpipe_iot.control.checkpoint import load_weights
+from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.fleet import fleet
 from ftpipe_iot.fleet.acl import role_rules
 from ftpipe_iot.fleet.errors import FleetError

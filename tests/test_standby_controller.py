@@ -12,8 +12,8 @@ import time
 import pytest
 from helpers import max_weight_diff
 
-from ftpipe_iot.control.checkpoint import load_weights
 from ftpipe_iot.control.lease import LeaseVerdict, LeaseWatch, fenced
+from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.core.data import load_dataset
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.observability.watch import JobWatcher

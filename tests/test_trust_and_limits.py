@@ -10,7 +10,7 @@ import time
 import pytest
 from helpers import max_weight_diff
 
-from ftpipe_iot.control.checkpoint import load_weights
+from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.core.data import load_dataset
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.protocol.messages import (

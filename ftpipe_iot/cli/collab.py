@@ -138,8 +138,8 @@ def run_demo(choices: CollabChoices, train: TrainConfig, devices: int, job: str,
              restart_devices: bool = False, save_model: Path | None = None) -> None:
     """``ftpipe-iot demo --mode collaborative|fedavg``."""
     from ftpipe_iot.cli.stops import end_failed, end_interrupted
+    from ftpipe_iot.collab.data_split import PartitionSpec
     from ftpipe_iot.collab.demo import CollabDemo, CollabDemoOptions
-    from ftpipe_iot.collab.partition import PartitionSpec
     from ftpipe_iot.runtime.demo import JobFailed
 
     if not explicit(click.get_current_context(), ("epochs",)):

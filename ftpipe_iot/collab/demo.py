@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ftpipe_iot.collab.config import CollabConfig
-from ftpipe_iot.collab.partition import PartitionSpec, class_counts, split_indices, write_shards
+from ftpipe_iot.collab.data_split import PartitionSpec, class_counts, split_indices, write_shards
 from ftpipe_iot.core.data import Dataset
 from ftpipe_iot.errors import DemoError, ReportError
 from ftpipe_iot.observability.report import write_report

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from ftpipe_iot.artifacts.checkpoint import initial_layers, save_checkpoint
-from ftpipe_iot.control.checkpoint import save_weights
 from ftpipe_iot.control.job import JobModel
 from ftpipe_iot.control.recovery import RecoveryPlan, recovery_plan
+from ftpipe_iot.control.weights_file import save_weights
 from ftpipe_iot.core.models import build_layers
 from ftpipe_iot.core.replicas import ReplicaStore
 from ftpipe_iot.protocol.messages import LayerReplica

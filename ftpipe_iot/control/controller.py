@@ -20,10 +20,10 @@ from ftpipe_iot.control.central import CentralReplicas
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.failures import FailureAction, FailureFacts, respond_to_failure
 from ftpipe_iot.control.job import JobModel, prepare_job
-from ftpipe_iot.control.layout import LayoutInputs, check_grouping, choose_stages
 from ftpipe_iot.control.lease import fenced
 from ftpipe_iot.control.liveness import Failure, LivenessTracker
 from ftpipe_iot.control.outbox import JobOutbox
+from ftpipe_iot.control.plan_stages import LayoutInputs, check_grouping, choose_stages
 from ftpipe_iot.control.recorder import Recorder
 from ftpipe_iot.control.replan import Replanner, ReplanReason, next_plan
 from ftpipe_iot.control.roster import Roster

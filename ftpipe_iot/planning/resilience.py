@@ -144,7 +144,7 @@ def resilience_options(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_b
                        ) -> list[ResilienceOption]:
     """The resiliency-vs-traffic trade-off (what ``ftpipe-iot plan --resiliency`` prints): for
     each level, the layout a controller would choose (``split_for_resiliency`` then
-    ``with_standbys``, as ``control.layout``) and what it costs."""
+    ``with_standbys``, as ``control.plan_stages``) and what it costs."""
     by_name = {d.name: d for d in devices}
 
     def factor(name: str) -> float:
