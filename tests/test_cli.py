@@ -107,7 +107,7 @@ def test_fault_specs_parse():
         parse_fault("kill:1@30")
 
 
-@pytest.mark.parametrize("args", [["controller", "--mode", "fedavg", "--init-from", "m.pt"],
+@pytest.mark.parametrize("args", [["controller", "--mode", "fedavg", "--checkpoint-dir", "ck"],
                                   ["controller", "--mode", "collaborative", "--resiliency", "1"],
                                   ["demo", "--mode", "collaborative", "--freeze-layers", "0-1"],
                                   # one table for both commands: the demo refuses --layout too

@@ -429,3 +429,37 @@ def test_what_the_demo_checks_before_it_starts_anything(train, split_point, coll
     with pytest.raises(error, match=message):
         check_job(train, split_point, collaborative)
     check_job(TrainConfig(), 3, collaborative=True)  # a usable split point passes
+
+
+# -- --init-from in the collaborative modes --------------------------------------------------------
+def test_the_global_model_starts_from_the_given_weights(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from ftpipe_iot.artifacts.checkpoint import save_checkpoint
+    from ftpipe_iot.collab.config import CollabConfig
+    from ftpipe_iot.collab.coordinator import Coordinator
+    from ftpipe_iot.transport.memory import MemoryBroker
+
+    data = load_dataset(DataSpec("digits"))
+    train = TrainConfig(model=ModelSpec("cnn"), micro_batches=4, micro_batch_size=8, seed=0)
+    other = build_layers(train.model, data.input_shape, data.num_classes, seed=7)
+    given = {i: {k: v.detach().numpy().copy() for k, v in layer.state_dict().items()}
+             for i, layer in enumerate(other)}
+    path = save_checkpoint(tmp_path / "start.pt", given, train, data.input_shape,
+                           data.num_classes, 0)
+
+    def coordinator(init_from):
+        config = CollabConfig(devices=1, train=train, init_from=init_from)
+        return Coordinator("j", config, MemoryBroker().transport("controller"),
+                           CollectorRegistry(), data=data)
+
+    started = coordinator(path).global_states  # version 0, what every device loads first
+    seeded = coordinator(None).global_states
+    for index, state in given.items():
+        for name, value in state.items():
+            np.testing.assert_array_equal(started[index][name], value)
+    assert any(not np.array_equal(seeded[i][n], v) for i, s in given.items()
+               for n, v in s.items())
+    (tmp_path / "bad.pt").write_bytes(b"not a model")
+    with pytest.raises(ModelError, match="--init-from"):
+        coordinator(tmp_path / "bad.pt")

@@ -135,7 +135,8 @@ def run_demo(choices: CollabChoices, train: TrainConfig, devices: int, job: str,
              broker_url: str | None, embedded: bool, work_dir: str | None,
              metrics_port_base: int, partition: str, device_profile: str | None,
              server_profile: str | None, as_json: bool, signed: bool = True,
-             restart_devices: bool = False, save_model: Path | None = None) -> None:
+             restart_devices: bool = False, save_model: Path | None = None,
+             init_from: Path | None = None) -> None:
     """``ftpipe-iot demo --mode collaborative|fedavg``."""
     from ftpipe_iot.cli.stops import end_failed, end_interrupted
     from ftpipe_iot.collab.data_split import PartitionSpec
@@ -145,7 +146,8 @@ def run_demo(choices: CollabChoices, train: TrainConfig, devices: int, job: str,
     if not explicit(click.get_current_context(), ("epochs",)):
         train = replace(train, epochs=DEMO_EPOCHS)
     options = CollabDemoOptions(
-        config=collab_config(choices, train, devices, save_model=save_model), job=job,
+        config=collab_config(choices, train, devices, save_model=save_model,
+                             init_from=init_from), job=job,
         broker_url=broker_url,
         embedded=embedded, work_dir=Path(work_dir) if work_dir else None,
         metrics_port_base=metrics_port_base, partition=PartitionSpec.parse(partition),
@@ -169,7 +171,7 @@ def run_controller(choices: CollabChoices, train: TrainConfig, job: str, broker:
                    summary_json: str | None, as_json: bool, client_id: str | None,
                    process: Any, pipeline_only: list[str],
                    credentials: Callable[[], Any] = lambda: None,
-                   save_model: Path | None = None) -> None:
+                   save_model: Path | None = None, init_from: Path | None = None) -> None:
     """``ftpipe-iot controller --mode collaborative|fedavg``: the coordinator."""
     from ftpipe_iot.cli.stops import end_with
     from ftpipe_iot.collab.entry import run_coordinator
@@ -183,7 +185,7 @@ def run_controller(choices: CollabChoices, train: TrainConfig, job: str, broker:
                            stall_timeout_s=max(stall_timeout, 4 * heartbeat_timeout),
                            stop_devices=stop_devices,
                            save_weights=Path(save_weights) if save_weights else None,
-                           save_model=save_model)
+                           save_model=save_model, init_from=init_from)
     summary = run_coordinator(config, job, broker, process, default_progress(),
                               Path(summary_json) if summary_json else None, client_id,
                               credentials())

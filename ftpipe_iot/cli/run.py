@@ -120,7 +120,7 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 # Options only --mode pipeline implements: the collaborative modes refuse them, not ignore
 # them. One table for `controller` and `demo` (each has a part of them).
 _PIPELINE_ONLY = ("resume", "standby", "standby_controller", "assignment", "checkpoint_dir",
-                  "device_names", "init_from", "freeze_layers", "resiliency", "layout")
+                  "device_names", "freeze_layers", "resiliency", "layout")
 
 
 @command()
@@ -224,7 +224,8 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                           stall_timeout, stop_devices, save_weights, summary_json, as_json,
                           bundle_name, ProcessOptions(metrics_port, threads, log_level),
                           explicit(ctx, _PIPELINE_ONLY), keys,
-                          save_model=Path(save_model) if save_model else None)
+                          save_model=Path(save_model) if save_model else None,
+                          init_from=Path(init_from) if init_from else None)
     ctrl_config = ControllerConfig(
         train=train, devices=devices, device_names=names,
         wait_devices_s=wait_devices, stall_timeout_s=stall_timeout,
@@ -341,7 +342,8 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
                                embedded_broker, work_dir, metrics_port_base, partition,
                                device_profile, server_profile, as_json,
                                signed=not insecure_unsigned, restart_devices=restart_devices,
-                               save_model=Path(save_model) if save_model else None)
+                               save_model=Path(save_model) if save_model else None,
+                               init_from=Path(init_from) if init_from else None)
     if (partition != "iid" or device_profile or server_profile):
         raise click.UsageError("--partition, --device-profile and --server-profile need "
                                "--mode collaborative or fedavg")

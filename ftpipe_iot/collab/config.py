@@ -38,6 +38,8 @@ class CollabConfig:
     save_weights: Path | None = None
     # the trained model as a standard checkpoint (``artifacts.checkpoint``), like every mode's
     save_model: Path | None = None
+    # start from these weights (a checkpoint or a plain state dict): the global model's version 0
+    init_from: Path | None = None
 
     def __post_init__(self) -> None:
         if self.mode is CollabMode.PIPELINE:

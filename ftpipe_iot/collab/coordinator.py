@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from ftpipe_iot.artifacts.checkpoint import save_checkpoint
+from ftpipe_iot.artifacts.checkpoint import initial_layers, save_checkpoint
 from ftpipe_iot.collab.config import COORDINATOR_NAME, CollabConfig
 from ftpipe_iot.collab.metrics import CoordinatorMetrics
 from ftpipe_iot.collab.parts import evaluate, export_states, load_states
@@ -118,6 +118,11 @@ class Coordinator:
         self.choice: Choice | None = None
         self.spans: list[RoundSpan] = []
         self.current: RoundState | None = None
+        if config.init_from is not None:
+            # version 0 of the global model is the given weights, as --init-from makes it in a
+            # pipeline job; every device and the server load it for the first round
+            load_states(dict(enumerate(self.layers)),
+                        initial_layers(config.init_from, list(self.layers)))
         self.global_states: dict[int, dict] = export_states(dict(enumerate(self.layers)))
         self.server_busy = 0.0
         self._last_progress = clock()

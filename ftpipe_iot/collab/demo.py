@@ -85,6 +85,8 @@ def coordinator_args(config: CollabConfig) -> list[str]:
                  "--dp-delta", str(config.privacy.delta)]
     if config.save_model is not None:
         args += ["--save-model", str(config.save_model)]
+    if config.init_from is not None:
+        args += ["--init-from", str(Path(config.init_from).resolve())]
     return args
 
 
