@@ -120,11 +120,11 @@ def test_adam_predicts_its_next_update_exactly_for_a_constant_gradient(steps):
     for _ in range(steps):
         param.grad = gradient.clone()
         optimizer.step()
-    predicted = predicted_weights(optimizer, param)
+    predicted = predicted_weights(optimizer)[param]
     param.grad = gradient.clone()
     optimizer.step()
     assert torch.allclose(predicted, param.detach(), atol=1e-7)
-    assert predicted_weights(torch.optim.SGD([param], lr=0.1), param).equal(param.detach())
+    assert predicted_weights(torch.optim.SGD([param], lr=0.1))[param].equal(param.detach())
 
 
 def _pipeline(config: TrainConfig, data, cuts: list[int], steps: int, seed: int,

@@ -45,7 +45,7 @@ def _train_quadratic(lr_h: float, momentum: float, schedule: ScheduleName,
         at = w.detach().clone() if schedule is SYNC else computes_at.pop(step)
         w.grad = at.clone()  # the gradient of w^2 / 2
         optimizer.step()
-        computes_at[step + 2] = predicted_weights(optimizer, w) \
+        computes_at[step + 2] = predicted_weights(optimizer)[w] \
             if compensation is PREDICT else w.detach().clone()
         if float(w.detach().abs()) > 1e6:
             return float("inf")

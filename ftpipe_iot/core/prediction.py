@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 
-def predicted_update(optimizer: torch.optim.Optimizer, param: torch.Tensor
+def predicted_update(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor
                      ) -> torch.Tensor | None:
     """The step ``optimizer`` is expected to subtract from ``param`` next (None before its first
     step, and for plain SGD, whose next step depends on the next gradient alone).
@@ -26,12 +26,12 @@ def predicted_update(optimizer: torch.optim.Optimizer, param: torch.Tensor
     its running average ``(1 - momentum) * buf`` it stays ``buf``). Adam: ``lr * m_hat /
     (sqrt(v_hat) + eps)`` with the bias-corrected moments as they stand (with the next gradient
     at ``m_hat`` and its square at ``v_hat``, the next step's corrected moments are these: for a
-    constant gradient the prediction is the next update exactly).
+    constant gradient the prediction is the next update exactly). ``group`` is the parameter
+    group ``param`` is in (its learning rate and hyperparameters).
     """
     state = optimizer.state.get(param)
     if not state:
         return None
-    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
     if isinstance(optimizer, torch.optim.Adam):
         beta1, beta2 = group["betas"]
         step = float(state["step"])
@@ -44,12 +44,15 @@ def predicted_update(optimizer: torch.optim.Optimizer, param: torch.Tensor
     return group["lr"] * buffer
 
 
-def predicted_weights(optimizer: torch.optim.Optimizer | None, param: torch.Tensor
-                      ) -> torch.Tensor:
-    """A new tensor: ``param`` after the step ``optimizer`` is expected to make next (a copy of
-    ``param`` where nothing is predicted)."""
-    update = predicted_update(optimizer, param) if optimizer is not None else None
-    weights = param.detach().clone()
-    if update is not None:
-        weights.sub_(update)
-    return weights
+def predicted_weights(optimizer: torch.optim.Optimizer | None) -> dict[torch.Tensor, torch.Tensor]:
+    """New tensors: each parameter ``optimizer`` steps, after the step it is expected to make
+    next (a copy where nothing is predicted), keyed by the parameter."""
+    out: dict[torch.Tensor, torch.Tensor] = {}
+    for group in optimizer.param_groups if optimizer is not None else ():
+        for param in group["params"]:
+            update = predicted_update(optimizer, group, param)
+            weights = param.detach().clone()
+            if update is not None:
+                weights.sub_(update)
+            out[param] = weights
+    return out

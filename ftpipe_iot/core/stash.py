@@ -141,8 +141,12 @@ class WeightStash:
         step = self.live_version + 1
         if not self.versions.predicts_weights or not self.versions.is_stale(step):
             return
-        self._predicted[step] = [[predicted_weights(optimizer, p) for _, p in layer]
-                                 for layer, optimizer in zip(self.params, self.optimizers)]
+        predicted = []
+        for layer, optimizer in zip(self.params, self.optimizers):
+            by_param = predicted_weights(optimizer)
+            predicted.append([by_param[p] if p in by_param else p.detach().clone()
+                              for _, p in layer])
+        self._predicted[step] = predicted
 
     @property
     def versions_held(self) -> int:
