@@ -201,12 +201,16 @@ _SEED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def _stage_speeds(tables: GroupTables, n_stages: int) -> list[float]:
-    """Rough micro-batches/s of each device on a stage of ``1 / n_stages`` of the model with
-    two average cuts: a link-aware alternative to the plain speed order."""
+    """Rough relative speed of each device on a stage of ``1 / n_stages`` of the model with
+    two average cuts (the quickest device is 1): a link-aware alternative to the plain speed
+    order."""
     share = tables.model_cost_s / n_stages
     moved = 4.0 * tables.mean_cut_bytes if n_stages > 1 else 0.0
     times = [d.factor * share + moved / d.bandwidth_bytes_per_s for d in tables.devices]
-    return [math.inf if t == 0 else 1.0 / t for t in times]
+    # Relative to the quickest positive time, so that sums of speeds cannot overflow however
+    # small a measured cost is (only the order and the proportions matter to the seeds).
+    quickest = min((t for t in times if t > 0), default=1.0)
+    return [math.inf if t == 0 else quickest / t for t in times]
 
 
 def stage_counts(most: int) -> list[int]:
