@@ -18,7 +18,10 @@ micro-batches of 32, M = 8, 4 stages on the split [0,3),[3,5),[5,12),[12,22):
   with delay compensation, over seeds, for the CNN (8 x 8) and full-width MobileNetV2 (the
   digits upscaled to 3 x 32 x 32) (``--only accuracy``): the wall time from the first step
   to the first epoch at 0.95, the median over the seeds, and a plot of accuracy against wall
-  time.
+  time;
+* what the timeline costs (``--only trace``): sync on ``equal`` with and without
+  ``--trace-dir``, in pairs whose order alternates, the median rate of each and the overhead;
+  a PNG of one representative step of the last traced run (what each stage did when).
 
 The host has 2 cores shared with other work: ``loadavg`` is recorded before and after every
 run; rates are noisy at the 10-20% level.
@@ -182,9 +185,10 @@ def _top(profile: Path, n: int = 12) -> list[str]:
 def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float, ...],
            steps: int, warmup: int, profile: bool = False,
            training: list[str] | None = None, assignment: bool = True,
-           timeout_s: float = 1200.0, signed: bool = True) -> dict:
+           timeout_s: float = 1200.0, signed: bool = True, trace: bool = False) -> dict:
     """One ftpipe-iot job on the fixed split; devices optionally under cProfile; every message
-    signed unless ``signed`` is False (``--insecure-unsigned``)."""
+    signed unless ``signed`` is False (``--insecure-unsigned``); the run's timeline kept in
+    its work dir when ``trace``."""
     work = Path(tempfile.mkdtemp(prefix=f"speed-{job}-"))
     names = [f"{job}-d{k}" for k in range(len(factors))]
     procs: dict[str, subprocess.Popen] = {}
@@ -224,6 +228,7 @@ def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float,
              str(summary_path), "--log-level", "WARNING", "--no-repartition",
              "--wait-devices", "900", "--stall-timeout", "300",
              "--schedule", schedule, *(["--assignment", pinned] if assignment else []),
+             *(["--trace-dir", str(work / "trace")] if trace else []),
              *key_args("controller"), *args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=open(work / "controller.log", "w"), start_new_session=True, env=env)
@@ -255,7 +260,13 @@ def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float,
                                                   "evals", "wire_bytes_per_step")},
               "crypto_s": round(summary.get("crypto_s", 0.0) + sum(
                   t.get("crypto_s", 0.0) for t in summary["device_traffic"].values()), 4),
-              "history_t": [(h["step"], round(h["t"], 2)) for h in summary["history"]]}
+              "history_t": [(h["step"], round(h["t"], 2)) for h in summary["history"]],
+              "work_dir": str(work)}
+    if trace:
+        files = list((work / "trace").glob("*.jsonl"))
+        result["trace_bytes"] = sum(f.stat().st_size for f in files)
+        result["trace_spans"] = sum(len(json.loads(line)["kinds"]) for f in files
+                                    for line in f.read_text().splitlines())
     if profile:
         result["cpu_breakdown"] = {name: {**cpu_breakdown(work / f"{name}.prof"),
                                           "top": _top(work / f"{name}.prof")}
@@ -366,6 +377,50 @@ def plot_accuracy(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def trace_overhead(broker: BrokerProcess, steps: int, warmup: int, pairs: int,
+                   timeline_png: Path) -> dict:
+    """Sync on ``equal`` with and without the timeline, ``pairs`` times, the order alternating
+    (a drifting host load hits both alike); the overhead of the medians; and one
+    representative step of the last traced run drawn into ``timeline_png``."""
+    import statistics
+
+    from ftpipe_iot.observability.trace import draw_timeline, load_trace, representative_steps
+
+    runs: dict[str, list[dict]] = {"untraced": [], "traced": []}
+    for pair in range(pairs):
+        for traced in (False, True) if pair % 2 == 0 else (True, False):
+            key = "traced" if traced else "untraced"
+            say(f"timeline cost: pair {pair + 1}/{pairs}, {key}")
+            runs[key].append(ftpipe(broker, f"trace-{pair}-{key}", "sync", (1, 1, 1, 1),
+                                    steps, warmup, trace=traced))
+    rates = {key: [r["samples_per_s"] for r in found] for key, found in runs.items()}
+    medians = {key: statistics.median(values) for key, values in rates.items()}
+    out: dict = {"rates": rates, "median_samples_per_s": medians,
+                 "overhead": round(1 - medians["traced"] / medians["untraced"], 4),
+                 "spans_per_step": [round(r["trace_spans"] / r["steps"], 1)
+                                    for r in runs["traced"]],
+                 "trace_bytes_per_step": [round(r["trace_bytes"] / r["steps"])
+                                          for r in runs["traced"]]}
+    trace = load_trace(Path(runs["traced"][-1]["work_dir"]))
+    steps_shown = representative_steps(trace, 1)
+    if steps_shown is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axis = plt.subplots(figsize=(12, 1.2 + 0.45 * len(trace.processes)))
+        draw_timeline(axis, trace, steps_shown)
+        axis.set_title(f"ftpipe-iot --schedule sync, one step of MobileNetV2 (M = {M}, "
+                       f"micro-batches of {MB}, 4 equal devices)", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(timeline_png, dpi=110)
+        plt.close(fig)
+        out["timeline_png"] = str(timeline_png)
+        out["timeline_step"] = steps_shown[0]
+    return out
+
+
 def configuration(broker: BrokerProcess, name: str, factors: tuple[float, ...], steps: int,
                   warmup: int, torch_steps: int, save) -> dict:  # type: ignore[no-untyped-def]
     """The four pipelined runs of one configuration; ``save(partial)`` after each (a long
@@ -400,7 +455,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--only", choices=["equal", "h", "accuracy", "profile"], default=None)
+    parser.add_argument("--only", choices=["equal", "h", "accuracy", "profile", "trace"],
+                        default=None)
+    parser.add_argument("--trace-pairs", type=int, default=3,
+                        help="--only trace: traced/untraced pairs")
     parser.add_argument("--acc-lr", type=float, default=0.05)
     parser.add_argument("--acc-epochs", type=int, default=8)
     parser.add_argument("--acc-seeds", default="0,1,2", help="comma-separated seeds")
@@ -454,6 +512,10 @@ def main() -> None:
             plot = args.out.with_suffix(".png")
             plot_accuracy(runs, plot)
             results["time_to_accuracy"]["plot"] = str(plot)
+        if args.only == "trace":
+            results["trace_overhead"] = trace_overhead(
+                broker, args.steps, args.warmup, args.trace_pairs, args.out.with_suffix(".png"))
+            save("trace_overhead")(results["trace_overhead"])
         if args.profile_run or args.only == "profile":
             say("profiled ftpipe-iot sync run (equal devices)")
             results["profiled_sync"] = ftpipe(broker, "prof-sync", "sync", (1, 1, 1, 1),

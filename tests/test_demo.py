@@ -17,6 +17,8 @@ from helpers import max_weight_diff
 from ftpipe_iot.artifacts.checkpoint import read_checkpoint
 from ftpipe_iot.core.data import load_dataset
 from ftpipe_iot.core.reference import train_reference
+from ftpipe_iot.observability.trace import load_trace
+from ftpipe_iot.protocol.vocab import SpanKind
 from ftpipe_iot.runtime.broker import mosquitto_binary
 
 pytestmark = pytest.mark.slow
@@ -54,8 +56,10 @@ def test_demo_runs_end_to_end_and_prints_json(broker, tmp_path):
         pytest.fail("mosquitto is not installed; .ci/run installs it")
     job = _job()
     saved = tmp_path / "trained.pt"
-    # the embedded run also chooses where the model goes; the other keeps the default
-    extra = ["--embedded-broker", "--save-model", str(saved)] if broker == "embedded" else []
+    # the embedded run also chooses where the model goes; the other keeps the default and
+    # writes the run's timeline
+    extra = ["--embedded-broker", "--save-model", str(saved)] if broker == "embedded" \
+        else ["--trace"]
     result = _run_demo("--json", "--job", job, "--devices", "3", "--epochs", "1",
                        "--max-steps", "25", "--work-dir", str(tmp_path), *extra)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -76,6 +80,34 @@ def test_demo_runs_end_to_end_and_prints_json(broker, tmp_path):
     expected = saved if broker == "embedded" else tmp_path / "model.pt"
     assert summary["model"] == str(expected) and expected.is_file()
     assert _leftovers(job) == []
+    if broker == "mosquitto":
+        _check_the_timeline(tmp_path, summary)
+
+
+def _check_the_timeline(run_dir, summary) -> None:
+    """The fleet's trace loses nothing: every stage computed every micro-batch of every step
+    once, a device's spans never overlap (waits included), and each device's clock offset is
+    within its error bound of the truth (0: one host, one clock)."""
+    assert json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    assert summary["trace"] == str(run_dir / "trace.json")
+    trace = load_trace(run_dir)
+    names = {p.name for p in trace.processes}
+    devices = {d["device"] for stage in summary["stages"] for d in stage["devices"]}
+    assert names == {"controller"} | devices
+    micro_batches = json.loads((run_dir / "train.json").read_text())["micro_batches"]
+    everything = sorted((step, mb) for step in range(25) for mb in range(micro_batches))
+    for stage in summary["stages"]:
+        computed = sorted((int(s), int(m)) for p in trace.processes if p.stage == stage["stage"]
+                          for k, s, m in zip(p.kinds, p.step, p.micro_batch)
+                          if k is SpanKind.FORWARD)
+        assert computed == everything, stage
+    assert sorted(trace.step_bounds()) == list(range(25))
+    for process in trace.processes:
+        if process.name == "controller":
+            continue
+        assert abs(process.offset_s) <= process.error_s + 1e-6
+        ends = process.start + process.duration
+        assert (process.start[1:] >= ends[:-1] - 1e-6).all(), process.name
 
 
 def test_demo_with_the_async_schedule_trains_with_its_default_layout(tmp_path):

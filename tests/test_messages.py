@@ -27,6 +27,7 @@ from ftpipe_iot.protocol.messages import (
     LayerReplica,
     PlanMessage,
     Progress,
+    SpanBatch,
     decode_message,
     envelope,
 )
@@ -88,6 +89,11 @@ MESSAGES = [
     Heartbeat(1, 2, 0.1, 0.2, ((0.01, 0.02),), 3, {"malformed": 2}, 1e6, 0.01),
     Heartbeat(1, 2, 0.1, 0.2, ((0.01, 0.02),), 0, {"late": 1}, 1e6, 0.01, sent_bytes=10,
               received_bytes=20, takeovers=3),
+    Heartbeat(clock_sent=1.7e9, clock_received=1.7e9 + 0.002),
+    SpanBatch(("forward", "send"), np.array([0, 1, 0], np.uint8),
+              np.array([1.7e9, 1.7e9 + 0.01, 1.7e9 + 0.02]), np.array([0.01, 0.002, 0.01],
+                                                                      np.float32),
+              np.array([3, 3, 3], np.int32), np.array([0, 0, 1], np.int32), stage=1, lost=2),
     Result(Ready(1)),
     Result(MicroBatchLoss(2.3, 4, 8)),
     Result(MicroBatchLoss(18.0, 50, 64, train=False)),
@@ -122,6 +128,13 @@ def test_every_body_round_trips_through_the_wire(message):
     assert _equal(inbound.message, message)
 
 
+def _spans(**changed: object) -> dict:
+    body = {"names": ["forward", "send"], "kinds": np.array([0, 1], np.uint8),
+            "start": np.array([1.0, 2.0]), "duration": np.array([0.1, 0.1], np.float32),
+            "step": np.array([0, 0], np.int32), "micro_batch": np.array([0, 1], np.int32)}
+    return {**body, **changed}
+
+
 @pytest.mark.parametrize(("kind", "body", "field"), [
     (MessageKind.STATUS, {"state": "online", "job": "j",
                           "capabilities": {"memory_bytes": "lots"}}, "memory_bytes"),
@@ -141,6 +154,11 @@ def test_every_body_round_trips_through_the_wire(message):
     (MessageKind.EVENT, {"type": "failure_detected", "cause": "gremlins"}, "cause"),
     (MessageKind.STATE, {"state": "online", "job": "j", "capacities": {"a": "fast"}},
      "capacities"),
+    (MessageKind.SPANS, _spans(kinds=np.array([0, 2], np.uint8)), "kinds"),
+    (MessageKind.SPANS, _spans(start=np.array([1.0])), "start"),
+    (MessageKind.SPANS, _spans(duration=np.array([0.1, -0.1], np.float32)), "duration"),
+    (MessageKind.SPANS, _spans(step=[1, 2]), "step"),
+    (MessageKind.HEARTBEAT, {"clock_sent": -1.0}, "clock_sent"),
 ])
 def test_a_bad_field_is_one_bad_body_error_naming_it(kind, body, field):
     env = Envelope(kind, "j", "s", body=body)

@@ -17,9 +17,9 @@ def main() -> None:
 def _register() -> None:
     # Each command family lives in its own module; they are added here so `main` stays the one
     # entry point.
-    from ftpipe_iot.cli import fleet, keys, model, plan, run, status
+    from ftpipe_iot.cli import fleet, keys, model, plan, run, status, trace
 
-    for module in (run, plan, fleet, keys, status, model):
+    for module in (run, plan, fleet, keys, status, model, trace):
         for command in module.COMMANDS:
             main.add_command(command)
 

@@ -120,7 +120,8 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 # Options only --mode pipeline implements: the collaborative modes refuse them, not ignore
 # them. One table for `controller` and `demo` (each has a part of them).
 _PIPELINE_ONLY = ("resume", "standby", "standby_controller", "assignment", "checkpoint_dir",
-                  "device_names", "freeze_layers", "resiliency", "layout")
+                  "device_names", "freeze_layers", "resiliency", "layout", "trace_dir",
+                  "write_trace")
 
 
 @command()
@@ -167,6 +168,9 @@ _PIPELINE_ONLY = ("resume", "standby", "standby_controller", "assignment", "chec
               help="also write the trained layers as the project's .npz")
 @click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
               help="write the run summary here")
+@click.option("--trace-dir", type=click.Path(file_okay=False), default=None,
+              help="keep the run's timeline here (every device's spans; `ftpipe-iot trace` "
+                   "reads it)")
 @click.option("--stop-devices", is_flag=True, help="shut the devices down at the end")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON on stdout")
 @click.option("--train-config", "train_file", type=click.Path(dir_okay=False), default=None,
@@ -182,7 +186,7 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                checkpoint_dir: str | None, resume: bool, standby: bool, repartition: bool,
                repartition_threshold: float, repartition_cooldown: int, assignment: str | None,
                layout: str, init_from: str | None, save_model: str | None, save_weights: str | None,
-               summary_json: str | None,
+               summary_json: str | None, trace_dir: str | None,
                stop_devices: bool,
                as_json: bool, train_file: str | None, broker_url: str, config_file: str | None,
                mqtt_protocol: str, max_message_bytes: int, keepalive: int,
@@ -236,7 +240,8 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
         assignment=parse_assignment(assignment) if assignment else (), layout=Layout(layout),
         save_weights=Path(save_weights) if save_weights else None,
         save_model=Path(save_model) if save_model else None,
-        init_from=Path(init_from) if init_from else None, stop_devices=stop_devices)
+        init_from=Path(init_from) if init_from else None, stop_devices=stop_devices,
+        trace_dir=Path(trace_dir) if trace_dir else None)
     process = ProcessOptions(metrics_port, threads, log_level)
     summary_path = Path(summary_json) if summary_json else None
     if standby:
@@ -294,6 +299,9 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                    "predicts them faster than one device per stage")
 @click.option("--json", "as_json", is_flag=True,
               help="print the summary as one JSON object on the last line of stdout")
+@click.option("--trace", "write_trace", is_flag=True,
+              help="also write the run's timeline as trace.json (Chrome trace-event JSON for "
+                   "Perfetto); the timeline is recorded either way (`ftpipe-iot trace WORK_DIR`)")
 @click.option("--partition", default="iid", show_default=True,
               help="collaborative/fedavg: split the training data among the devices: iid or "
                    "dirichlet:ALPHA (non-IID)")
@@ -311,7 +319,7 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
          job: str, work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...],
          restart_devices: bool, standby_controller: bool, max_message_bytes: int | None,
          init_from: str | None,
-         save_model: str | None, layout: str, as_json: bool, partition: str,
+         save_model: str | None, layout: str, as_json: bool, write_trace: bool, partition: str,
          device_profile: str | None, server_profile: str | None, insecure_unsigned: bool,
          **training: Any) -> None:
     """Train the CNN on digits with a broker, a controller and N device processes (with --mode
@@ -362,6 +370,7 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
                           max_message_bytes=max_message_bytes,
                           save_model=Path(save_model) if save_model else None,
                           layout=Layout(layout), signed=not insecure_unsigned,
+                          write_trace=write_trace,
                           controller_args=["--init-from", str(Path(init_from).resolve())]
                           if init_from else [])
     try:
@@ -377,6 +386,10 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
         click.echo(f"no report: {summary['report_error']}", err=True)
     if "model" in summary:
         click.echo(f"model: {summary['model']} (ftpipe-iot evaluate / export read it)", err=True)
+    if "trace" in summary:
+        click.echo(f"trace: {summary['trace']} (open it in https://ui.perfetto.dev)", err=True)
+    elif "trace_error" in summary:
+        click.echo(f"no trace: {summary['trace_error']}", err=True)
     if as_json:
         summary.pop("history", None)
         click.echo(json.dumps(summary))

@@ -44,6 +44,8 @@ class ControllerConfig:
     # New plans (not pinned, no groups to keep): one device per stage, every device in one
     # group, or the fleet planner's plan when it predicts a step repartition_threshold shorter.
     layout: Layout = Layout.PIPELINE
+    # where the run's timeline goes (observability/trace.py); None: devices send no spans
+    trace_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.devices < 1:

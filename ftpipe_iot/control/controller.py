@@ -10,6 +10,7 @@ them to messages and keeps the phase.
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from collections.abc import Callable, Sequence
 
@@ -33,9 +34,11 @@ from ftpipe_iot.core.data import Dataset
 from ftpipe_iot.errors import TrainingDiverged
 from ftpipe_iot.observability.metrics import ControllerMetrics
 from ftpipe_iot.observability.progress import ProgressReporter, SilentProgress
+from ftpipe_iot.observability.trace import RunTracer, TraceStore
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.partition import RepartitionPolicy
 from ftpipe_iot.protocol.messages import (
+    Activation,
     Command,
     ControllerState,
     DeviceStatus,
@@ -44,6 +47,7 @@ from ftpipe_iot.protocol.messages import (
     Inbound,
     LayerReplica,
     PlanMessage,
+    SpanBatch,
 )
 from ftpipe_iot.protocol.plan import Plan, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.results import DeviceError, Missing, Ready, Replicated, Result
@@ -89,6 +93,7 @@ class Controller:
                                    credentials=credentials)
         self.out = JobOutbox(self.messenger, self.topics)
         self.clock = clock
+        self.tracer = RunTracer(TraceStore(config.trace_dir) if config.trace_dir else None)
         self.recorder = Recorder(job, self.metrics, progress or SilentProgress(),
                                  lambda event: self.out.event(event, self.summary.steps), clock)
         self.roster = Roster(config.devices, config.device_names,
@@ -149,6 +154,8 @@ class Controller:
         # Our own state too: a newer term there means another controller took the lease.
         topics = [Topics.ALL_STATUS, Topics.ALL_HEARTBEATS, self.topics.results,
                   self.topics.weights_all, self.topics.state]
+        if self.tracer.enabled:
+            topics.append(self.topics.trace_all)
         if self.config.resume:
             topics.append(self.topics.plan)
         for topic in topics:
@@ -171,7 +178,30 @@ class Controller:
             if not self.fenced:  # the lease is another's: its retained state stays
                 self._publish_state(ControllerStatus.DONE if self.phase is Phase.DONE
                                     else ControllerStatus.FAILED)
+            self._collect_last_spans()
         return self.summary
+
+    def _collect_last_spans(self, patience_s: float = 2.0) -> None:
+        """The devices send their last spans when the job ends (the state above, or the
+        shutdown command): take them in, up to ``patience_s``, so the trace has the end too."""
+        self.tracer.tick(force=True)
+        if not self.tracer.enabled or self.plan is None:
+            return
+        waiting = (set(self.plan.devices) & self.roster.online) - self.excluded - self.roster.dead
+        deadline = time.monotonic() + patience_s
+        while waiting and time.monotonic() < deadline:
+            try:
+                incoming = self.transport.inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if not incoming.topic.startswith(f"{self.topics.base}/trace/"):
+                continue
+            inbound = self.messenger.receive(incoming)
+            if inbound is not None and isinstance(inbound.message, SpanBatch) and \
+                    incoming.topic == self.topics.trace(inbound.sender):
+                self.tracer.device_spans(inbound.sender, inbound.message)
+                if inbound.message.final:
+                    waiting.discard(inbound.sender)
 
     def fail(self, reason: str) -> None:
         """Stop the job for good with a clear reason."""
@@ -196,6 +226,14 @@ class Controller:
             self._on_status(inbound, message)
         elif isinstance(message, Heartbeat):
             self._on_heartbeat(inbound.sender, message)
+            self.tracer.heartbeat(inbound.sender, inbound.timestamp, incoming.received_at,
+                                  message.clock_sent, message.clock_received)
+        elif isinstance(message, SpanBatch):
+            if incoming.topic == self.topics.trace(inbound.sender):
+                self.tracer.device_spans(inbound.sender, message)
+            else:
+                self.messenger.drops.drop(DropReason.UNEXPECTED_KIND,
+                                          f"spans of {inbound.sender} on {incoming.topic}")
         elif isinstance(message, Result):
             self._on_result(inbound, message)
         elif isinstance(message, LayerReplica):
@@ -306,6 +344,7 @@ class Controller:
     def tick(self) -> None:
         """Periodic work: deploy when devices are there, feed, detect failures."""
         now = self.clock()
+        self.tracer.tick()
         if self.messenger.tick_trust(now):
             # Statuses of identities the old roster did not know were dropped: take them again.
             self.transport.unsubscribe(Topics.ALL_STATUS)
@@ -361,7 +400,8 @@ class Controller:
                 self.recorder.message(warning)
         init_weights = self.central.started_from_file or bool(self.plan and self.plan.init_weights)
         self.plan = next_plan(self.job, self.model, stages, self.plan, resume_step,
-                              self._since, self.messenger.max_message_bytes, init_weights)
+                              self._since, self.messenger.max_message_bytes, init_weights,
+                              trace=self.tracer.enabled)
         self.out.use(self.plan)
         if resume_step == 0 and init_weights:
             self._republish(0, tuple(range(self.model.num_layers)))
@@ -381,7 +421,8 @@ class Controller:
         self.phase = Phase.TRAINING
         start = self.plan.resume_step
         self.recorder.rewound(start)
-        self.training = PlanTraining(self.model, self.plan, self.out.batch, self.recorder,
+        self.tracer.rewound()
+        self.training = PlanTraining(self.model, self.plan, self._feed, self.recorder,
                                      self.capacity, self.clock, self._step_completed)
         now = self.clock()
         if self._recovering_since is not None:
@@ -475,7 +516,12 @@ class Controller:
             self._deploy(self.roster.for_recovery(current), version)
 
     # -- feeding --------------------------------------------------------------------------------
+    def _feed(self, batch: Activation, step: int, index: int, device: str) -> None:
+        with self.tracer.feeding(step, index, batch.train):
+            self.out.batch(batch, step, index, device)
+
     def _step_completed(self, step: int) -> None:
+        self.tracer.step_done(step)
         self.replanner.step_done(step, self.clock())
         self._publish_state(ControllerStatus.TRAINING)
 

@@ -195,7 +195,8 @@ def without(stages: Sequence[StageAssignment], gone: set[str]) -> tuple[StageAss
 
 def next_plan(job: str, model: JobModel, stages: Sequence[StageAssignment],
               previous: Plan | None, resume_step: int, since: int | None,
-              max_message_bytes: int, init_weights: bool = False) -> Plan:
+              max_message_bytes: int, init_weights: bool = False, trace: bool = False
+              ) -> Plan:
     """The plan that follows ``previous`` with ``stages``, resuming at ``resume_step``.
 
     Plan versions are millisecond timestamps: they increase across controller restarts too, so a
@@ -208,7 +209,7 @@ def next_plan(job: str, model: JobModel, stages: Sequence[StageAssignment],
                 num_classes=model.data.num_classes, resume_step=resume_step,
                 since=version if since is None else since, max_message_bytes=max_message_bytes,
                 init_weights=init_weights,
-                steps_per_epoch=model.schedule.steps_per_epoch)
+                steps_per_epoch=model.schedule.steps_per_epoch, trace=trace)
 
 
 def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: CapacityEstimator,

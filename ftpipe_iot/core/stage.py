@@ -41,9 +41,10 @@ from ftpipe_iot.core.schedule import StepVersions
 from ftpipe_iot.core.stash import WeightStash
 from ftpipe_iot.core.timings import StageTimings
 from ftpipe_iot.errors import StageInputError
+from ftpipe_iot.observability.timeline import Timeline
 from ftpipe_iot.protocol.messages import LayerReplica
 from ftpipe_iot.protocol.plan import TrainConfig
-from ftpipe_iot.protocol.vocab import DropReason, OptimizerName
+from ftpipe_iot.protocol.vocab import DropReason, OptimizerName, SpanKind
 
 
 def _stamp(arrivals: dict[int, float], index: int) -> Callable[[torch.Tensor], None]:
@@ -120,6 +121,8 @@ class Stage:
     versions: StepVersions | None = None  # asynchronous: which version each step uses
     # False when an earlier stage has several holders: inputs then arrive out of order
     ordered_inputs: bool = True
+    # where the compute's spans go (forward, backward, optimizer, exchange, evaluate)
+    timeline: Timeline = field(default_factory=lambda: Timeline(enabled=False))
     module: nn.Sequential = field(init=False)
     optimizers: list[torch.optim.Optimizer | None] = field(init=False)
     pending: dict[tuple[int, int], _Pending] = field(init=False, default_factory=dict)
@@ -280,8 +283,9 @@ class Stage:
         arrivals: dict[int, float] = {}
         if self.recorder is not None:
             self.recorder.micro_batch = micro_batch
-        outputs, elapsed = self._timed(
-            lambda: self._forward_layers(inputs, arrivals, step, micro_batch))
+        with self.timeline.span(SpanKind.FORWARD, step, micro_batch):
+            outputs, elapsed = self._timed(
+                lambda: self._forward_layers(inputs, arrivals, step, micro_batch))
         if self.recorder is not None:
             self.recorder.micro_batch = -1
         self.timings.forward_s += elapsed
@@ -301,7 +305,7 @@ class Stage:
     def _forward_frozen(self, step: int, micro_batch: int, inputs: torch.Tensor, y: np.ndarray
                         ) -> list[StageOutput]:
         """A stage of fixed layers: forward only; the micro-batch is done once it is sent on."""
-        with torch.no_grad():
+        with torch.no_grad(), self.timeline.span(SpanKind.FORWARD, step, micro_batch):
             outputs, elapsed = self._timed(
                 lambda: self._forward_layers(inputs, {}, step, micro_batch))
         self.timings.forward_s += elapsed
@@ -378,7 +382,8 @@ class Stage:
             pending.grad_arrivals[-1] = time.perf_counter()  # end of this backward
             return pending.outputs
 
-        _, elapsed = self._timed(run)
+        with self.timeline.span(SpanKind.BACKWARD, step, micro_batch):
+            _, elapsed = self._timed(run)
         self.timings.backward_s += elapsed
         self.timings.micro_batch_s[micro_batch] = \
             self.timings.micro_batch_s.get(micro_batch, 0.0) + elapsed
@@ -429,10 +434,11 @@ class Stage:
         while (contributions := self.partials.get(self.version)) is not None \
                 and contributions.complete:
             step = self.version
-            grads, stats = contributions.merged()
-            apply_gradients(self.named, grads, self.config.micro_batches)
-            assert self.recorder is not None
-            self.recorder.replay(stats, self.config.micro_batches)
+            with self.timeline.span(SpanKind.EXCHANGE, step):
+                grads, stats = contributions.merged()
+                apply_gradients(self.named, grads, self.config.micro_batches)
+                assert self.recorder is not None
+                self.recorder.replay(stats, self.config.micro_batches)
             del self.partials[step]
             # forwards of this step that others finished first get no backward: forget them
             for key in [k for k in self.pending if k[0] == step]:
@@ -456,14 +462,15 @@ class Stage:
 
     def _optimizer_step(self, step: int) -> list[StageOutput]:
         """Apply the step; then the inputs of later steps that came early."""
-        if self.stash is not None:
-            self.stash.before_update(step)
-        for optimizer in self.optimizers:
-            if optimizer is not None:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        if self.stash is not None:
-            self.stash.after_update(step)
+        with self.timeline.span(SpanKind.OPTIMIZER, step):
+            if self.stash is not None:
+                self.stash.before_update(step)
+            for optimizer in self.optimizers:
+                if optimizer is not None:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            if self.stash is not None:
+                self.stash.after_update(step)
         self.backward_done.pop(step, None)
         self._early.pop(step, None)
         self._next_forward.pop(step, None)
@@ -484,7 +491,7 @@ class Stage:
     def _evaluate(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray
                   ) -> list[StageOutput]:
         self.module.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.timeline.span(SpanKind.EVALUATE, step, micro_batch):
             outputs, _ = self._timed(
                 lambda: self.module(torch.from_numpy(np.array(x, dtype=np.float32))))
         if not self.is_last:

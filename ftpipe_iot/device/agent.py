@@ -30,6 +30,7 @@ from ftpipe_iot.device.pipeline import DeferredInbox, RunnerHooks, StageMessage,
 from ftpipe_iot.device.trust import PlanGate, Verdict
 from ftpipe_iot.errors import ModelError, StageInputError
 from ftpipe_iot.observability.metrics import DeviceMetrics
+from ftpipe_iot.observability.timeline import ClockProbe, Timeline
 from ftpipe_iot.planning.profiles import DeviceProfile
 from ftpipe_iot.protocol.messages import (
     Activation,
@@ -57,7 +58,13 @@ from ftpipe_iot.protocol.results import (
 )
 from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.topics import Topics
-from ftpipe_iot.protocol.vocab import CommandOp, DeviceState, DropReason
+from ftpipe_iot.protocol.vocab import (
+    CommandOp,
+    ControllerStatus,
+    DeviceState,
+    DropReason,
+    SpanKind,
+)
 from ftpipe_iot.protocol.wire import WireOptions
 from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, Transport, Will, serve
 from ftpipe_iot.transport.messenger import Messenger, will_of
@@ -131,6 +138,13 @@ class DeviceAgent:
         self._last_step_done: StepDone | None = None
         self._prepared: tuple[list, list[tuple[int, ...]]] | None = None
         self.link = LinkMeter()
+        # what this device does over time, sent to the controller when the plan asks for it
+        self.timeline = Timeline(enabled=False)
+        self.clock_probe = ClockProbe()
+        # the heartbeat thread and the worker (at a replication) both send spans: one at a
+        # time, so their sequence numbers reach the controller in order
+        self._spans_lock = threading.Lock()
+        self._worker_inbox: DeferredInbox | None = None
         self._loader_since = 0.0
         self._current_step = 0  # step of the data being computed (profiles schedule by step)
         self._stalled_at = -1  # the last step a profile's stall was served
@@ -164,7 +178,8 @@ class DeviceAgent:
         """Worker loop until a shutdown command or ``stopped`` is set; heartbeats in a thread."""
         beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         beat.start()
-        serve(self._inbox(), self.handle,
+        self._worker_inbox = self._inbox()
+        serve(self._worker_inbox, self.handle,
               lambda: self.tick(heartbeat=False), self.stopped.is_set, poll_s)
 
     def _heartbeat_loop(self) -> None:
@@ -200,6 +215,7 @@ class DeviceAgent:
     def handle(self, incoming: Incoming) -> None:
         """Handle one received message; never raises for bad input (it is dropped and counted)."""
         self.metrics.queue_depth.set(self.transport.inbox.qsize())
+        idle_since = self._worker_inbox.take_idle() if self._worker_inbox is not None else None
         if incoming.topic == RECONNECTED_TOPIC:
             self._announce()  # our Last Will may have fired while we were away
             return
@@ -207,14 +223,21 @@ class DeviceAgent:
             # Replicas are still arriving (slowly on a slow link): asking for the missing ones
             # again now would only queue more copies in front of them (docs/design.md §12).
             self._loader_since = self.clock()
+        taken = self.timeline.clock()
         inbound = self.messenger.receive(incoming)
+        self._trace_receive(inbound, idle_since, taken)
         if inbound is None:
             return
+        if inbound.sender == self.options.controller:
+            self.clock_probe.heard(inbound.timestamp, incoming.received_at)
         message = inbound.message
         try:
             if isinstance(message, PlanMessage):
                 self._on_plan(inbound.sender, message.plan)
             elif isinstance(message, ControllerState):
+                if message.state in (ControllerStatus.DONE, ControllerStatus.FAILED) and \
+                        not incoming.retained:
+                    self._send_spans(final=True)  # the job ended: the controller waits for it
                 held = self.gate.announce(inbound.sender, inbound.plan_version, message.term)
                 if held is not None:
                     self._take_plan(held)
@@ -231,6 +254,21 @@ class DeviceAgent:
             self.messenger.drops.drop(exc.reason, str(exc))
         if self.runner is not None:
             self.runner.take_over_due()
+
+    def _trace_receive(self, inbound: Inbound | None, idle_since: float | None,
+                       taken: float) -> None:
+        """The timeline's spans of one message: decoding it, and the wait it ended (named by
+        what came: an input, a gradient, a group member's contribution, anything else)."""
+        if not self.timeline.enabled:
+            return
+        step, micro_batch = (inbound.step, inbound.micro_batch) if inbound else (-1, -1)
+        if idle_since is not None and self.stage is not None:
+            message = inbound.message if inbound is not None else None
+            kind = SpanKind.WAIT_INPUT if isinstance(message, Activation) else \
+                SpanKind.WAIT_GRADIENT if isinstance(message, Gradient) else \
+                SpanKind.WAIT_EXCHANGE if isinstance(message, GroupPartial) else SpanKind.WAIT
+            self.timeline.record(kind, idle_since, taken, step, micro_batch)
+        self.timeline.record(SpanKind.RECEIVE, taken, self.timeline.clock(), step, micro_batch)
 
     def _on_plan(self, sender: str, plan: Plan) -> None:
         decision = self.gate.offer(sender, plan)
@@ -259,6 +297,7 @@ class DeviceAgent:
         local = self.copies.local(plan.resume_step, self.stage)
         self.gate.taken(plan)
         self.plan = plan
+        self.timeline.enabled = plan.trace
         self._drop_stage()
         self._prepared = prepared
         self.messenger.options = WireOptions(compress=plan.train.compress,
@@ -326,7 +365,8 @@ class DeviceAgent:
                       member=assignment.member_index(self.name) or 0,
                       versions=StepVersions.of(plan.train, plan.steps_per_epoch),
                       ordered_inputs=all(len(s.members) == 1
-                                         for s in plan.stages[:assignment.stage]))
+                                         for s in plan.stages[:assignment.stage]),
+                      timeline=self.timeline)
         if replicas:
             stage.load(replicas)
         self._set_stage(stage)
@@ -363,6 +403,7 @@ class DeviceAgent:
     def _on_command(self, inbound: Inbound, command: Command) -> None:
         if command.op is CommandOp.SHUTDOWN:
             log.info("device %s: shutdown requested by the controller", self.name)
+            self._send_spans(final=True)
             self.stopped.set()
         elif command.op is CommandOp.TAKE_OVER and self.runner is not None:
             self.runner.holders_lost(command.devices)
@@ -384,11 +425,14 @@ class DeviceAgent:
             self._report(DeviceError("replicate asked in the middle of a step"))
             return
         total = 0
-        replicas = self.stage.export()
-        for replica in replicas:
-            total += self._publish_replica(replica)
-            self.copies.own[replica.layer] = replica
+        with self.timeline.span(SpanKind.REPLICATE, self.stage.version):
+            replicas = self.stage.export()
+            for replica in replicas:
+                total += self._publish_replica(replica)
+                self.copies.own[replica.layer] = replica
         self.metrics.replication_bytes.inc(total)
+        # A replication point may be the job's end: the spans go before the report that ends it
+        self._send_spans()
         first = self.stage.first_layer
         self._report(Replicated(self.stage.version, (first, first + len(replicas)), total,
                                 self.messenger.drops.counts))
@@ -443,7 +487,8 @@ class DeviceAgent:
         if self.profile is not None and self.options.emulate_link:
             delay = self.profile.transfer_delay_s(n_bytes)
             if delay > 0:
-                self.sleep(delay)
+                with self.timeline.span(SpanKind.LINK, self._current_step):
+                    self.sleep(delay)
 
     def _on_step_done(self, output: StepDone) -> None:
         assert self.stage is not None and self.plan is not None
@@ -487,6 +532,7 @@ class DeviceAgent:
     def heartbeat(self) -> None:
         """Publish one heartbeat: step, stage, last step's compute time, queue depth, drops."""
         stage, done = self.stage, self._last_step_done
+        probe_sent, probe_received = self.clock_probe.take()
         beat = Heartbeat(
             stage=-1 if stage is None else stage.index,
             first_layer=-1 if stage is None else stage.first_layer,
@@ -496,7 +542,22 @@ class DeviceAgent:
             queue_depth=self.transport.inbox.qsize(), drops=self.messenger.drops.counts,
             link_bytes_per_s=self.link.bytes_per_s, link_latency_s=self.link.latency_s,
             sent_bytes=self.messenger.sent_bytes, received_bytes=self.messenger.received_bytes,
-            takeovers=self.takeovers, crypto_s=self.messenger.crypto_s)
+            takeovers=self.takeovers, crypto_s=self.messenger.crypto_s,
+            clock_sent=probe_sent, clock_received=probe_received)
         self.messenger.send(Topics.dev_heartbeat(self.name), beat,
                             self.plan.version if self.plan else 0, self._last_step, qos=0)
+        self._send_spans()
+
+    def _send_spans(self, final: bool = False) -> None:
+        """The timeline since the last heartbeat, to the controller (when the plan asks);
+        ``final``: the last of the job."""
+        plan = self.plan
+        if plan is None or not plan.trace:
+            return
+        stage = self.stage
+        with self._spans_lock:
+            spans = self.timeline.take(-1 if stage is None else stage.index, final)
+            if spans is not None:
+                self.messenger.send(self.topics.trace(self.name), spans, plan.version,
+                                    receivers=(self.options.controller,))
 

@@ -33,6 +33,7 @@ from ftpipe_iot.protocol.messages import Activation, Gradient, GroupPartial, Inb
 from ftpipe_iot.protocol.plan import Plan
 from ftpipe_iot.protocol.results import MicroBatchFinished, MicroBatchLoss, ResultBody
 from ftpipe_iot.protocol.topics import Topics
+from ftpipe_iot.protocol.vocab import SpanKind
 from ftpipe_iot.transport.base import Incoming
 from ftpipe_iot.transport.messenger import Messenger
 
@@ -215,9 +216,17 @@ class StageRunner:
             self._emit(output)
 
     def _emit(self, output: StageOutput) -> None:
+        if isinstance(output, (SendActivation, SendGradient, SendPartial)):
+            with self.stage.timeline.span(SpanKind.SEND, output.step, output.micro_batch):
+                sent = self._send(output)
+            self.hooks.link(sent)
+        else:
+            self._deliver(output)
+
+    def _send(self, output: SendActivation | SendGradient | SendPartial) -> int:
+        """Publish an output to the stage that takes it in; returns the bytes of the output."""
         version, index, key = self.plan.version, self.stage.index, (output.step,
-                                                                   getattr(output, "micro_batch",
-                                                                           -1))
+                                                                   output.micro_batch)
         if isinstance(output, SendActivation):
             came = self.routes.get(key)
             route = came[0].route if came else ()
@@ -226,29 +235,33 @@ class StageRunner:
                 self.routes.pop(key, None)
             member = route[index + 1] if index + 1 < len(route) else 0
             device = self.plan.stages[index + 1].members[member].device
-            self.hooks.link(self.messenger.send(
+            sent = self.messenger.send(
                 self.topics.stage_act(index + 1, device),
                 Activation(output.x, output.y, output.train, route, counts), version,
-                output.step, output.micro_batch, receivers=self._holders(index + 1)))
+                output.step, output.micro_batch, receivers=self._holders(index + 1))
             if self.watch is not None and output.train:  # our watchers learn we are alive
                 self.watch.progress(output.step, output.micro_batch, self.clock())
                 self.messenger.send(self.topics.stage_reduce(index), Progress(index), version,
                                     output.step, output.micro_batch, qos=0,
                                     receivers=self._holders(index))
-        elif isinstance(output, SendGradient):
+            return sent
+        if isinstance(output, SendGradient):
             came = self.routes.pop(key, None)
             device = came[1] if came else self.plan.stages[index - 1].leader
-            self.hooks.link(self.messenger.send(
+            return self.messenger.send(
                 self.topics.stage_grad(index - 1, device), Gradient(output.grad), version,
-                output.step, output.micro_batch, receivers=self._holders(index - 1)))
-        elif isinstance(output, SendPartial):
-            if self.watch is not None:
-                self.watch.contributed(output.step, output.micro_batch, self.clock())
-            self.hooks.link(self.messenger.send(
-                self.topics.stage_reduce(index),
-                GroupPartial(index, self.stage.member, output.grads, output.batch_norm),
-                version, output.step, output.micro_batch, receivers=self._holders(index)))
-        elif isinstance(output, MicroBatchResult):
+                output.step, output.micro_batch, receivers=self._holders(index - 1))
+        if self.watch is not None:
+            self.watch.contributed(output.step, output.micro_batch, self.clock())
+        return self.messenger.send(
+            self.topics.stage_reduce(index),
+            GroupPartial(index, self.stage.member, output.grads, output.batch_norm),
+            version, output.step, output.micro_batch, receivers=self._holders(index))
+
+    def _deliver(self, output: StageOutput) -> None:
+        """Report a result or a step's end to the agent."""
+        key = (output.step, getattr(output, "micro_batch", -1))
+        if isinstance(output, MicroBatchResult):
             if not output.train:
                 self.routes.pop(key, None)
             self.hooks.report(MicroBatchLoss(output.loss, output.correct, output.count,
@@ -264,18 +277,29 @@ class StageRunner:
 
 class DeferredInbox:
     """The transport's inbox behind the messages a runner set aside (so the worker loop keeps
-    their order): ``get``/``get_nowait`` as a queue has them."""
+    their order): ``get``/``get_nowait`` as a queue has them. A blocking ``get`` marks the
+    worker idle from then until the next message is taken (``take_idle``): the timeline's
+    waits."""
 
-    def __init__(self, inbox: queue.Queue[Incoming], deferred: Callable[[], deque[Incoming]]
-                 ) -> None:
+    def __init__(self, inbox: queue.Queue[Incoming], deferred: Callable[[], deque[Incoming]],
+                 clock: Callable[[], float] = time.time) -> None:
         self.inbox = inbox
         self.deferred = deferred
+        self.clock = clock
+        self.idle_since: float | None = None
 
     def get(self, timeout: float | None = None) -> Incoming:
         waiting = self.deferred()
         if waiting:
             return waiting.popleft()
+        if self.idle_since is None:
+            self.idle_since = self.clock()
         return self.inbox.get(timeout=timeout)
+
+    def take_idle(self) -> float | None:
+        """When the worker became idle before the message it now handles (None: it was not)."""
+        since, self.idle_since = self.idle_since, None
+        return since
 
     def get_nowait(self) -> Incoming:
         waiting = self.deferred()

@@ -51,6 +51,8 @@ def pattern_rules() -> list[Rule]:
         # Own liveness topics only: a device cannot fake another device's status or Last Will.
         Rule(Access.WRITE, Topics.dev_status("%u"), pattern=True),
         Rule(Access.WRITE, Topics.dev_heartbeat("%u"), pattern=True),
+        # Own timeline in any job: another device's spans cannot be forged into a trace.
+        Rule(Access.WRITE, f"{ROOT}/+/trace/%u", pattern=True),
         # Own command topic in any job; commands for other devices stay private.
         Rule(Access.READ, f"{ROOT}/+/ctrl/cmd/%u", pattern=True),
         # Collaborative modes: a data device's offer, its activations up and gradients down are
@@ -90,6 +92,7 @@ def role_rules(role: Role, job: str) -> list[Rule]:
             Rule(Access.READWRITE, f"{t.base}/stage/#"),   # feeds stage 0, drains the last
             Rule(Access.READWRITE, f"{t.base}/weights/#"),  # central replica; may republish
             Rule(Access.READ, t.results),
+            Rule(Access.READ, t.trace_all),
             Rule(Access.READ, Topics.ALL_STATUS),
             Rule(Access.READ, Topics.ALL_HEARTBEATS),
         ]

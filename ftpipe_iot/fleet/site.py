@@ -71,6 +71,8 @@ def bridge_topics(job: str = ANY_JOB) -> tuple[BridgeTopic, ...]:
                     "evaluation)"),
         BridgeTopic(f"{base}/results", Direction.OUT, 1,
                     "losses, micro-batch and step completions, replication reports"),
+        BridgeTopic(f"{base}/trace/+", Direction.OUT, 0,
+                    "the devices' timeline spans for the controller's trace"),
         BridgeTopic(f"{base}/weights/#", Direction.BOTH, 1,
                     "retained replicas: out for the controller's central copy, in for layers "
                     "the controller republishes and for loading on a site device"),

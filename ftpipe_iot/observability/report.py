@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ftpipe_iot.errors import ReportError
+from ftpipe_iot.observability.trace import Trace, draw_timeline, representative_steps
 from ftpipe_iot.protocol.vocab import EventType
 
 REPORT_JSON = "report.json"
@@ -291,8 +292,10 @@ def _shares(events: list[dict[str, Any]]) -> dict[str, tuple[list[float], list[f
     return series if grouped else {}
 
 
-def plot_report(summary: dict[str, Any], path: Path, report: RunReport | None = None) -> Path:
-    """Draw throughput, training loss and test accuracy over time into a PNG at ``path``."""
+def plot_report(summary: dict[str, Any], path: Path, report: RunReport | None = None,
+                trace: Trace | None = None) -> Path:
+    """Draw throughput, training loss and test accuracy over time into a PNG at ``path``;
+    with the run's ``trace``, also the timeline of a few representative steps."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on devices and CI; must precede pyplot
@@ -311,9 +314,16 @@ def plot_report(summary: dict[str, Any], path: Path, report: RunReport | None = 
     end_t = max([0.0, *rate_t, *acc_t, *(float(e.get("t", 0.0)) for e in events)])
 
     shares = _shares(events)
-    fig, axes = plt.subplots(4 if shares else 3, 1, figsize=(10, 11 if shares else 8.5),
-                             sharex=True, gridspec_kw={
-                                 "height_ratios": [1.2, 1.2, 1.0, 1.0][:4 if shares else 3]})
+    steps = representative_steps(trace) if trace is not None else None
+    heights = [1.2, 1.2, 1.0, 1.0][:4 if shares else 3]
+    rows = len(trace.processes) if trace is not None and steps is not None else 0
+    fig = plt.figure(figsize=(10, sum(heights) * 2.6 + (1.2 + 0.3 * rows if rows else 0)))
+    grid = fig.add_gridspec(len(heights) + (1 if rows else 0), 1,
+                            height_ratios=heights + ([0.4 + 0.22 * rows] if rows else []))
+    axes = [fig.add_subplot(grid[0])]
+    axes += [fig.add_subplot(grid[i], sharex=axes[0]) for i in range(1, len(heights))]
+    for ax in axes[:-1]:
+        ax.tick_params(labelbottom=False)
     try:
         ax_rate, ax_loss, ax_acc = axes[:3]
         if shares:
@@ -363,6 +373,11 @@ def plot_report(summary: dict[str, Any], path: Path, report: RunReport | None = 
                            label="waiting for devices" if index == 0 else None)
         handles, labels = ax_rate.get_legend_handles_labels()
         ax_rate.legend(handles, labels, loc="lower right", fontsize=8, ncol=3)
+        if rows and trace is not None and steps is not None:
+            ax_timeline = fig.add_subplot(grid[-1])
+            draw_timeline(ax_timeline, trace, steps)
+            ax_timeline.set_title("timeline (ftpipe-iot trace writes all of it for Perfetto)",
+                                  fontsize=9)
         fig.suptitle(_title(report), fontsize=11)
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -372,13 +387,15 @@ def plot_report(summary: dict[str, Any], path: Path, report: RunReport | None = 
     return path
 
 
-def write_report(summary: dict[str, Any], out_dir: Path) -> ReportPaths:
-    """Write ``report.json`` and ``report.png`` for ``summary`` into ``out_dir``."""
+def write_report(summary: dict[str, Any], out_dir: Path, trace: Trace | None = None
+                 ) -> ReportPaths:
+    """Write ``report.json`` and ``report.png`` for ``summary`` into ``out_dir`` (with a
+    timeline panel when the run's ``trace`` is given)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     report = build_report(summary)
     json_path = out_dir / REPORT_JSON
     json_path.write_text(json.dumps(asdict(report), indent=2, default=str) + "\n")
-    png_path = plot_report(summary, out_dir / REPORT_PNG, report)
+    png_path = plot_report(summary, out_dir / REPORT_PNG, report, trace)
     return ReportPaths(json=json_path, png=png_path)
 
 

@@ -30,6 +30,7 @@ from ftpipe_iot.protocol.vocab import (
     EventType,
     FailureCause,
     MessageKind,
+    SpanKind,
 )
 from ftpipe_iot.protocol.wire import Envelope
 
@@ -390,6 +391,11 @@ class Heartbeat:
     received_bytes: int = 0
     takeovers: int = 0
     crypto_s: float = 0.0  # seconds spent signing and verifying since the start
+    # the controller's send time of the newest controller message this device received, and
+    # the device's wall clock when it arrived: with this heartbeat's own send and arrival
+    # times, the four timestamps of a clock-offset estimate (``observability.timeline``)
+    clock_sent: float = 0.0
+    clock_received: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -402,7 +408,8 @@ class Heartbeat:
                 "queue_depth": self.queue_depth, "drops": dict(self.drops),
                 "link_bytes_per_s": self.link_bytes_per_s, "link_latency_s": self.link_latency_s,
                 "sent_bytes": self.sent_bytes, "received_bytes": self.received_bytes,
-                "takeovers": self.takeovers, "crypto_s": self.crypto_s}
+                "takeovers": self.takeovers, "crypto_s": self.crypto_s,
+                "clock_sent": self.clock_sent, "clock_received": self.clock_received}
 
     @classmethod
     def from_body(cls, raw: object) -> Heartbeat:
@@ -412,7 +419,66 @@ class Heartbeat:
                    f.pairs("layer_times"), f.int("queue_depth", 0, low=0), f.counts("drops"),
                    f.float("link_bytes_per_s", 0.0, low=0), f.float("link_latency_s", 0.0, low=0),
                    f.int("sent_bytes", 0, low=0), f.int("received_bytes", 0, low=0),
-                   f.int("takeovers", 0, low=0), f.float("crypto_s", 0.0, low=0))
+                   f.int("takeovers", 0, low=0), f.float("crypto_s", 0.0, low=0),
+                   f.float("clock_sent", 0.0, low=0), f.float("clock_received", 0.0, low=0))
+
+
+@dataclass(frozen=True)
+class SpanBatch:
+    """A device's timeline since its last batch, one span per row (``observability.timeline``).
+
+    ``start`` is the device's wall clock (seconds since the epoch); the controller aligns it
+    with the offset it estimates from the heartbeats. ``kinds`` index into ``names`` (the span
+    kinds in this batch), so a kind added later is an unknown name, not a wrong one. ``lost``:
+    spans the device dropped since its last batch (its buffer was full). ``final``: the device's
+    last batch of the job (the controller waits for these before it stops)."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.SPANS
+    names: tuple[str, ...]
+    kinds: np.ndarray        # uint8, an index into ``names``
+    start: np.ndarray        # float64 seconds
+    duration: np.ndarray     # float32 seconds
+    step: np.ndarray         # int32, -1 for none
+    micro_batch: np.ndarray  # int32, -1 for none
+    stage: int = -1
+    lost: int = 0
+    final: bool = False
+
+    def __len__(self) -> int:
+        return int(len(self.kinds))
+
+    def span_kinds(self) -> list[SpanKind | None]:
+        """Each row's kind (None for a name this version does not know)."""
+        known = {k.value: k for k in SpanKind}
+        by_index = [known.get(name) for name in self.names]
+        return [by_index[int(i)] for i in self.kinds]
+
+    def to_body(self) -> dict[str, Any]:
+        return {"names": list(self.names), "kinds": self.kinds, "start": self.start,
+                "duration": self.duration, "step": self.step, "micro_batch": self.micro_batch,
+                "stage": self.stage, "lost": self.lost, "final": self.final}
+
+    @classmethod
+    def from_body(cls, raw: object) -> SpanBatch:
+        f = BodyReader(raw, "spans")
+        names = f.str_list("names")
+        columns = {key: f.array(key) for key in ("kinds", "start", "duration", "step",
+                                                 "micro_batch")}
+        rows = len(columns["kinds"])
+        for key, column in columns.items():
+            if column.ndim != 1 or len(column) != rows:
+                raise f.fail(key, f"a column of {rows} values", column.shape)
+            if not np.issubdtype(column.dtype, np.number):
+                raise f.fail(key, "numbers", column.dtype)
+        if rows and (not np.issubdtype(columns["kinds"].dtype, np.integer)
+                     or columns["kinds"].min() < 0 or columns["kinds"].max() >= len(names)):
+            raise f.fail("kinds", f"indices into the {len(names)} names", columns["kinds"])
+        if not (np.isfinite(columns["start"]).all() and np.isfinite(columns["duration"]).all()
+                and (columns["duration"] >= 0).all()):
+            raise f.fail("duration", "finite starts and durations >= 0", columns["duration"])
+        return cls(names, columns["kinds"], columns["start"], columns["duration"],
+                   columns["step"], columns["micro_batch"], f.int("stage", -1, low=-1),
+                   f.int("lost", 0, low=0), f.bool("final", False))
 
 
 @dataclass(frozen=True)
@@ -436,11 +502,12 @@ class RosterMessage:
 
 
 Message = PlanMessage | Command | ControllerState | Event | Activation | Gradient | LayerReplica \
-    | GroupPartial | Progress | DeviceStatus | Heartbeat | Result | RosterMessage | CollabMessage
+    | GroupPartial | Progress | DeviceStatus | Heartbeat | SpanBatch | Result | RosterMessage \
+    | CollabMessage
 _BY_KIND: dict[MessageKind, Any] = {
     cls.KIND: cls for cls in (PlanMessage, Command, ControllerState, Event, Activation, Gradient,
                               LayerReplica, GroupPartial, Progress, DeviceStatus, Heartbeat,
-                              Result, RosterMessage)
+                              SpanBatch, Result, RosterMessage)
 } | COLLAB_BODIES
 
 

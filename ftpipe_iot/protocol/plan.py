@@ -234,6 +234,8 @@ class Plan:
     # steps per epoch of the job's data: under --schedule async the epoch ends are drain
     # points, which every stage must know to pick each step's weight version (0: unknown)
     steps_per_epoch: int = 0
+    # devices send their timeline spans to the controller (it keeps a trace of the run)
+    trace: bool = False
 
     def __post_init__(self) -> None:
         if self.train.frozen_layers >= self.num_layers:
@@ -287,7 +289,8 @@ class Plan:
                 "input_shape": list(self.input_shape), "num_classes": self.num_classes,
                 "resume_step": self.resume_step, "since": self.since,
                 "max_message_bytes": self.max_message_bytes, "init_weights": self.init_weights,
-                "steps_per_epoch": self.steps_per_epoch, "train": self.train.to_dict(),
+                "steps_per_epoch": self.steps_per_epoch, "trace": self.trace,
+                "train": self.train.to_dict(),
                 "stages": [s.to_dict() for s in self.stages]}
 
     @classmethod
@@ -302,7 +305,8 @@ class Plan:
                        since=int(raw.get("since", 0)),
                        max_message_bytes=int(raw.get("max_message_bytes", 256 * 1024)),
                        init_weights=bool(raw.get("init_weights", False)),
-                       steps_per_epoch=int(raw.get("steps_per_epoch", 0)))
+                       steps_per_epoch=int(raw.get("steps_per_epoch", 0)),
+                       trace=bool(raw.get("trace", False)))
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError) as exc:

@@ -92,6 +92,14 @@ class Topics:
         """Device -> controller: losses, predictions, step completions, snapshots done."""
         return f"{self.base}/results"
 
+    def trace(self, device: str) -> str:
+        """Device -> controller: the device's timeline spans (``ftpipe-iot trace``)."""
+        return f"{self.base}/trace/{device}"
+
+    @property
+    def trace_all(self) -> str:
+        return f"{self.base}/trace/+"
+
     def weights(self, layer: int) -> str:
         """Base topic of a layer's replica; chunk ``i`` is retained at ``<base>/<i>``."""
         return f"{self.base}/weights/{layer}"

@@ -26,6 +26,7 @@ class MessageKind(str, Enum):
     EVENT = "event"
     CHUNK = "chunk"
     ROSTER = "roster"  # the public keys of the job's identities, signed by the controller
+    SPANS = "spans"  # a device's timeline since its last batch (``ftpipe-iot trace``)
     # collaborative and federated modes (docs/design.md §13)
     COLLAB_JOB = "c_job"
     COLLAB_OFFER = "c_offer"
@@ -71,6 +72,27 @@ class DelayCompensation(str, Enum):
 
     PREDICT = "predict"
     NONE = "none"
+
+
+class SpanKind(str, Enum):
+    """What a process was doing over one span of its timeline (docs/design.md §9). Devices
+    record the compute, send, receive and wait kinds; the controller its feeding and steps."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"          # the optimizer's step (and, async, the weight stash)
+    EXCHANGE = "exchange"            # a group applying its members' gradients
+    EVALUATE = "evaluate"
+    SEND = "send"                    # encoding and publishing one message
+    RECEIVE = "receive"              # decoding and checking one message
+    LINK = "link"                    # an emulated link's transfer time (a profile's cap)
+    WAIT_INPUT = "wait_input"        # idle until an activation (or the raw input) came
+    WAIT_GRADIENT = "wait_gradient"  # idle until the next stage's gradient came
+    WAIT_EXCHANGE = "wait_exchange"  # idle until another member's contribution came
+    WAIT = "wait"                    # idle until anything else came
+    REPLICATE = "replicate"          # publishing the held layers' replicas
+    FEED = "feed"                    # the controller publishing a micro-batch's inputs
+    STEP = "step"                    # the controller: first input sent to the step's end
 
 
 class DeviceState(str, Enum):

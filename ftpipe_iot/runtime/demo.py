@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ftpipe_iot.errors import ConfigError, DemoError, ReportError
 from ftpipe_iot.observability.report import write_report
+from ftpipe_iot.observability.trace import TRACE_DIR, Trace, load_trace, write_trace
 from ftpipe_iot.observability.watch import JobWatcher
 from ftpipe_iot.planning.layouts import Layout
 from ftpipe_iot.protocol.plan import TrainConfig
@@ -122,6 +123,8 @@ class DemoOptions:
     save_model: Path | None = None  # the trained model's checkpoint [default: work_dir/model.pt]
     layout: Layout = Layout.AUTO
     signed: bool = True  # False: --insecure-unsigned (keys otherwise made in work_dir/keys)
+    # the timeline is always recorded in work_dir/trace; this also writes trace.json
+    write_trace: bool = False
 
     def __post_init__(self) -> None:
         if self.metrics_port_base and not 1024 <= self.metrics_port_base <= 65535 - self.devices:
@@ -180,9 +183,26 @@ class Demo:
                             "--summary-json", str(self.summary_path),
                             "--save-model", str(self.model_path),
                             "--layout", self.options.layout.value,
+                            "--trace-dir", str(self.work_dir / TRACE_DIR),
                             *(["--resume"] if resume else ["--train-config", str(self.train_path)]),
                             *(["--standby"] if standby else self._metrics_args(0)),
                             *self.options.controller_args, log=standby)
+
+    def _trace(self) -> Trace | None:
+        try:
+            return load_trace(self.work_dir)
+        except (ReportError, OSError) as exc:
+            log.warning("no timeline for the report: %s", exc)
+            return None
+
+    def _trace_figures(self) -> dict:
+        """trace.json's path when asked for (or why there is none)."""
+        if not self.options.write_trace:
+            return {}
+        try:
+            return {"trace": str(write_trace(self.work_dir).path)}
+        except (ReportError, OSError) as exc:
+            return {"trace_error": str(exc)}
 
     def run(self) -> dict:
         """Run to the end; returns the controller's summary plus broker kind and wall time."""
@@ -224,8 +244,9 @@ class Demo:
             summary["work_dir"] = str(self.work_dir)
             if self.model_path.exists():
                 summary["model"] = str(self.model_path)
+            summary.update(self._trace_figures())
             try:
-                paths = write_report(summary, self.work_dir)
+                paths = write_report(summary, self.work_dir, self._trace())
             except (ReportError, OSError) as exc:
                 # The training result stands without its pictures: say so, do not fail.
                 log.warning("could not write the run report: %s", exc)

@@ -15,11 +15,14 @@ RECONNECTED_TOPIC = "$local/reconnected"
 
 @dataclass(frozen=True)
 class Incoming:
-    """A message as received: topic, raw payload, and whether it came from the retained store."""
+    """A message as received: topic, raw payload, whether it came from the retained store, and
+    the wall clock when the transport's network thread took it in (0 when not known): the
+    arrival time a clock-offset estimate needs, however long the message then waits."""
 
     topic: str
     payload: bytes
     retained: bool = False
+    received_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import time
 from dataclasses import dataclass, field
 
 from ftpipe_iot.transport.base import Incoming, Will, topic_matches
@@ -28,7 +29,7 @@ class MemoryBroker:
                 self.retained.pop(topic, None)
         for client in list(self.clients):
             if client.connected and any(topic_matches(p, topic) for p in client.subscriptions):
-                client.inbox.put(Incoming(topic, payload, False))
+                client.inbox.put(Incoming(topic, payload, False, time.time()))
 
     def transport(self, client_id: str, will: Will | None = None,
                   max_payload_bytes: int = 256 * 1024) -> MemoryTransport:
@@ -61,7 +62,7 @@ class MemoryTransport:
         self.subscriptions.add(topic)
         for retained_topic, payload in self.broker.retained.items():
             if topic_matches(topic, retained_topic):
-                self.inbox.put(Incoming(retained_topic, payload, True))
+                self.inbox.put(Incoming(retained_topic, payload, True, time.time()))
 
     def unsubscribe(self, topic: str) -> None:
         self.subscriptions.discard(topic)

@@ -183,7 +183,8 @@ class MqttTransport:
         self._connected.clear()
 
     def _on_message(self, client, userdata, message) -> None:
-        self.inbox.put(Incoming(message.topic, bytes(message.payload), bool(message.retain)))
+        self.inbox.put(Incoming(message.topic, bytes(message.payload), bool(message.retain),
+                                time.time()))
 
     # -- API ----------------------------------------------------------------------------------
     @property
