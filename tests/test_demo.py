@@ -102,6 +102,10 @@ def _check_the_timeline(run_dir, summary) -> None:
                           if k is SpanKind.FORWARD)
         assert computed == everything, stage
     assert sorted(trace.step_bounds()) == list(range(25))
+    # the first stage waits for gradients, the last one for inputs (named by what came)
+    last = max(stage["stage"] for stage in summary["stages"])
+    waits = {p.stage: set(p.kinds) for p in trace.processes if p.name != "controller"}
+    assert SpanKind.WAIT_GRADIENT in waits[0] and SpanKind.WAIT_INPUT in waits[last]
     for process in trace.processes:
         if process.name == "controller":
             continue

@@ -34,6 +34,7 @@ from ftpipe_iot.observability.trace import (
     step_range,
     write_trace,
 )
+from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import SpanKind
 
 
@@ -248,3 +249,13 @@ def test_the_report_draws_a_timeline_panel_when_the_run_has_a_trace(tmp_path):
     panel_rows = matplotlib.image.imread(panel.png).shape[0]
     assert panel_rows > plain_rows  # a taller figure: the timeline below the curves
     assert np.asarray(matplotlib.image.imread(panel.png)).std() > 0
+
+
+def test_a_wait_is_named_by_the_stage_topic_that_ended_it_chunks_included():
+    topics = Topics("job")
+    assert topics.stage_traffic(topics.stage_act(2, "dev1")) == "act"
+    assert topics.stage_traffic(topics.stage_grad(0, "dev0")) == "grad"
+    assert topics.stage_traffic(topics.stage_reduce(1)) == "reduce"
+    assert topics.stage_traffic(topics.results) is None
+    assert topics.stage_traffic(Topics("other").stage_act(0, "dev0")) is None
+    assert topics.stage_traffic(topics.weights(3) + "/0") is None

@@ -72,6 +72,11 @@ from ftpipe_iot.transport.messenger import Messenger, will_of
 log = logging.getLogger("ftpipe_iot.device")
 
 
+# what a worker waited for, by the stage topic of the message that ended the wait
+_WAIT_KINDS = {"act": SpanKind.WAIT_INPUT, "grad": SpanKind.WAIT_GRADIENT,
+               "reduce": SpanKind.WAIT_EXCHANGE}
+
+
 def device_status(job: str, state: DeviceState, profile: DeviceProfile | None = None
                   ) -> DeviceStatus:
     """The retained status message (with state offline also the Last Will)."""
@@ -225,7 +230,7 @@ class DeviceAgent:
             self._loader_since = self.clock()
         taken = self.timeline.clock()
         inbound = self.messenger.receive(incoming)
-        self._trace_receive(inbound, idle_since, taken)
+        self._trace_receive(incoming.topic, inbound, idle_since, taken)
         if inbound is None:
             return
         if inbound.sender == self.options.controller:
@@ -255,18 +260,16 @@ class DeviceAgent:
         if self.runner is not None:
             self.runner.take_over_due()
 
-    def _trace_receive(self, inbound: Inbound | None, idle_since: float | None,
+    def _trace_receive(self, topic: str, inbound: Inbound | None, idle_since: float | None,
                        taken: float) -> None:
-        """The timeline's spans of one message: decoding it, and the wait it ended (named by
-        what came: an input, a gradient, a group member's contribution, anything else)."""
+        """The timeline's spans of one message (or chunk of one): decoding it, and the wait it
+        ended, named by what came (an input, a gradient, a group member's contribution, anything
+        else: known from the topic, so also when the first of several chunks ended it)."""
         if not self.timeline.enabled:
             return
         step, micro_batch = (inbound.step, inbound.micro_batch) if inbound else (-1, -1)
         if idle_since is not None and self.stage is not None:
-            message = inbound.message if inbound is not None else None
-            kind = SpanKind.WAIT_INPUT if isinstance(message, Activation) else \
-                SpanKind.WAIT_GRADIENT if isinstance(message, Gradient) else \
-                SpanKind.WAIT_EXCHANGE if isinstance(message, GroupPartial) else SpanKind.WAIT
+            kind = _WAIT_KINDS.get(self.topics.stage_traffic(topic), SpanKind.WAIT)
             self.timeline.record(kind, idle_since, taken, step, micro_batch)
         self.timeline.record(SpanKind.RECEIVE, taken, self.timeline.clock(), step, micro_batch)
 

@@ -43,8 +43,8 @@ _COLOUR = {
     SpanKind.FORWARD: "#1f77b4", SpanKind.BACKWARD: "#ff7f0e", SpanKind.OPTIMIZER: "#2ca02c",
     SpanKind.EXCHANGE: "#9467bd", SpanKind.EVALUATE: "#17becf", SpanKind.SEND: "#8c564b",
     SpanKind.RECEIVE: "#e377c2", SpanKind.LINK: "#bcbd22", SpanKind.REPLICATE: "#7f7f7f",
-    SpanKind.FEED: "#8c564b", SpanKind.WAIT_INPUT: "#d9d9d9", SpanKind.WAIT_GRADIENT: "#c7c7c7",
-    SpanKind.WAIT_EXCHANGE: "#b0b0b0", SpanKind.WAIT: "#eeeeee",
+    SpanKind.FEED: "#8c564b", SpanKind.WAIT_INPUT: "#c6dbef", SpanKind.WAIT_GRADIENT: "#fdd0a2",
+    SpanKind.WAIT_EXCHANGE: "#dadaeb", SpanKind.WAIT: "#eeeeee",
 }
 
 

@@ -82,6 +82,17 @@ class Topics:
         """The device a per-member stage topic is addressed to (its last level)."""
         return topic.rsplit("/", 1)[-1]
 
+    def stage_traffic(self, topic: str) -> str | None:
+        """What a stage topic of this job carries: ``act``, ``grad`` or ``reduce`` (None for
+        any other topic). Known from the topic alone, so also for one chunk of a message."""
+        parts = topic.split("/")
+        base = self.base.split("/")
+        if parts[:len(base)] != base or len(parts) < len(base) + 3 or \
+                parts[len(base)] != "stage":
+            return None
+        kind = parts[len(base) + 2]
+        return kind if kind in ("act", "grad", "reduce") else None
+
     def stage_reduce(self, stage: int) -> str:
         """A stage's micro-batch contributions and forward progress (every holder publishes,
         every holder listens)."""
