@@ -151,7 +151,7 @@ def test_a_device_keeps_its_stage_when_a_plan_cannot_be_built(tmp_path, monkeypa
 
 
 def test_capacity_history_restarts_when_layers_change():
-    est = CapacityEstimator([0.01] * 8)
+    est = CapacityEstimator([0.01] * 8, noise_window=3)
     for _ in range(3):
         est.observe("a", 0, 4, compute_s=2 * 0.04 * 4, micro_batches=4)
     assert est.factor("a") == pytest.approx(2.0) and est.settled(["a"])

@@ -22,7 +22,7 @@ AT = RebalanceInputs(step=50, last_change_step=0, steps_left=100, micro_batches=
 
 
 def _estimator(history: dict[str, list[float]]) -> CapacityEstimator:
-    est = CapacityEstimator([0.01] * 8)
+    est = CapacityEstimator([0.01] * 8, noise_window=3)
     for device, factors in history.items():
         for factor in factors:
             est.observe(device, 0, 8, compute_s=factor * 0.08 * 4, micro_batches=4)

@@ -21,11 +21,21 @@ def test_capacity_estimate_is_the_median_of_recent_measurements_over_reference()
     assert est.factor("a") == 1.0
     assert est.observe("a", 0, 2, compute_s=0.012, micro_batches=4) == pytest.approx(1.0)
     assert est.observe("a", 0, 2, compute_s=0.012, micro_batches=4) == pytest.approx(1.0)
-    assert not est.settled(["a"])
     assert est.observe("a", 0, 2, 0.12, 4) == pytest.approx(1.0)  # one outlier moves nothing
-    assert est.settled(["a"])
     assert est.observe("a", 0, 2, 0.048, 4) == pytest.approx(4.0)  # a real slow-down: 2 steps
     assert est.observe("b", 1, 1, 0.5, 4) is None  # no layers, nothing to learn
+
+
+def test_moving_work_waits_for_a_noise_window_and_its_band_is_the_quartiles():
+    est = CapacityEstimator([0.01, 0.01], noise_window=8)
+    for factor in (1, 1, 2, 1, 1, 1, 2):
+        est.observe("a", 0, 2, factor * 0.02 * 4, 4)
+    assert not est.settled(["a"]) and est.settled(["a"], min_samples=7)
+    est.observe("a", 0, 2, 0.08, 4)
+    assert est.settled(["a"])
+    assert est.bounds("a") == pytest.approx((1.0, 1.25))  # 6 of 8 steps at 1, 2 at 2
+    est.restart(["a"])  # its share changed: measured afresh, the estimate stands in
+    assert not est.settled(["a"], min_samples=1) and est.factor("a") == pytest.approx(1.0)
 
 
 @pytest.mark.broker

@@ -219,26 +219,28 @@ def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: Capacit
     to its members' measured speeds, when that shortens the slowest stage's busy time per step
     by more than ``threshold``; None otherwise (or while a member is unmeasured).
 
-    The current counts are judged at each member's typical recent speed (the median), the new
-    ones at its slowest recent step: a member whose time per micro-batch grows with the number
-    it takes (two processes sharing cores) then keeps its counts instead of trading them back
-    and forth every step, while a real slow-down, once it is the median, still moves shares.
+    Every member must have a full noise window of measurements since its share last changed;
+    the current counts are judged at each member's fast end of its noise band, the new ones at
+    its slow end (``CapacityEstimator.bounds``): members whose measurements differ only by
+    noise (identical devices on shared cores) keep their counts, while a slow-down that lasts
+    most of the window moves shares.
     """
     computing = [[i for i, m in enumerate(s.members) if m.share > 0] for s in stages]
     members = [s.members[i].device for s, active in zip(stages, computing) if len(active) > 1
                for i in active]
-    if not members or not capacity.settled(members, 1):
+    if not members or not capacity.settled(members):
         return None
     new_counts, busy_now, busy_new = [], 0.0, 0.0
     for stage, current, active in zip(stages, counts, computing):
         cost = costs.stage_cost_s(stage.start, stage.end)
         times = [capacity.factor(m.device) * cost for m in stage.members]
+        fastest = [capacity.bounds(m.device)[0] * cost for m in stage.members]
         slowest = [capacity.bounds(m.device)[1] * cost for m in stage.members]
         better = list(current)
         if len(active) > 1:  # standbys (share 0) stay out: they compute only what they take over
             for i, n in zip(active, apportion(micro_batches, [times[i] for i in active])):
                 better[i] = n
-        busy_now = max(busy_now, max(n * t for n, t in zip(current, times)))
+        busy_now = max(busy_now, max(n * t for n, t in zip(current, fastest)))
         busy_new = max(busy_new, max(n * t for n, t in zip(better, slowest)))
         new_counts.append(tuple(better))
     if busy_now <= 0 or (busy_now - busy_new) / busy_now <= threshold:

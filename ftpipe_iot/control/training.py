@@ -74,7 +74,10 @@ class PlanTraining:
         if not confirmed:
             return False
         assert change is not None
+        moved = [m.device for old, new, stage in zip(self.counts, change[0], self.stages)
+                 for m, a, b in zip(stage.members, old, new) if a != b]
         self.counts, self.stages = change
+        self._capacity.restart(moved)  # their time per micro-batch moves with their share
         return True
 
     def routes(self, step: int) -> StepRoutes:

@@ -3,10 +3,19 @@
 A device's factor is its measured compute time per micro-batch for its own layers divided by
 the reference cost of a stage holding those layers (``LayerCosts.stage_cost_s``). The estimate
 is the median of the last ``window`` steps: one noisy step (another process grabbed the core)
-does not move layers around, while a real change of speed is fully seen after
+does not move the estimate, while a real change of speed is fully seen after
 ``window // 2 + 1`` steps, which an exponential average would smear over many more. A device's
 history restarts when its layers change (what is left of the reference profile's error differs
-from layers to layers); the old estimate stands in until the new layers are measured.
+from layers to layers), and when its share of a group changes (on shared cores the time per
+micro-batch moves with the work taken); the old estimate stands in until the device is measured
+again.
+
+Decisions that move work (shares, layers) need more than an estimate: the noise the device's
+measurements show. ``bounds`` is the band its last ``noise_window`` steps move in (their
+quartiles); a move is taken only when it pays with the current plan judged at the fast end of
+that band and the move at the slow end, so identical devices whose measurements differ only by
+noise never trade work back and forth, while a slow-down that lasts most of the window does
+move it (docs/design.md §7).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ class CapacityEstimator:
 
     reference_cost_s: Sequence[float]
     window: int = 3
+    noise_window: int = 12
     floor: float = 0.05
     history: dict[str, list[float]] = field(default_factory=dict)
     # Layers each device's history was measured on: the reference profile is off by a different
@@ -54,29 +64,40 @@ class CapacityEstimator:
                 self.prior[device] = self.factor(device)
             self.ranges[device] = (start, end)
             self.history.pop(device, None)
-        recent = [*self.history.get(device, []), measured][-self.window:]
+        recent = [*self.history.get(device, []), measured][-self.noise_window:]
         self.history[device] = recent
         return self.factor(device)
 
     def factor(self, device: str) -> float:
-        recent = self.history.get(device)
+        recent = self.history.get(device, [])[-self.window:]
         return statistics.median(recent) if recent else self.prior.get(device, 1.0)
 
     def bounds(self, device: str) -> tuple[float, float]:
-        """Lowest and highest of the measurements in the window: a decision that holds for
-        both ends is not an artefact of noisy steps."""
+        """The lower and upper quartile of the last ``noise_window`` measurements: the band
+        the device's speed moves in by noise. A decision that holds for both ends is not an
+        artefact of noisy steps."""
         values = self.history.get(device, [])
-        if not values:
+        if len(values) < 2:
             return (self.factor(device),) * 2
-        return min(values), max(values)
+        quartiles = statistics.quantiles(values, n=4, method="inclusive")
+        return quartiles[0], quartiles[2]
 
     @property
     def factors(self) -> dict[str, float]:
         return {device: self.factor(device) for device in self.history}
 
     def settled(self, devices: Sequence[str], min_samples: int | None = None) -> bool:
-        needed = self.window if min_samples is None else min_samples
+        """Whether every device has ``min_samples`` measurements (by default a full noise
+        window: enough to tell a change from noise)."""
+        needed = self.noise_window if min_samples is None else min_samples
         return all(len(self.history.get(d, [])) >= needed for d in devices)
+
+    def restart(self, devices: Sequence[str]) -> None:
+        """Measure these devices afresh (their work changed); the estimate stands in."""
+        for device in devices:
+            if device in self.history:
+                self.prior[device] = self.factor(device)
+                del self.history[device]
 
     def forget(self, device: str) -> None:
         self.history.pop(device, None)
