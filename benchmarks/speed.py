@@ -21,7 +21,8 @@ micro-batches of 32, M = 8, 4 stages on the split [0,3),[3,5),[5,12),[12,22):
   time;
 * what the timeline costs (``--only trace``): sync on ``equal`` with and without
   ``--trace-dir``, in pairs whose order alternates, the median rate of each and the overhead;
-  a PNG of one representative step of the last traced run (what each stage did when).
+  a PNG of one representative step of the last traced run (what each stage did when) above
+  the same step of torch.distributed.pipelining's GPipe, traced the same way.
 
 The host has 2 cores shared with other work: ``loadavg`` is recorded before and after every
 run; rates are noisy at the 10-20% level.
@@ -93,7 +94,8 @@ def single_process(steps: int, warmup: int) -> dict:
 # ------------------------------------------------------------------ torch pipelining
 
 
-def torch_pipelining(schedule: str, factors: tuple[float, ...], steps: int, warmup: int) -> dict:
+def torch_pipelining(schedule: str, factors: tuple[float, ...], steps: int, warmup: int,
+                     trace_dir: Path | None = None) -> dict:
     from benchmarks.torch_pipelining import TorchPipeliningConfig, run_torch_pipelining
 
     before = loadavg()
@@ -101,7 +103,7 @@ def torch_pipelining(schedule: str, factors: tuple[float, ...], steps: int, warm
         result = run_torch_pipelining(TorchPipeliningConfig(
             width=1.0, factors=[float(f) for f in factors], micro_batches=M,
             micro_batch_size=MB, steps=steps, warmup=warmup, split=SPLIT, schedule=schedule,
-            clock="cpu"))
+            clock="cpu", trace_dir=str(trace_dir) if trace_dir else None))
     except Exception as exc:  # reported as missing, not dropped
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"samples_per_s": result["samples_per_s"], "schedule": result["schedule"],
@@ -401,6 +403,9 @@ def trace_overhead(broker: BrokerProcess, steps: int, warmup: int, pairs: int,
                                     for r in runs["traced"]],
                  "trace_bytes_per_step": [round(r["trace_bytes"] / r["steps"])
                                           for r in runs["traced"]]}
+    say("timeline of torch.distributed.pipelining GPipe on the same split")
+    torch_dir = Path(tempfile.mkdtemp(prefix="speed-torch-trace-"))
+    out["torch_gpipe"] = torch_pipelining("gpipe", (1, 1, 1, 1), steps, warmup, torch_dir)
     trace = load_trace(Path(runs["traced"][-1]["work_dir"]))
     steps_shown = representative_steps(trace, 1)
     if steps_shown is not None:
@@ -409,15 +414,24 @@ def trace_overhead(broker: BrokerProcess, steps: int, warmup: int, pairs: int,
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axis = plt.subplots(figsize=(12, 1.2 + 0.45 * len(trace.processes)))
-        draw_timeline(axis, trace, steps_shown)
-        axis.set_title(f"ftpipe-iot --schedule sync, one step of MobileNetV2 (M = {M}, "
-                       f"micro-batches of {MB}, 4 equal devices)", fontsize=10)
+        torch_trace = load_trace(torch_dir)
+        torch_step = min(steps_shown[0], warmup + steps - 1)
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 2.6 + 0.9 * len(trace.processes)))
+        draw_timeline(top, trace, steps_shown)
+        top.set_title(f"ftpipe-iot --schedule sync, step {steps_shown[0]} of MobileNetV2 "
+                      f"(M = {M}, micro-batches of {MB}, 4 equal devices, one core each of 2)",
+                      fontsize=10)
+        draw_timeline(bottom, torch_trace, (torch_step, torch_step))
+        bottom.set_title(f"torch.distributed.pipelining ScheduleGPipe (gloo), step {torch_step}"
+                         ", same split; gaps are its waits and transfers", fontsize=10)
+        width = max(top.get_xlim()[1], bottom.get_xlim()[1])
+        top.set_xlim(0, width)
+        bottom.set_xlim(0, width)
         fig.tight_layout()
         fig.savefig(timeline_png, dpi=110)
         plt.close(fig)
         out["timeline_png"] = str(timeline_png)
-        out["timeline_step"] = steps_shown[0]
+        out["timeline_step"] = {"ftpipe": steps_shown[0], "torch_gpipe": torch_step}
     return out
 
 

@@ -28,6 +28,11 @@ Trains ``mobilenetv2`` (CIFAR-style, synthetic 32x32x3 data, 10 classes) with
   (``time.thread_time``; valid because every rank runs one intra-op thread and CPU autograd runs
   on the calling thread) instead. Both real times are reported per stage either way.
 
+With ``trace_dir`` (``--trace-dir``) every rank records ftpipe-iot's timeline spans (forward,
+backward and the optimizer step, by step and micro-batch; the gaps are the schedule's waits and
+gloo's transfers) into ``<trace_dir>/torch-rank<k>.jsonl``, which ``ftpipe-iot trace`` and the
+report's timeline panel read: the same picture of a step for both systems.
+
 Run ``python benchmarks/torch_pipelining.py --help``; one JSON object is printed on stdout,
 progress on stderr. Import :func:`run_torch_pipelining` to call it from another script.
 """
@@ -83,6 +88,7 @@ class TorchPipeliningConfig:
     momentum: float = 0.9
     seed: int = 0
     timeout_s: float = 600.0
+    trace_dir: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def stage_count(self) -> int:
@@ -186,13 +192,18 @@ class ProfileFactor:
 class _CallTiming:
     """Per-forward-call record shared by the two backward markers of that call."""
 
-    __slots__ = ("owner", "factor", "bwd_start", "bwd_start_cpu")
+    __slots__ = ("owner", "factor", "bwd_start", "bwd_start_cpu", "bwd_wall_start", "step",
+                 "micro_batch")
 
-    def __init__(self, owner: SlowedStage, factor: float) -> None:
+    def __init__(self, owner: SlowedStage, factor: float, step: int = -1,
+                 micro_batch: int = -1) -> None:
         self.owner = owner
         self.factor = factor
         self.bwd_start: float | None = None
         self.bwd_start_cpu = 0.0
+        self.bwd_wall_start = 0.0
+        self.step = step
+        self.micro_batch = micro_batch
 
 
 class _BackwardStart(torch.autograd.Function):
@@ -207,6 +218,7 @@ class _BackwardStart(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
         ctx.timing.bwd_start_cpu = time.thread_time()
         ctx.timing.bwd_start = time.perf_counter()
+        ctx.timing.bwd_wall_start = time.time()
         return None, grad
 
 
@@ -225,6 +237,8 @@ class _BackwardEnd(torch.autograd.Function):
             real = time.perf_counter() - timing.bwd_start
             cpu = time.thread_time() - timing.bwd_start_cpu
             timing.owner.record_backward(real, cpu, timing.factor)
+            timing.owner.span("backward", timing.bwd_wall_start, timing.step,
+                              timing.micro_batch)
         return None, grad
 
 
@@ -251,7 +265,16 @@ class SlowedStage(nn.Module):
         self.step = 0
         self.started = time.perf_counter()
         self.stats: dict[str, float] = {}
+        self.timeline: Any = None  # ftpipe_iot's Timeline when tracing
+        self._forwards: dict[int, int] = {}  # step -> forwards so far (the micro-batch index)
         self.reset_stats()
+
+    def span(self, kind: str, start: float, step: int, micro_batch: int = -1) -> None:
+        """One span from ``start`` (wall clock) to now, when tracing."""
+        if self.timeline is not None:
+            from ftpipe_iot.protocol.vocab import SpanKind
+
+            self.timeline.record(SpanKind(kind), start, time.time(), step, micro_batch)
 
     def reset_stats(self) -> None:
         """Zero the accumulated timings."""
@@ -276,7 +299,10 @@ class SlowedStage(nn.Module):
         if not torch.is_grad_enabled() or x.device.type == "meta":
             return self.inner(x)
         factor = float(self.factor_fn(self.step, time.perf_counter() - self.started))
-        timing = _CallTiming(self, factor)
+        micro_batch = self._forwards.get(self.step, 0)
+        self._forwards = {self.step: micro_batch + 1}
+        timing = _CallTiming(self, factor, self.step, micro_batch)
+        wall_start = time.time()
         if not x.requires_grad:
             # First stage: the data does not require grad, so no backward node would sit on the
             # input side; a grad-requiring leaf copy puts _BackwardEnd into the graph.
@@ -292,6 +318,7 @@ class SlowedStage(nn.Module):
         self.stats["fwd_calls"] += 1
         self.stats["factor_sum"] += factor
         self._sleep(cpu if self.clock == "cpu" else real, factor)
+        self.span("forward", wall_start, self.step, micro_batch)
         return _BackwardStart.apply(timing, y)
 
 
@@ -333,6 +360,10 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any],
             factor_fn = ProfileFactor(profile_path=cfg["profiles"][rank])
         module = SlowedStage(nn.Sequential(*layers[start:end]), factor_fn, cfg["clock"])
         module.train()
+        if cfg.get("trace_dir"):
+            from ftpipe_iot.observability.timeline import Timeline
+
+            module.timeline = Timeline()
         device = torch.device("cpu")
         # Static stage metadata: shapes from cut_shapes; requires_grad on the examples tells the
         # runtime which activations carry gradients back (all but the data input of stage 0).
@@ -374,7 +405,9 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any],
                 schedule.step(target=y, losses=losses)
             else:
                 schedule.step()
+            optimizer_start = time.time()
             optimizer.step()
+            module.span("optimizer", optimizer_start, step)
             step_times.append(time.perf_counter() - step_start)
             if is_last:
                 last_losses = losses
@@ -383,6 +416,12 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any],
                 _log(f"step {step + 1}/{total} ({phase}) rank0 {step_times[-1]:.3f} s")
         dist.barrier()
         elapsed = time.perf_counter() - t0
+        if module.timeline is not None:
+            from ftpipe_iot.observability.trace import TraceStore
+
+            batch = module.timeline.take(stage=rank)
+            if batch is not None:
+                TraceStore(Path(cfg["trace_dir"])).add(f"torch-rank{rank}", batch)
 
         steps = cfg["steps"]
         s = module.stats
@@ -457,7 +496,7 @@ def run_torch_pipelining(
         "micro_batches": cfg.micro_batches, "micro_batch_size": cfg.micro_batch_size,
         "steps": cfg.steps, "warmup": cfg.warmup, "split": split, "schedule": cfg.schedule,
         "clock": cfg.clock,
-        "lr": cfg.lr, "momentum": cfg.momentum, "seed": cfg.seed,
+        "lr": cfg.lr, "momentum": cfg.momentum, "seed": cfg.seed, "trace_dir": cfg.trace_dir,
     }
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -540,6 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+    p.add_argument("--trace-dir", default=None,
+                   help="record every rank's timeline spans here (ftpipe-iot trace reads it)")
     return p
 
 
@@ -562,6 +603,7 @@ def config_from_args(args: argparse.Namespace) -> TorchPipeliningConfig:
         lr=args.lr,
         seed=args.seed,
         timeout_s=args.timeout,
+        trace_dir=args.trace_dir,
     )
 
 

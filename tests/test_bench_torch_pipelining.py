@@ -12,6 +12,9 @@ import pytest
 import torch
 from torch import nn
 
+from ftpipe_iot.observability.trace import load_trace
+from ftpipe_iot.protocol.vocab import SpanKind
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -90,13 +93,30 @@ def test_split_parsing_and_checks():
         bench.coerce_config({"factors": [1, 0.5]}).validate()
 
 
-def test_smoke_two_stages():
+def test_smoke_two_stages(tmp_path):
     result = bench.run_torch_pipelining(
-        {"width": 0.25, "factors": [1, 1], "steps": 2, "warmup": 1, "timeout_s": 120})
+        {"width": 0.25, "factors": [1, 1], "steps": 2, "warmup": 1, "timeout_s": 120,
+         "trace_dir": str(tmp_path / "trace")})
     assert result["samples_per_s"] > 0
     assert result["schedule"] == "ScheduleGPipe"
     assert result["timed_samples"] == 2 * 4 * 8
     assert [s["stage"] for s in result["stages"]] == [0, 1]
+    # every rank's timeline, as ftpipe-iot's trace reads it: each micro-batch of each of the
+    # 3 steps forwarded and backwarded once, its backward after its forward, one optimizer step
+    trace = load_trace(tmp_path)
+    assert [p.name for p in trace.processes] == ["torch-rank0", "torch-rank1"]
+    everything = sorted((step, mb) for step in range(3) for mb in range(4))
+    for process in trace.processes:
+        spans = {kind: {} for kind in (SpanKind.FORWARD, SpanKind.BACKWARD)}
+        for kind, start, duration, step, mb in zip(process.kinds, process.start,
+                                                   process.duration, process.step,
+                                                   process.micro_batch):
+            if kind in spans:
+                spans[kind][(int(step), int(mb))] = (start, start + duration)
+        assert sorted(spans[SpanKind.FORWARD]) == everything == sorted(spans[SpanKind.BACKWARD])
+        assert all(spans[SpanKind.BACKWARD][k][0] >= spans[SpanKind.FORWARD][k][1] - 1e-6
+                   for k in everything)
+        assert process.kinds.count(SpanKind.OPTIMIZER) == 3
     for stage in result["stages"]:
         assert stage["fwd_calls"] == 2 * 4 and stage["bwd_calls"] == 2 * 4
         assert stage["real_compute_s_per_step"] > 0

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from ftpipe_iot.control.central import CentralReplicas
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.failures import FailureAction, FailureFacts, respond_to_failure
+from ftpipe_iot.control.forecast import predicted_step_s
 from ftpipe_iot.control.job import JobModel, prepare_job
 from ftpipe_iot.control.lease import fenced
 from ftpipe_iot.control.liveness import Failure, LivenessTracker
@@ -415,6 +416,7 @@ class Controller:
         self._publish_state(ControllerStatus.ONLINE)
         self.out.plan(self.plan)
         self.recorder.plan_changed(self.plan, self.roster.online)
+        self._predict(self.plan.stages, resume_step)
 
     def _start_training(self) -> None:
         assert self.plan is not None and self.model is not None
@@ -535,6 +537,7 @@ class Controller:
             started = time.perf_counter()
             if self.training.retune(self.model.cost_model, self.config.retune_threshold):
                 self.recorder.shares_changed(step, self.training.stages)
+                self._predict(self.training.stages, step + 1)
             better = self.replanner.consider(step, self.model, self.plan,
                                              sorted(self.roster.alive), self.capacity,
                                              self.roster.capabilities)
@@ -545,6 +548,13 @@ class Controller:
             self._begin_replication()
         else:
             self.training.pump()
+
+    def _predict(self, stages: Sequence[StageAssignment], from_step: int) -> None:
+        """Tell the recorder the cost model's step time for ``stages`` (to measure it against)."""
+        assert self.model is not None and self.plan is not None
+        self.recorder.predicted(self.plan.version, from_step, predicted_step_s(
+            stages, self.model.cost_model, self.capacity, self.roster.capabilities,
+            self.train.micro_batches, self.train.micro_batch_size))
 
     # -- end of job -----------------------------------------------------------------------------
     def _finish(self, version: int) -> None:

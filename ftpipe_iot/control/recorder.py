@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from ftpipe_iot.control.forecast import ForecastCheck
 from ftpipe_iot.control.liveness import Failure
 from ftpipe_iot.control.summary import RunSummary, ThroughputMeter
 from ftpipe_iot.core.feed import StepSummary
@@ -44,6 +45,7 @@ class Recorder:
     def __init__(self, job: str, metrics: ControllerMetrics, progress: ProgressReporter,
                  publish: Callable[[Event], None], clock: Callable[[], float]) -> None:
         self.summary = RunSummary(job=job)
+        self.forecast = ForecastCheck()  # the planner's step time against the measured one
         self.metrics = metrics
         self.progress = progress
         self.throughput = ThroughputMeter()
@@ -108,12 +110,22 @@ class Recorder:
         self.metrics.samples.inc(step.samples)
         rate = self.throughput.step(now, step.samples)
         self.metrics.samples_per_second.set(rate)
+        error = self.forecast.step_done(step.step, now)
+        if error is not None:
+            self.metrics.prediction_error.set(error)
         self.summary.history.append({"step": step.step, "t": now - self._started,
                                      "loss": step.loss, "samples_per_s": rate,
                                      "plan_version": plan_version,
                                      "wire_bytes": self.wire_bytes})
         self.progress.step(step.step + 1, step.loss, rate)
         return rate
+
+    def predicted(self, plan_version: int, from_step: int, step_s: float | None) -> None:
+        """The cost model's step time for what runs from ``from_step`` on (a new plan or new
+        shares): measured against the steps that follow."""
+        self.forecast.predicted(plan_version, from_step, step_s)
+        if step_s:
+            self.metrics.predicted_step_seconds.set(step_s)
 
     def epoch_evaluated(self, result: EpochResult) -> None:
         self.summary.test_accuracy, self.summary.test_loss = result.accuracy, result.loss
@@ -213,9 +225,10 @@ class Recorder:
 
     # -- end ------------------------------------------------------------------------------------
     def close(self, dropped: dict[str, int]) -> RunSummary:
-        """Final wall time and drop counts; returns the summary."""
+        """Final wall time, drop counts and predictions; returns the summary."""
         self.summary.wall_s = self.elapsed_s
         self.summary.dropped = dropped
+        self.summary.predictions = self.forecast.records()
         self._traffic_totals()
         return self.summary
 

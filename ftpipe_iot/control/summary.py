@@ -44,6 +44,9 @@ class RunSummary:
     device_links: dict[str, dict[str, float]] = field(default_factory=dict)
     # seconds the controller spent deciding at step boundaries (retune, rebalance)
     decision_s: dict[str, float] = field(default_factory=dict)
+    # the planner's predicted step time of each plan (and set of shares) against the measured
+    # one: control/forecast.py
+    predictions: list[dict] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)

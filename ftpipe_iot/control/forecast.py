@@ -1,0 +1,96 @@
+"""How far the planner is from the truth: each plan's predicted step time (the cost model the
+layout and rebalancing decisions use) against the step time measured while it ran (pure).
+
+A planner whose error is not measured cannot be trusted to move weights (docs/design.md §7):
+the error of the plan in force is a metric (``ftpipe_plan_prediction_error_ratio``), and every
+plan's prediction and measurement are in the run summary (``predictions``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+from ftpipe_iot.core.routing import plan_counts
+from ftpipe_iot.planning.capacity import CapacityEstimator
+from ftpipe_iot.planning.groups import evaluate_groups
+from ftpipe_iot.planning.rebalance import device_specs
+from ftpipe_iot.planning.solver import LayerCosts, PartitionError
+from ftpipe_iot.protocol.messages import Capabilities
+from ftpipe_iot.protocol.plan import StageAssignment
+
+#: Steps of a plan left out of its measurement: the first ones fill the pipeline and warm up.
+WARM_UP_STEPS = 2
+
+
+def predicted_step_s(stages: Sequence[StageAssignment], costs: LayerCosts,
+                     capacity: CapacityEstimator, capabilities: Mapping[str, Capabilities],
+                     micro_batches: int, micro_batch_size: int) -> float | None:
+    """The cost model's step time of ``stages`` with their shares, at the devices' estimated
+    speeds and declared links (None when the model cannot evaluate the plan)."""
+    devices = [d for s in stages for d in s.devices]
+    assignment = [(s.start, s.end, s.devices) for s in stages]
+    try:
+        plan = evaluate_groups(assignment, costs, device_specs(devices, capacity, capabilities),
+                               micro_batches, micro_batch_size,
+                               counts=plan_counts(stages, micro_batches))
+    except PartitionError:
+        return None
+    return plan.step_s
+
+
+@dataclass
+class Forecast:
+    """One plan's (or one set of shares') prediction and what was measured under it."""
+
+    plan: int
+    from_step: int
+    predicted_step_s: float
+    measured_step_s: float | None = None
+    steps_measured: int = 0
+    error: float | None = None  # measured / predicted - 1
+
+
+@dataclass
+class ForecastCheck:
+    """Keeps the prediction in force and the step times measured under it; the median
+    step-to-step interval after the warm-up is the measurement (evaluations and replications
+    between two steps do not count: they are single long intervals)."""
+
+    done: list[Forecast] = field(default_factory=list)
+    current: Forecast | None = None
+    _last_step_at: float | None = None
+    _intervals: list[float] = field(default_factory=list)
+
+    def predicted(self, plan: int, from_step: int, step_s: float | None) -> None:
+        """A new plan (or new shares) runs from ``from_step`` with this predicted step time."""
+        self._close()
+        self.current = Forecast(plan, from_step, step_s) if step_s and step_s > 0 else None
+        self._last_step_at, self._intervals = None, []
+
+    def step_done(self, step: int, at: float) -> float | None:
+        """Step ``step`` completed at ``at``; returns the current error (None: not yet known)."""
+        forecast = self.current
+        if forecast is None or step < forecast.from_step:
+            return None
+        if self._last_step_at is not None and step >= forecast.from_step + WARM_UP_STEPS:
+            self._intervals.append(at - self._last_step_at)
+        self._last_step_at = at
+        if not self._intervals:
+            return None
+        forecast.measured_step_s = statistics.median(self._intervals)
+        forecast.steps_measured = len(self._intervals)
+        forecast.error = forecast.measured_step_s / forecast.predicted_step_s - 1.0
+        return forecast.error
+
+    def _close(self) -> None:
+        if self.current is not None and self.current.steps_measured:
+            self.done.append(self.current)
+        self.current = None
+
+    def records(self) -> list[dict]:
+        """Every prediction so far with its measurement, for the run summary."""
+        forecasts = [*self.done, *([self.current] if self.current and
+                                   self.current.steps_measured else [])]
+        return [asdict(f) for f in forecasts]
