@@ -380,7 +380,7 @@ def plot_accuracy(runs: list[dict], path: Path) -> None:
 
 
 def trace_overhead(broker: BrokerProcess, steps: int, warmup: int, pairs: int,
-                   timeline_png: Path) -> dict:
+                   timeline_png: Path, save) -> dict:  # type: ignore[no-untyped-def]
     """Sync on ``equal`` with and without the timeline, ``pairs`` times, the order alternating
     (a drifting host load hits both alike); the overhead of the medians; and one
     representative step of the last traced run drawn into ``timeline_png``."""
@@ -404,7 +404,8 @@ def trace_overhead(broker: BrokerProcess, steps: int, warmup: int, pairs: int,
                  "trace_bytes_per_step": [round(r["trace_bytes"] / r["steps"])
                                           for r in runs["traced"]]}
     say("timeline of torch.distributed.pipelining GPipe on the same split")
-    torch_dir = Path(tempfile.mkdtemp(prefix="speed-torch-trace-"))
+    save(out)
+    torch_dir = Path(tempfile.mkdtemp(prefix="speed-torch-")) / "trace"
     out["torch_gpipe"] = torch_pipelining("gpipe", (1, 1, 1, 1), steps, warmup, torch_dir)
     trace = load_trace(Path(runs["traced"][-1]["work_dir"]))
     steps_shown = representative_steps(trace, 1)
@@ -528,7 +529,8 @@ def main() -> None:
             results["time_to_accuracy"]["plot"] = str(plot)
         if args.only == "trace":
             results["trace_overhead"] = trace_overhead(
-                broker, args.steps, args.warmup, args.trace_pairs, args.out.with_suffix(".png"))
+                broker, args.steps, args.warmup, args.trace_pairs, args.out.with_suffix(".png"),
+                save("trace_overhead"))
             save("trace_overhead")(results["trace_overhead"])
         if args.profile_run or args.only == "profile":
             say("profiled ftpipe-iot sync run (equal devices)")
