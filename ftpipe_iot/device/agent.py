@@ -233,7 +233,8 @@ class DeviceAgent:
         self._trace_receive(incoming.topic, inbound, idle_since, taken)
         if inbound is None:
             return
-        if inbound.sender == self.options.controller:
+        if inbound.sender == self.options.controller and not incoming.retained:
+            # a retained message was sent long before it arrived: no use for the clocks
             self.clock_probe.heard(inbound.timestamp, incoming.received_at)
         message = inbound.message
         try:
