@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.replan import retuned
+from ftpipe_iot.control.share_trial import ShareGuard, TrialVerdict
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.core.routing import StepRoutes, counts_from_shares, interleave
 from ftpipe_iot.device.agent import DeviceAgent, device_will
@@ -165,7 +166,7 @@ def test_a_slow_member_loses_share_once_and_training_stays_exact():
                         max_steps=20, lr=0.05)
     stages = (_group(0, 0, 3, "d0", "d1"), StageAssignment.single(1, "d2", 3, 6))
     job = MemoryJob(ControllerConfig(train=train, devices=3, assignment=stages), devices=3)
-    slow = parse_profile({"version": 1, "name": "slow", "factor": 8})
+    slow = parse_profile({"version": 1, "name": "slow", "factor": 20})
     job.devices[1] = DeviceAgent("d1", "t", job.broker.transport("d1", device_will("d1", "t")),
                                  CollectorRegistry(), profile=slow)
     job.start()
@@ -179,3 +180,38 @@ def test_a_slow_member_loses_share_once_and_training_stays_exact():
     assert final == {"d0": 0.75, "d1": 0.25}
     gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     assert max_weight_diff(gathered, train_reference(train, job.controller.data, 20)) < 1e-5
+
+
+def _guard_after(times: list[float], change_at: int) -> tuple[ShareGuard, list[TrialVerdict]]:
+    """A guard that saw steps complete at ``times``, a change from step ``change_at`` on, and
+    its verdict at every boundary after it."""
+    guard, verdicts = ShareGuard(judge_steps=4, cooldown_steps=10), []
+    for step, at in enumerate(times):
+        guard.step_done(step, at)
+        if step == change_at - 1:
+            guard.started(((2, 2),), (), from_step=change_at)
+        elif step >= change_at:
+            verdicts.append(guard.verdict(step))
+            if verdicts[-1] is not TrialVerdict.PENDING:
+                break  # judged (a controller takes a change back at once)
+    return guard, verdicts
+
+
+def test_a_retune_that_measures_slower_is_taken_back_and_retunes_wait_a_cooldown():
+    # 0.1 s a step before the change at step 6, 0.13 s after: slower by more than 5 %
+    times = [0.1 * s for s in range(6)] + [0.5 + 0.13 * (s - 5) for s in range(6, 12)]
+    guard, verdicts = _guard_after(times, 6)
+    assert verdicts[:4] == [TrialVerdict.PENDING] * 4  # 4 intervals under the new shares
+    assert verdicts[4] is TrialVerdict.REVERT
+    assert guard.last_revert == pytest.approx((0.1, 0.13))
+    assert guard.take_back().counts == ((2, 2),)
+    assert guard.blocked(20) and not guard.blocked(21)
+    assert guard.verdict(21) is TrialVerdict.NONE
+
+
+def test_a_retune_that_measures_no_slower_stays_and_a_change_without_history_is_not_judged():
+    times = [0.1 * s for s in range(6)] + [0.5 + 0.08 * (s - 5) for s in range(6, 12)]
+    guard, verdicts = _guard_after(times, 6)
+    assert verdicts[4] is TrialVerdict.KEEP and not guard.blocked(11)
+    early, _ = _guard_after([0.1 * s for s in range(3)], 2)  # 1 interval before: no trial
+    assert early.trial is None and not early.blocked(3)

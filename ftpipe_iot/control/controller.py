@@ -29,6 +29,7 @@ from ftpipe_iot.control.plan_stages import LayoutInputs, check_grouping, choose_
 from ftpipe_iot.control.recorder import Recorder
 from ftpipe_iot.control.replan import Replanner, ReplanReason, next_plan
 from ftpipe_iot.control.roster import Roster
+from ftpipe_iot.control.share_trial import TrialVerdict
 from ftpipe_iot.control.summary import RunSummary
 from ftpipe_iot.control.training import PlanTraining
 from ftpipe_iot.core.data import Dataset
@@ -535,8 +536,12 @@ class Controller:
         else:
             assert self.model is not None and self.plan is not None
             started = time.perf_counter()
-            if self.training.retune(self.model.cost_model, self.config.retune_threshold):
-                self.recorder.shares_changed(step, self.training.stages)
+            changed = self.training.retune(step, self.model.cost_model,
+                                           self.config.retune_threshold)
+            if changed is not None:
+                self.recorder.shares_changed(
+                    step, self.training.stages, self.training.guard.last_revert
+                    if changed is TrialVerdict.REVERT else None)
                 self._predict(self.training.stages, step + 1)
             better = self.replanner.consider(step, self.model, self.plan,
                                              sorted(self.roster.alive), self.capacity,

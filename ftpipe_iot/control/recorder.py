@@ -80,12 +80,20 @@ class Recorder:
         self._event(Event(EventType.PLAN_CHANGED, plan=plan.version,
                           resume_step=plan.resume_step, stages=stages))
 
-    def shares_changed(self, step: int, stages: tuple[StageAssignment, ...]) -> None:
-        """Groups' shares retuned from ``step`` on (no weights move)."""
+    def shares_changed(self, step: int, stages: tuple[StageAssignment, ...],
+                       reverted: tuple[float, float] | None = None) -> None:
+        """Groups' shares retuned from ``step`` on (no weights move); ``reverted``: the step
+        times (before, after) of a retune that measured slower and was taken back."""
         self.metrics.fleet.assign({m.device: (s.stage, m.share) for s in stages
                                    for m in s.members}, ())
         self.summary.stages = [s.to_dict() for s in stages]
-        self.progress.message(f"shares retuned at step {step}: {describe_stages(stages)}")
+        if reverted is not None:
+            self.summary.share_reverts += 1
+            self.progress.message(
+                f"shares taken back at step {step}: the retune measured {reverted[1]:.4f} s a "
+                f"step against {reverted[0]:.4f} s before: {describe_stages(stages)}")
+        else:
+            self.progress.message(f"shares retuned at step {step}: {describe_stages(stages)}")
         self._event(Event(EventType.SHARES_CHANGED, at_step=step, stages=stages))
 
     def training_started(self, total_steps: int) -> None:

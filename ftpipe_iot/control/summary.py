@@ -26,6 +26,7 @@ class RunSummary:
     failures_detected: int = 0
     recoveries: int = 0
     repartitions: int = 0
+    share_reverts: int = 0  # retunes taken back because they measured slower
     detect_s: list[float] = field(default_factory=list)
     recover_s: list[float] = field(default_factory=list)
     recomputed_steps: int = 0

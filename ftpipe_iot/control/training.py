@@ -11,6 +11,7 @@ from collections.abc import Callable
 from ftpipe_iot.control.job import JobModel
 from ftpipe_iot.control.recorder import EpochResult, Recorder
 from ftpipe_iot.control.replan import retuned
+from ftpipe_iot.control.share_trial import ShareGuard, TrialVerdict
 from ftpipe_iot.core.feed import EvalRound, StepSummary, TrainFeed
 from ftpipe_iot.core.routing import Counts, StepRoutes, counts_without, eval_route, plan_counts
 from ftpipe_iot.core.schedule import StepVersions
@@ -18,7 +19,7 @@ from ftpipe_iot.errors import TrainingDiverged
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.costs import LayerCosts
 from ftpipe_iot.protocol.messages import Activation
-from ftpipe_iot.protocol.plan import Plan
+from ftpipe_iot.protocol.plan import Plan, StageAssignment
 from ftpipe_iot.protocol.results import (
     MicroBatchFinished,
     MicroBatchLoss,
@@ -54,31 +55,46 @@ class PlanTraining:
         self.eval_round: EvalRound | None = None
         self.counts: Counts = plan_counts(plan.stages, self.train.micro_batches)
         self._proposed: Counts | None = None  # counts a retune asked for at the last boundary
+        self.guard = ShareGuard()  # a retune that measures slower is taken back
         self.stages = plan.stages  # the plan's stages with the shares in force
         self._routes: dict[int, StepRoutes] = {}
         self._eval_sent: dict[int, tuple[int, ...]] = {}  # evaluation batch -> its route
 
-    def retune(self, costs: LayerCosts, threshold: float) -> bool:
-        """Cheap rebalancing first: a group's micro-batches follow its members' measured speeds
-        (no layer moves). True when the shares changed.
+    def retune(self, step: int, costs: LayerCosts, threshold: float) -> TrialVerdict | None:
+        """Cheap rebalancing first, at the boundary after ``step``: a group's micro-batches
+        follow its members' measured speeds (no layer moves). Returns what changed the shares
+        (``NONE``: a retune; ``REVERT``: a retune that measured slower was taken back), None
+        when they stay.
 
         A change must be proposed at two boundaries in a row, moving every member's count the
         same way both times (the second proposal is taken): on shared cores a member's speed
         moves with the work it takes, and counts that one step of noise calls for are called
-        back the next (the demo's two members traded 1:3 and 3:1 every few steps)."""
+        back the next (the demo's two members traded 1:3 and 3:1 every few steps). Then the
+        steps after it are measured against the steps before (``ShareGuard``)."""
+        if self.guard.verdict(step) is TrialVerdict.REVERT:
+            trial = self.guard.take_back()
+            self._take_counts(trial.counts, trial.stages)
+            return TrialVerdict.REVERT
+        if self.guard.blocked(step):
+            return None
         change = retuned(self.stages, self.counts, self._capacity, costs,
                          self.train.micro_batches, threshold)
         confirmed = change is not None and self._proposed is not None and \
             _same_way(self.counts, self._proposed, change[0])
         self._proposed = None if change is None or confirmed else change[0]
         if not confirmed:
-            return False
+            return None
         assert change is not None
-        moved = [m.device for old, new, stage in zip(self.counts, change[0], self.stages)
+        previous = (self.counts, self.stages)
+        self._take_counts(*change)
+        self.guard.started(*previous, from_step=step + 1)
+        return TrialVerdict.NONE
+
+    def _take_counts(self, counts: Counts, stages: tuple[StageAssignment, ...]) -> None:
+        moved = [m.device for old, new, stage in zip(self.counts, counts, self.stages)
                  for m, a, b in zip(stage.members, old, new) if a != b]
-        self.counts, self.stages = change
+        self.counts, self.stages = counts, stages
         self._capacity.restart(moved)  # their time per micro-batch moves with their share
-        return True
 
     def routes(self, step: int) -> StepRoutes:
         """The routes of ``step``, fixed by the counts in force when it is first fed."""
@@ -180,6 +196,7 @@ class PlanTraining:
             raise TrainingDiverged(f"training diverged: the loss of step {step.step} is "
                                    f"{step.loss} (try a lower --lr)")
         self._recorder.step_completed(step, self.plan.version)
+        self.guard.step_done(step.step, self._clock())
         self._step_done(step.step)
         if not self.versions.drains_after(step.step) and not self.feed.finished:
             return None  # asynchronous: the next step is already under way, no boundary here
