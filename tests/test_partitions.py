@@ -94,7 +94,7 @@ def _stages(watcher) -> set[str]:
 
 
 def test_a_cut_longer_than_the_keepalive_fires_the_will_and_the_device_comes_back(lab_job):
-    job = lab_job(steps=160)
+    job = lab_job(steps=120)
     job.devices(3)
     job.controller(3, heartbeat_timeout_s=30)  # the Last Will, not the heartbeats, detects
     job.wait(lambda w: w.job.step >= 10, "the job never reached step 10")
