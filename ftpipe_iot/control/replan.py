@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ftpipe_iot.control.job import JobModel
+from ftpipe_iot.control.step_times import StepTimes
 from ftpipe_iot.core.routing import Counts
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.groups import apportion
@@ -73,7 +74,7 @@ class Replanner:
     _asked_at: float | None = None
     _candidate: tuple[tuple[tuple[str, int, int], ...], int] | None = None
     _check: MoveCheck | None = None
-    _step_times: dict[int, float] = field(default_factory=dict)
+    _step_times: StepTimes = field(default_factory=lambda: StepTimes(4 * _JUDGE_STEPS + 1))
 
     @property
     def effective_policy(self) -> RepartitionPolicy:
@@ -94,28 +95,20 @@ class Replanner:
 
     def step_done(self, step: int, now: float) -> None:
         """A training step completed at ``now``: judge a rebalance once enough steps ran."""
-        self._step_times[step] = now
-        for old in [s for s in self._step_times if s < step - 4 * _JUDGE_STEPS]:
-            del self._step_times[old]
+        self._step_times.record(step, now)
         check = self._check
         if check is None or step < check.at_step + 1 + _JUDGE_STEPS:
             return
-        after = self._mean_step_s(check.at_step + 1, check.at_step + 1 + _JUDGE_STEPS)
+        after = self._step_times.mean_step_s(check.at_step + 1, check.at_step + 1 + _JUDGE_STEPS)
         self._check = None
         if after is None or check.before_s <= 0:
             return
         realized = 1.0 - after / check.before_s
         self.failed_moves = 0 if realized >= check.predicted_gain / 2 else self.failed_moves + 1
 
-    def _mean_step_s(self, first: int, last: int) -> float | None:
-        times = [self._step_times.get(s) for s in range(first, last + 1)]
-        if any(t is None for t in times):
-            return None
-        return (times[-1] - times[0]) / (last - first)  # type: ignore[operator]
-
     def moved(self, at_step: int, rebalance: Rebalance) -> None:
         """A rebalance takes effect at ``at_step``: judge it against the steps before."""
-        before = self._mean_step_s(at_step - 1 - _JUDGE_STEPS, at_step - 1)
+        before = self._step_times.mean_step_s(at_step - 1 - _JUDGE_STEPS, at_step - 1)
         if before is not None and rebalance.current_s > 0:
             self._check = MoveCheck(at_step, before,
                                     1.0 - rebalance.proposed_s / rebalance.current_s)

@@ -8,11 +8,10 @@ the check that the step time, which is what the user waits for, agrees.
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
+from ftpipe_iot.control.step_times import StepTimes
 from ftpipe_iot.core.routing import Counts
 from ftpipe_iot.protocol.plan import StageAssignment
 
@@ -52,18 +51,12 @@ class ShareGuard:
         self.trial: Trial | None = None
         # (step time before, after) of the last change taken back
         self.last_revert: tuple[float, float] | None = None
-        self._times: deque[tuple[int, float]] = deque(maxlen=2 * judge_steps + 2)
+        self._times = StepTimes(2 * judge_steps + 2)
         self._blocked_until = -1
 
     def step_done(self, step: int, at: float) -> None:
         """A training step completed at ``at`` (the controller's clock)."""
-        self._times.append((step, at))
-
-    def _median_interval(self, first: int, last: int) -> float | None:
-        """The median time between consecutive steps completed in [first, last]."""
-        done = [(s, t) for s, t in self._times if first <= s <= last]
-        intervals = [b[1] - a[1] for a, b in zip(done, done[1:]) if b[0] == a[0] + 1]
-        return statistics.median(intervals) if len(intervals) >= self.judge_steps else None
+        self._times.record(step, at)
 
     def blocked(self, step: int) -> bool:
         """Whether no retune may be tried at this boundary (a trial runs, or a cooldown)."""
@@ -73,7 +66,8 @@ class ShareGuard:
                 ) -> None:
         """New shares run from ``from_step``, replacing ``counts``/``stages``: judge them,
         when the steps before can be measured."""
-        before = self._median_interval(from_step - 1 - self.judge_steps, from_step - 1)
+        before = self._times.median_interval_s(from_step - 1 - self.judge_steps, from_step - 1,
+                                               self.judge_steps)
         self.trial = None if before is None else Trial(counts, stages, from_step, before)
 
     def verdict(self, step: int) -> TrialVerdict:
@@ -82,7 +76,7 @@ class ShareGuard:
         trial = self.trial
         if trial is None:
             return TrialVerdict.NONE
-        after = self._median_interval(trial.from_step, step)
+        after = self._times.median_interval_s(trial.from_step, step, self.judge_steps)
         if after is None:
             return TrialVerdict.PENDING
         if after > trial.before_s * (1 + self.margin):
