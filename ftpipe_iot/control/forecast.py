@@ -9,6 +9,7 @@ plan's prediction and measurement are in the run summary (``predictions``).
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -22,6 +23,9 @@ from ftpipe_iot.protocol.plan import StageAssignment
 
 #: Steps of a plan left out of its measurement: the first ones fill the pipeline and warm up.
 WARM_UP_STEPS = 2
+#: Step intervals the measurement is the median of (the most recent): bounded, so a long run
+#: does not sort its whole history at every step.
+MEASURED_INTERVALS = 64
 
 
 def predicted_step_s(stages: Sequence[StageAssignment], costs: LayerCosts,
@@ -54,20 +58,22 @@ class Forecast:
 
 @dataclass
 class ForecastCheck:
-    """Keeps the prediction in force and the step times measured under it; the median
-    step-to-step interval after the warm-up is the measurement (evaluations and replications
-    between two steps do not count: they are single long intervals)."""
+    """Keeps the prediction in force and the step times measured under it; the median of the
+    last ``MEASURED_INTERVALS`` step-to-step intervals after the warm-up is the measurement
+    (evaluations and replications between two steps do not count: they are single long
+    intervals)."""
 
     done: list[Forecast] = field(default_factory=list)
     current: Forecast | None = None
     _last_step_at: float | None = None
-    _intervals: list[float] = field(default_factory=list)
+    _intervals: deque[float] = field(default_factory=lambda: deque(maxlen=MEASURED_INTERVALS))
 
     def predicted(self, plan: int, from_step: int, step_s: float | None) -> None:
         """A new plan (or new shares) runs from ``from_step`` with this predicted step time."""
         self._close()
         self.current = Forecast(plan, from_step, step_s) if step_s and step_s > 0 else None
-        self._last_step_at, self._intervals = None, []
+        self._last_step_at = None
+        self._intervals.clear()
 
     def step_done(self, step: int, at: float) -> float | None:
         """Step ``step`` completed at ``at``; returns the current error (None: not yet known)."""
@@ -76,11 +82,11 @@ class ForecastCheck:
             return None
         if self._last_step_at is not None and step >= forecast.from_step + WARM_UP_STEPS:
             self._intervals.append(at - self._last_step_at)
+            forecast.steps_measured += 1
         self._last_step_at = at
         if not self._intervals:
             return None
         forecast.measured_step_s = statistics.median(self._intervals)
-        forecast.steps_measured = len(self._intervals)
         forecast.error = forecast.measured_step_s / forecast.predicted_step_s - 1.0
         return forecast.error
 
