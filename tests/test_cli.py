@@ -37,10 +37,6 @@ def _run(*args: str):
     (["controller", "--config", "/nonexistent/bundle.json"], "cannot read config"),
     (["device"], "give --name or a --config bundle"),
     (["device", "--name", "d", "--profile", "/nonexistent.json"], "nonexistent"),
-    (["controller", "--schedule", "async", "--resiliency", "1"],
-     "--schedule async does not support --resiliency"),
-    (["controller", "--schedule", "async", "--assignment", "a+b:0-3,c:3-8"],
-     "--schedule async needs one device per stage"),
     (["demo", "--mode", "fedavg", "--schedule", "async"], "--schedule async is for --mode "
                                                           "pipeline"),
     (["demo", "--mode", "collaborative", "--micro-batches", "auto"], "--auto-micro-batches"),

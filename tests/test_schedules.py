@@ -1,7 +1,12 @@
 """Schedules as objects and their one compatibility check (docs/design.md §5): what each
 schedule answers, that every refusal names the option to change, that plan validation, the
 controller's config, the layout chooser and the CLI all ask it, and that ``--layout auto``
-under ``--schedule async`` lays out only what the schedule supports."""
+lays out only what the schedule supports.
+
+In ``--mode pipeline`` no schedule refuses a layout or a resiliency level any more (async runs
+groups and standbys), so the tests of who asks use a schedule of their own that does
+(``refusing_async``: the table's async entry replaced by one that refuses groups, standbys and
+``--resiliency``): the asking, not one schedule's answers, is what they check."""
 
 from __future__ import annotations
 
@@ -10,11 +15,13 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from types import MappingProxyType
 
 import pytest
 from click.testing import CliRunner
 from helpers import MemoryJob, max_weight_diff
 
+import ftpipe_iot.schedules as schedules_table
 from ftpipe_iot.cli import main
 from ftpipe_iot.control.config import ControllerConfig, requested_shape, schedule_refusal
 from ftpipe_iot.control.plan_stages import LayoutInputs, choose_stages
@@ -55,6 +62,39 @@ def _options() -> list[JobOptions]:
     return [JobOptions(r, mode) for r in (0, 1, 2) for mode in CollabMode]
 
 
+class _GrouplessAsync(PipeDream2BW):
+    """2BW as a schedule that cannot run groups, standbys or resiliency would answer: the
+    refusals the real one made before its reducer was keyed by step."""
+
+    def supports(self, shape: PlanShape, options: JobOptions) -> Refusal | None:
+        refusal = super().supports(shape, options)
+        if refusal is not None:
+            return refusal
+        if options.resiliency > 0:
+            return Refusal("--schedule async does not support --resiliency >= 1 here",
+                           "--resiliency", "pass --resiliency 0, or --schedule sync")
+        for stages, what in ((shape.grouped, "are groups"), (shape.watched, "have standbys")):
+            if not stages:
+                continue
+            reason = f"--schedule async needs one device per stage; stages {list(stages)} {what}"
+            if shape.origin is ShapeOrigin.ASSIGNMENT:
+                return Refusal(reason, "--assignment",
+                               "give --assignment one device per stage, or --schedule sync")
+            option = "--layout" if shape.grouped else "--resiliency"
+            return Refusal(reason, option, f"pass {option} "
+                           f"{'pipeline' if shape.grouped else '0'}, or --schedule sync")
+        return None
+
+
+@pytest.fixture
+def refusing_async(monkeypatch):
+    """``schedule_for(ASYNC)`` answers with ``_GrouplessAsync`` for the test's duration."""
+    table = dict(schedules_table.SCHEDULES)
+    table[ScheduleName.ASYNC] = _GrouplessAsync()
+    monkeypatch.setattr(schedules_table, "SCHEDULES", MappingProxyType(table))
+    return table[ScheduleName.ASYNC]
+
+
 def test_the_table_has_one_schedule_per_name():
     assert set(SCHEDULES) == set(ScheduleName)
     assert all(SCHEDULES[name].name is name for name in ScheduleName)
@@ -76,7 +116,8 @@ def test_every_refusal_names_the_option_to_change():
         # the way out always includes the other schedule, which runs everything
         assert "--schedule sync" in refusal.remedy
     assert refusals  # the grid does reach refusals
-    assert {r.option for r in refusals} == {"--mode", "--resiliency", "--layout", "--assignment"}
+    # in --mode pipeline every schedule runs every layout and resiliency level
+    assert {r.option for r in refusals} == {"--mode"}
 
 
 def test_a_refusal_that_names_no_option_cannot_be_made():
@@ -91,6 +132,16 @@ def test_sync_runs_every_combination():
                for shape, options in itertools.product(_shapes(), _options()))
 
 
+def test_async_runs_groups_standbys_and_resiliency_and_refuses_only_other_modes():
+    for shape, options in itertools.product(_shapes(), _options()):
+        refusal = ASYNC.supports(shape, options)
+        if options.mode is CollabMode.PIPELINE:
+            assert refusal is None, (shape, options, refusal)
+        else:
+            assert refusal is not None and refusal.option == "--mode"
+            assert "is for --mode pipeline" in str(refusal)
+
+
 @pytest.mark.parametrize(("shape", "options", "option", "words"), [
     (PlanShape((2, 1), origin=ShapeOrigin.LAYOUT), JobOptions(), "--layout",
      "stages [0] are groups"),
@@ -100,12 +151,11 @@ def test_sync_runs_every_combination():
      "stages [1] have standbys"),
     (PlanShape((1, 1), (1, 0), ShapeOrigin.PLAN), JobOptions(), "--resiliency", "standbys"),
     (PlanShape(), JobOptions(resiliency=1), "--resiliency", "does not support --resiliency"),
-    (PlanShape(), JobOptions(mode=CollabMode.FEDAVG), "--mode", "is for --mode pipeline"),
 ])
-def test_async_refuses_what_it_cannot_run_and_says_which_option(shape, options, option, words):
-    refusal = ASYNC.supports(shape, options)
+def test_a_refusing_schedule_says_which_option(refusing_async, shape, options, option, words):
+    refusal = refusing_async.supports(shape, options)
     assert refusal is not None and refusal.option == option and words in str(refusal)
-    assert ASYNC.supports(PlanShape((1, 1, 1), (0, 0, 0)), JobOptions()) is None
+    assert refusing_async.supports(PlanShape((1, 1, 1), (0, 0, 0)), JobOptions()) is None
 
 
 def test_versions_and_drains_come_from_the_schedule():
@@ -153,7 +203,7 @@ def test_the_schedules_package_imports_only_the_vocabulary_and_the_errors():
 
 
 # -- who asks -------------------------------------------------------------------------------------
-def test_plan_validation_asks_the_schedule():
+def test_plan_validation_asks_the_schedule(refusing_async):
     train = TrainConfig(schedule=ScheduleName.ASYNC)
     stages = (StageAssignment.single(0, "a", 0, 2),
               StageAssignment(1, 2, 4, (Member("b", 0.5), Member("c", 0.5))))
@@ -164,7 +214,7 @@ def test_plan_validation_asks_the_schedule():
         replace(train, resiliency=1)
 
 
-def test_the_controller_config_asks_the_schedule():
+def test_the_controller_config_asks_the_schedule(refusing_async):
     train = TrainConfig(schedule=ScheduleName.ASYNC, micro_batches=4)
     with pytest.raises(ConfigError, match="pass --layout pipeline"):
         ControllerConfig(train=train, devices=3, layout=Layout.DATA)
@@ -182,11 +232,11 @@ def _costs(params: float) -> LayerCosts:
     return LayerCosts((0.01,) * 6, (1000.0,) * 6, (1.0,) * 6, param_bytes=(params,) * 6)
 
 
-def test_choose_layout_under_async_never_returns_a_group_plan():
+def test_choose_layout_never_returns_a_plan_the_schedule_refuses(refusing_async):
     # free links: the planner predicts groups faster, and sync takes them (the test can fail)
     specs = [DeviceSpec(f"d{i}", 1.0) for i in range(4)]
     assert choose_layout(_costs(1000.0), specs, 8, Layout.AUTO, schedule=SYNC).grouped
-    chosen = choose_layout(_costs(1000.0), specs, 8, Layout.AUTO, schedule=ASYNC)
+    chosen = choose_layout(_costs(1000.0), specs, 8, Layout.AUTO, schedule=refusing_async)
     assert not chosen.grouped and chosen.kind == "pipeline"
     assert "set aside" in chosen.warning and "--schedule async" in chosen.warning
     # across fleets, speeds, links and micro-batch counts, auto and pipeline stay ungrouped
@@ -194,14 +244,21 @@ def test_choose_layout_under_async_never_returns_a_group_plan():
             (2, 3, 5), (2, 4, 8), (1.0, 1000.0, 1e7), (float("inf"), 1e6), (1.0, 4.0)):
         fleet = [DeviceSpec(f"d{i}", slow if i == 0 else 1.0, bandwidth) for i in range(n)]
         for layout in (Layout.AUTO, Layout.PIPELINE):
-            choice = choose_layout(_costs(params), fleet, m, layout, schedule=ASYNC)
+            choice = choose_layout(_costs(params), fleet, m, layout, schedule=refusing_async)
             assert not choice.grouped, (n, m, params, bandwidth, slow, layout)
     # data asks for a group outright: the schedule's refusal, not a plan
     with pytest.raises(PlanError, match="pass --layout pipeline"):
-        choose_layout(_costs(1000.0), specs, 8, Layout.DATA, schedule=ASYNC)
+        choose_layout(_costs(1000.0), specs, 8, Layout.DATA, schedule=refusing_async)
 
 
-def test_choose_stages_lays_out_what_the_schedule_supports():
+def test_async_auto_lays_out_the_groups_sync_lays_out():
+    specs = [DeviceSpec(f"d{i}", 1.0) for i in range(4)]
+    chosen = choose_layout(_costs(1000.0), specs, 8, Layout.AUTO, schedule=ASYNC)
+    assert chosen.grouped and not chosen.warning
+    assert chosen == choose_layout(_costs(1000.0), specs, 8, Layout.AUTO, schedule=SYNC)
+
+
+def test_choose_stages_lays_out_what_the_schedule_supports(refusing_async):
     costs = _costs(1000.0)
     capacity = CapacityEstimator.for_costs(costs)
     inputs = LayoutInputs(["d0", "d1", "d2"], None, (), costs, capacity, {},
@@ -213,16 +270,21 @@ def test_choose_stages_lays_out_what_the_schedule_supports():
     assert any(len(s.members) > 1 for s in grouped)
 
 
-def test_an_async_auto_layout_controller_trains_like_its_simulator():
+def test_an_async_auto_layout_controller_groups_and_trains_like_its_simulator():
     train = TrainConfig(model=ModelSpec("mlp"), micro_batches=6, micro_batch_size=8,
                         max_steps=6, lr=0.05, replicate_every=3, schedule=ScheduleName.ASYNC)
     job = MemoryJob(ControllerConfig(train=train, devices=3, layout=Layout.AUTO), devices=3)
     job.start()
     assert job.run() is ControllerPhase.DONE
     controller = job.controller
-    assert all(len(s.members) == 1 for s in controller.plan.stages)
+    assert any(len(s.members) > 1 for s in controller.plan.stages)  # auto built a group
     gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
-    assert max_weight_diff(gathered, train_reference(train, controller.data, steps=6)) < 1e-5
+    simulated = train_reference(train, controller.data, steps=6)
+    assert max_weight_diff(gathered, simulated) < 1e-5
+    # the yardstick can fail: the synchronous answer differs
+    synchronous = train_reference(replace(train, schedule=ScheduleName.SYNC), controller.data,
+                                  steps=6)
+    assert max_weight_diff(simulated, synchronous) > 1e-4
 
 
 # -- the third schedule, one file: PipeDream-Flush (1f1b) ---------------------------------------
@@ -302,7 +364,8 @@ def nothing_starts(monkeypatch):
      "--assignment one device per stage"),
     (["demo", "--schedule", "async", "--mode", "fedavg"], "--mode pipeline"),
 ])
-def test_a_refused_combination_fails_fast_in_one_line(args, option, nothing_starts):
+def test_a_refused_combination_fails_fast_in_one_line(args, option, nothing_starts,
+                                                      refusing_async):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1, result.output
     lines = result.output.strip().splitlines()

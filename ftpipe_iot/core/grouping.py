@@ -59,13 +59,15 @@ def grouping_refusal(layers: Sequence[nn.Module]) -> str | None:
 
 @dataclass
 class BatchNormRecorder:
-    """Records each micro-batch's batch statistics at every BatchNorm of a stage, and the
-    running statistics at the start of each step."""
+    """Records each micro-batch's batch statistics at every BatchNorm of a stage, keyed by
+    (step, micro-batch): under PipeDream-2BW the forwards of two steps interleave. ``start``
+    is the running statistics the next step to apply starts from."""
 
     layers: Sequence[nn.Module]
     first_layer: int
-    micro_batch: int = -1
-    stats: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    current: tuple[int, int] | None = None  # the (step, micro-batch) being forwarded
+    stats: dict[tuple[int, int], dict[str, tuple[np.ndarray, np.ndarray]]] = field(
+        default_factory=dict)
     start: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default_factory=dict)
 
@@ -73,37 +75,44 @@ class BatchNormRecorder:
         self.modules = _batch_norms(self.layers, self.first_layer)
         for key, module in self.modules:
             module.register_forward_pre_hook(self._hook(key))
+        self.snapshot()
 
     def _hook(self, key: str):
         def record(module: _BatchNorm, args: tuple) -> None:
-            if not module.training or self.micro_batch < 0:
+            if not module.training or self.current is None:
                 return
             x = args[0].detach()
             dims = [d for d in range(x.dim()) if d != 1]
             mean = x.mean(dim=dims)
             var = x.var(dim=dims, unbiased=True)
-            self.stats.setdefault(self.micro_batch, {})[key] = (mean.numpy().copy(),
-                                                                var.numpy().copy())
+            self.stats.setdefault(self.current, {})[key] = (mean.numpy().copy(),
+                                                            var.numpy().copy())
         return record
 
-    def step_started(self) -> None:
-        """Snapshot the running statistics the step starts from."""
-        self.stats = {}
+    def snapshot(self) -> None:
+        """Take the running statistics as they are now as the next step's start (after the
+        step before it was replayed, or after replicas were loaded)."""
         self.start = {key: (m.running_mean.clone(), m.running_var.clone(),
                             m.num_batches_tracked.clone()) for key, m in self.modules}
 
-    def partial(self, micro_batch: int) -> dict[str, np.ndarray]:
+    def applied(self, step: int) -> None:
+        """``step`` was replayed: forget its records, and start the next step from here."""
+        for key in [k for k in self.stats if k[0] <= step]:
+            del self.stats[key]
+        self.snapshot()
+
+    def partial(self, step: int, micro_batch: int) -> dict[str, np.ndarray]:
         """One micro-batch's records as flat arrays: ``<micro-batch>:<module>:mean|var``."""
         out = {}
-        for key, (mean, var) in self.stats.get(micro_batch, {}).items():
+        for key, (mean, var) in self.stats.get((step, micro_batch), {}).items():
             out[f"{micro_batch}:{key}:mean"] = mean
             out[f"{micro_batch}:{key}:var"] = var
         return out
 
-    def replay_own(self, micro_batches: int) -> None:
-        """``replay`` from this stage's own records (a stage alone behind a group)."""
-        self.replay({key: value for micro_batch in self.stats
-                     for key, value in self.partial(micro_batch).items()}, micro_batches)
+    def own(self, step: int) -> dict[str, np.ndarray]:
+        """Every record of ``step`` this stage made, flat (a stage alone behind a group)."""
+        return {key: value for (s, micro_batch) in self.stats if s == step
+                for key, value in self.partial(step, micro_batch).items()}
 
     def replay(self, records: Mapping[str, np.ndarray], micro_batches: int) -> None:
         """Set every BatchNorm's running statistics as if the step's micro-batches had been
@@ -119,10 +128,12 @@ class BatchNormRecorder:
                 mean.mul_(1 - momentum).add_(torch.from_numpy(np.array(batch_mean)), alpha=momentum)
                 var.mul_(1 - momentum).add_(torch.from_numpy(np.array(batch_var)), alpha=momentum)
                 tracked += 1
-            with torch.no_grad():
-                module.running_mean.copy_(mean)
-                module.running_var.copy_(var)
-                module.num_batches_tracked.copy_(tracked)
+            # new tensors, not copies into the old ones: under 2BW the next step's forwards
+            # ran already and their graphs saved the running statistics they saw (autograd's
+            # version check would fail their backwards)
+            module.running_mean = mean
+            module.running_var = var
+            module.num_batches_tracked = tracked
 
 
 def trainable(layers: Sequence[nn.Module], first_layer: int) -> list[tuple[str, nn.Parameter]]:

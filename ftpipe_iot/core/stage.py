@@ -2,8 +2,15 @@
 
 The device agent turns wire messages into calls here and the returned outputs into wire messages.
 Per step a stage forwards and backwards M micro-batches, accumulating gradients, and applies its
-optimizer exactly once when the M-th backward is done; that is what makes the result equal
+optimizer exactly once when the step's gradients are all in; that is what makes the result equal
 single-process training with the same micro-batching.
+
+A stage is a compute kernel (this module: the layers' forward and backward, timed, seeded and
+checked) plus a versioning (``core.versioning``: which weights a step computes with, one version
+or PipeDream-2BW's stash) plus a reducer (``core.reducers``: when a step is complete and with
+which gradients, local accumulation or the group exchange). The stage knows no schedule: the
+versioning and the reducer are chosen from the schedule's answers and the stage's holders, and
+any versioning works with any reducer.
 """
 
 from __future__ import annotations
@@ -16,10 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ftpipe_iot.core.exchange import StepContributions
 from ftpipe_iot.core.grouping import (
     BatchNormRecorder,
-    OrderedGradients,
     apply_gradients,
     gradient_partial,
     has_running_statistics,
@@ -35,11 +40,12 @@ from ftpipe_iot.core.outputs import (
     StageOutput,
     StepDone,
 )
+from ftpipe_iot.core.reducers import GroupExchange, LocalAccumulation, Update, reducer_for
 from ftpipe_iot.core.replicas import export_layer, import_layer
 from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.core.schedule import StepVersions
-from ftpipe_iot.core.stash import WeightStash
 from ftpipe_iot.core.timings import StageTimings
+from ftpipe_iot.core.versioning import Versioning, versioning_for
 from ftpipe_iot.errors import StageInputError
 from ftpipe_iot.observability.timeline import Timeline
 from ftpipe_iot.protocol.messages import LayerReplica
@@ -100,11 +106,12 @@ class Stage:
     ``first_layer``). ``expected_shape`` is the per-sample input shape the stage accepts.
 
     A stage held by more than one device (``group_size`` holders: group members and warm
-    standbys) exchanges: it publishes each micro-batch's gradient as soon as its backward is
-    done and applies the optimizer once all M micro-batches of the step have a contribution,
-    its own or another holder's (``offer_partial``, ``core.exchange``), in step order. A stage
-    alone applies the optimizer after its ``expected`` micro-batches (given with the step's
-    first forward).
+    standbys) exchanges (``core.reducers.GroupExchange``): it publishes each micro-batch's
+    gradient as soon as its backward is done and applies the optimizer once all M micro-batches
+    of the step have a contribution, its own or another holder's (``offer_partial``), in step
+    order. A stage alone (``LocalAccumulation``) applies the optimizer after its expected
+    micro-batches (given with the step's first forward). ``versions``: the schedule bound to the
+    job's numbers; under PipeDream-2BW the stage keeps the stash (``core.stash.WeightStash``).
     """
 
     index: int
@@ -126,11 +133,10 @@ class Stage:
     module: nn.Sequential = field(init=False)
     optimizers: list[torch.optim.Optimizer | None] = field(init=False)
     pending: dict[tuple[int, int], _Pending] = field(init=False, default_factory=dict)
-    backward_done: dict[int, set[int]] = field(init=False, default_factory=dict)
     completed_steps: set[int] = field(init=False, default_factory=set)
     timings: StageTimings = field(init=False, default_factory=StageTimings)
-    expected: dict[int, int] = field(init=False, default_factory=dict)
-    partials: dict[int, StepContributions] = field(init=False, default_factory=dict)
+    reducer: LocalAccumulation | GroupExchange = field(init=False)
+    versioning: Versioning = field(init=False)
 
     def __post_init__(self) -> None:
         self.module = nn.Sequential(*self.layers)
@@ -144,30 +150,25 @@ class Stage:
         if self.start_step > 0:
             self.completed_steps = {self.start_step - 1}
         self.named = trainable(self.layers, self.first_layer)
-        self.exchanges = self.group_size > 1
-        self.gradients = OrderedGradients([p for _, p in self.named], self.exchanges)
-        asynchronous = self.versions is not None and self.versions.stashes_weights
+        self.reducer = reducer_for(self.group_size, self.config.micro_batches)
+        self.versioning = versioning_for(self.layers, [p for _, p in self.named], self.versions,
+                                         self.start_step, self.optimizers,
+                                         keep_each=self.reducer.exchanges)
         # BatchNorm's running statistics are updated in forward order. Holders that exchange,
-        # and a synchronous stage alone behind a group, record each micro-batch's batch
-        # statistics and replay them in index order at the step end, so the stage behind a
-        # group forwards its micro-batches as they come instead of waiting for the slowest
-        # member's. Otherwise (inputs in order, or async, whose steps' forwards interleave) a
-        # stage alone feeds its layers in index order: no recording cost.
+        # and a stage alone behind a group, record each micro-batch's batch statistics and
+        # replay them in index order when the step is applied, so the stage behind a group
+        # forwards its micro-batches as they come instead of waiting for the slowest member's
+        # (records are keyed by step: under 2BW two steps' forwards interleave). A stage alone
+        # with inputs in order feeds its layers in index order: no recording cost.
         running = has_running_statistics(self.layers)
         self.recorder = BatchNormRecorder(self.layers, self.first_layer) \
-            if self.exchanges or (running and not asynchronous and not self.ordered_inputs) \
-            else None
-        if self.recorder is not None:
-            self.recorder.step_started()
-        self._in_order = not self.exchanges and running and self.recorder is None
+            if self.reducer.exchanges or (running and not self.ordered_inputs) else None
+        self._in_order = not self.reducer.exchanges and running and self.recorder is None
         self._early: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
         self._next_forward: dict[int, int] = {}
         # training inputs of a later step than the weights: held until the stage gets there
         self._future: dict[int, dict[int, tuple[np.ndarray, np.ndarray, int | None]]] = {}
         self.computed: dict[int, int] = {}  # step -> micro-batches this holder computed
-        self.stash = WeightStash(self.layers, self.versions, self.start_step,
-                                 self.optimizers) \
-            if asynchronous and self.versions is not None else None
 
     @property
     def is_first(self) -> bool:
@@ -189,7 +190,7 @@ class Stage:
     @property
     def at_step_boundary(self) -> bool:
         """No micro-batch of the current step is half done (weights equal ``version``)."""
-        return not self.pending and not self.backward_done and not self.partials \
+        return not self.pending and self.reducer.idle() \
             and not any(self._early.values()) and not self._future
 
     def export(self) -> list[LayerReplica]:
@@ -201,8 +202,9 @@ class Stage:
         """Load every layer's weights and optimizer state from replicas (one version)."""
         for offset, (layer, optimizer) in enumerate(zip(self.layers, self.optimizers)):
             import_layer(replicas[self.first_layer + offset], layer, optimizer)
-        if self.stash is not None:
-            self.stash.reload()
+        self.versioning.reload()
+        if self.recorder is not None:  # the loaded running statistics are the next step's start
+            self.recorder.snapshot()
 
     def _check_input(self, x: np.ndarray, y: np.ndarray) -> None:
         if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):
@@ -241,20 +243,21 @@ class Stage:
         if not train:
             return self._evaluate(step, micro_batch, x, y)
         key = (step, micro_batch)
-        if self.exchanges and step < self.version:
+        exchanges = self.reducer.exchanges
+        if exchanges and step < self.version:
             raise StageInputError(DropReason.LATE, f"micro-batch {key}: the step is complete, "
                                   "other holders computed it")
-        if key in self.pending or micro_batch in self.backward_done.get(step, set()) \
+        seen = self.reducer.seen(step, micro_batch)
+        if key in self.pending or (seen and not exchanges) \
                 or step in self.completed_steps or micro_batch in self._early.get(step, {}):
             raise StageInputError(DropReason.DUPLICATE, f"micro-batch {key} was already processed")
-        if self.contributed(step, micro_batch):
+        if seen:
             raise StageInputError(DropReason.LATE, f"micro-batch {key} was already computed by "
                                   "another holder")
-        if not self._has_version(step):  # a holder behind its peers: catch up first
+        if not self.versioning.available(step):  # a holder behind its peers: catch up first
             self._future.setdefault(step, {})[micro_batch] = (x, y, expected)
             return []
-        if step not in self.expected:
-            self.expected[step] = expected or self.config.micro_batches
+        self.reducer.expect(step, expected or self.config.micro_batches)
         if not self._in_order:
             return self._forward_one(step, micro_batch, x, y)
         early = self._early.setdefault(step, {})
@@ -265,11 +268,6 @@ class Stage:
             out += self._forward_one(step, index, *early.pop(index))
             self._next_forward[step] = index + 1
         return out
-
-    def _has_version(self, step: int) -> bool:
-        """Whether this stage holds the weights ``step`` computes with (synchronous: its
-        version is ``step``; asynchronous: ``StepVersions.forward_version``)."""
-        return self.stash.available(step) if self.stash is not None else step <= self.version
 
     def _forward_one(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray
                      ) -> list[StageOutput]:
@@ -282,12 +280,12 @@ class Stage:
             return self._forward_frozen(step, micro_batch, inputs, y)
         arrivals: dict[int, float] = {}
         if self.recorder is not None:
-            self.recorder.micro_batch = micro_batch
+            self.recorder.current = key
         with self.timeline.span(SpanKind.FORWARD, step, micro_batch):
             outputs, elapsed = self._timed(
                 lambda: self._forward_layers(inputs, arrivals, step, micro_batch))
         if self.recorder is not None:
-            self.recorder.micro_batch = -1
+            self.recorder.current = None
         self.timings.forward_s += elapsed
         self.timings.micro_batch_s[micro_batch] = elapsed
         if not self.is_last:
@@ -312,14 +310,10 @@ class Stage:
         self.timings.micro_batch_s[micro_batch] = elapsed
         out: list[StageOutput] = [SendActivation(step, micro_batch, outputs.numpy(), y, True)]
         self.computed[step] = self.computed.get(step, 0) + 1
-        if self.exchanges:  # nothing to sum, but the holders count the micro-batch done
+        if self.reducer.exchanges:  # nothing to sum, but the holders count the micro-batch done
             own = SendPartial(step, micro_batch, {}, {})
             return [*out, own, *self.offer_partial(step, own)]
-        done = self.backward_done.setdefault(step, set())
-        done.add(micro_batch)
-        if len(done) == self.expected.get(step, self.config.micro_batches):
-            out.extend(self._optimizer_step(step))
-        return out
+        return out + self._apply(self.reducer.micro_batch_done(step, micro_batch, self.version))
 
     def _forward_layers(self, inputs: torch.Tensor, arrivals: dict[int, float], step: int,
                         micro_batch: int) -> torch.Tensor:
@@ -328,7 +322,7 @@ class Stage:
         the arithmetic is exactly the unhooked one. Each layer draws its random numbers from a
         generator keyed by (seed, step, micro-batch, layer) (``core.rng``)."""
         self.timings.per_layer(len(self.layers))
-        weights = self.stash.weights(step) if self.stash is not None else None
+        weights = self.versioning.weights(step)
         h = inputs
         for index, layer in enumerate(self.layers):
             seed_layer(self.config.seed, step, micro_batch, self.first_layer + index)
@@ -342,8 +336,7 @@ class Stage:
 
     def contributed(self, step: int, micro_batch: int) -> bool:
         """Whether some holder's contribution of this training micro-batch is already in."""
-        contributions = self.partials.get(step)
-        return contributions is not None and micro_batch in contributions.grads
+        return self.reducer.exchanges and self.reducer.seen(step, micro_batch)
 
     def backward(self, step: int, micro_batch: int, grad: np.ndarray) -> list[StageOutput]:
         """Backward one micro-batch with the gradient of this stage's output."""
@@ -353,11 +346,11 @@ class Stage:
             raise StageInputError(DropReason.LATE, f"micro-batch {key} was already computed by "
                                   "another holder")
         pending = self.pending.get(key)
-        if pending is None and self.exchanges and step < self.version:
+        if pending is None and self.reducer.exchanges and step < self.version:
             raise StageInputError(DropReason.LATE, f"gradient of {key}: the step is complete, "
                                   "other holders computed it")
         if pending is None:
-            reason = DropReason.DUPLICATE if micro_batch in self.backward_done.get(step, set()) or \
+            reason = DropReason.DUPLICATE if self.reducer.seen(step, micro_batch) or \
                 step in self.completed_steps else DropReason.UNEXPECTED
             raise StageInputError(reason, f"no forward pass stashed for micro-batch {key}")
         if not isinstance(grad, np.ndarray) or grad.shape != tuple(pending.outputs.shape):
@@ -372,7 +365,7 @@ class Stage:
         grad_tensor = None if grad is None else torch.from_numpy(
             np.array(grad, dtype=np.float32, copy=True))
 
-        gradients = self.stash.gradients(step) if self.stash is not None else self.gradients
+        gradients = self.versioning.gradients(step)
 
         def run() -> torch.Tensor:
             gradients.before(step, micro_batch)
@@ -395,55 +388,46 @@ class Stage:
         else:  # the first stage, or the first trainable one: this micro-batch is done
             out.append(MicroBatchDone(step, micro_batch))
         self.computed[step] = self.computed.get(step, 0) + 1
-        if self.exchanges:
+        if self.reducer.exchanges:
             assert self.recorder is not None
             own = SendPartial(step, micro_batch, gradient_partial(
-                self.named, {micro_batch: self.gradients.take(step, micro_batch)}),
-                self.recorder.partial(micro_batch))
+                self.named, {micro_batch: gradients.take(step, micro_batch)}),
+                self.recorder.partial(step, micro_batch))
             return [*out, own, *self.offer_partial(step, own)]
-        done = self.backward_done.setdefault(step, set())
-        done.add(micro_batch)
-        if len(done) == self.expected.get(step, self.config.micro_batches):
-            self.gradients.finish(step)
-            if self.recorder is not None:  # alone behind a group: in micro-batch order
-                self.recorder.replay_own(self.config.micro_batches)
-            out.extend(self._optimizer_step(step))
-        return out
+        return out + self._apply(self.reducer.micro_batch_done(step, micro_batch, self.version))
 
     def offer_partial(self, step: int, partial: SendPartial) -> list[StageOutput]:
         """A holder's contribution (this one's own included). Steps are applied in order, each
         once all its M micro-batches are in; every holder applies the same update."""
         if step < self.version:
             raise StageInputError(DropReason.LATE, f"contribution to finished step {step}")
+        if not isinstance(self.reducer, GroupExchange):
+            raise StageInputError(DropReason.UNEXPECTED, f"stage {self.index} has one holder: "
+                                  "it takes no contributions")
         misfit = partial_misfit(self.named, partial.grads)
         if misfit is not None:
             raise StageInputError(DropReason.BAD_SHAPE, misfit)
-        contributions = self.partials.setdefault(
-            step, StepContributions(self.config.micro_batches))
-        try:
-            taken = contributions.offer(partial.micro_batch, partial.grads, partial.batch_norm)
-        except ValueError as exc:
-            raise StageInputError(DropReason.UNEXPECTED, str(exc)) from exc
-        if not taken:
-            raise StageInputError(DropReason.LATE, f"micro-batch {(step, partial.micro_batch)} "
-                                  "was already contributed by another holder")
-        return self._apply_complete()
+        return self._apply(self.reducer.offer(step, partial.micro_batch, partial.grads,
+                                              partial.batch_norm, self.version))
 
-    def _apply_complete(self) -> list[StageOutput]:
+    def _apply(self, updates: list[Update]) -> list[StageOutput]:
+        """Apply the complete steps, in order: their gradients into the live parameters (the
+        versioning's sum, or the exchange's merge of every holder's), BatchNorm's running
+        statistics replayed in micro-batch order where they were recorded, the optimizer."""
         out: list[StageOutput] = []
-        while (contributions := self.partials.get(self.version)) is not None \
-                and contributions.complete:
-            step = self.version
-            with self.timeline.span(SpanKind.EXCHANGE, step):
-                grads, stats = contributions.merged()
-                apply_gradients(self.named, grads, self.config.micro_batches)
-                assert self.recorder is not None
-                self.recorder.replay(stats, self.config.micro_batches)
-            del self.partials[step]
-            # forwards of this step that others finished first get no backward: forget them
-            for key in [k for k in self.pending if k[0] == step]:
-                del self.pending[key]
-            self.gradients.finish(step)
+        for update in updates:
+            step = update.step
+            self.versioning.before_update(step)
+            if update.grads is not None:
+                with self.timeline.span(SpanKind.EXCHANGE, step):
+                    apply_gradients(self.named, update.grads, self.config.micro_batches)
+                    assert self.recorder is not None
+                    self.recorder.replay(update.batch_norm or {}, self.config.micro_batches)
+                # forwards of this step that others finished first get no backward: forget them
+                for key in [k for k in self.pending if k[0] == step]:
+                    del self.pending[key]
+            elif self.recorder is not None:  # alone behind a group: in micro-batch order
+                self.recorder.replay(self.recorder.own(step), self.config.micro_batches)
             out += self._optimizer_step(step)
         return out
 
@@ -461,29 +445,26 @@ class Stage:
             self.timings.layer_backward_s[index] += max(0.0, until - arrivals[index])
 
     def _optimizer_step(self, step: int) -> list[StageOutput]:
-        """Apply the step; then the inputs of later steps that came early."""
+        """The optimizer step of ``step`` (its gradients are in place); then the inputs of
+        later steps that came early."""
         with self.timeline.span(SpanKind.OPTIMIZER, step):
-            if self.stash is not None:
-                self.stash.before_update(step)
             for optimizer in self.optimizers:
                 if optimizer is not None:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-            if self.stash is not None:
-                self.stash.after_update(step)
-        self.backward_done.pop(step, None)
+            self.versioning.after_update(step)
+        self.reducer.forget(step)
         self._early.pop(step, None)
         self._next_forward.pop(step, None)
         self.completed_steps = {s for s in self.completed_steps if s > step - 16} | {step}
-        self.expected.pop(step, None)
         if self.recorder is not None:
-            self.recorder.step_started()
+            self.recorder.applied(step)
         out: list[StageOutput] = [StepDone(
             step, self.timings.forward_s, self.timings.backward_s,
             tuple(self.timings.layer_forward_s), tuple(self.timings.layer_backward_s),
             self.timings.typical_s, self.computed.pop(step, 0))]
         self.timings = StageTimings()
-        for later in sorted(s for s in self._future if self._has_version(s)):
+        for later in sorted(s for s in self._future if self.versioning.available(s)):
             for micro_batch, (x, y, expected) in sorted(self._future.pop(later, {}).items()):
                 out += self.forward(later, micro_batch, x, y, True, expected)
         return out

@@ -41,11 +41,14 @@ class WeightStash:
 
     def __init__(self, layers: Sequence[nn.Module], versions: StepVersions,
                  start_version: int,
-                 optimizers: Sequence[torch.optim.Optimizer | None] = ()) -> None:
+                 optimizers: Sequence[torch.optim.Optimizer | None] = (),
+                 keep_each: bool = False) -> None:
         if versions.forward_version(start_version) != start_version:
             raise PlanError(f"the asynchronous schedule cannot start at step {start_version}: "
                             "it is not a drain point")
         self.versions = versions
+        # a group member keeps each micro-batch's gradient apart for its peers (the reducer)
+        self.keep_each = keep_each
         self.params = [[(name, p) for name, p in layer.named_parameters() if p.requires_grad]
                        for layer in layers]
         self.live_version = start_version
@@ -84,7 +87,8 @@ class WeightStash:
                    for (name, _), tensor in zip(layer, kept)}
                   for layer, kept in zip(self.params, storage)]
         self._steps[step] = leaves
-        self._gradients[step] = OrderedGradients([t for layer in leaves for t in layer.values()])
+        self._gradients[step] = OrderedGradients([t for layer in leaves for t in layer.values()],
+                                                 self.keep_each)
         return leaves
 
     def gradients(self, step: int) -> OrderedGradients:

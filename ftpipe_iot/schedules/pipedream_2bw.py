@@ -6,6 +6,10 @@ stage). Between drains, step ``s`` forwards and backwards with version ``s - 1``
 summed gradient updates the newest weights, version ``s`` (W(t+1) = W(t) - lr * grad(W(t-1))):
 each stage keeps two versions at most (``core.stash.WeightStash``). A step right after a drain,
 and step 0, uses the current version, so a stage never needs a version it did not keep.
+
+Stage groups and warm standbys run under it as under sync: the group exchange is keyed by the
+step (``core.reducers``), every holder keeps the same stash and applies the same updates in
+step order, so a takeover recomputes a micro-batch at the version its step uses.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import math
 from collections.abc import Sequence
 
 from ftpipe_iot.protocol.vocab import CollabMode, ScheduleName
-from ftpipe_iot.schedules.base import JobOptions, PlanShape, Refusal, Schedule, ShapeOrigin
+from ftpipe_iot.schedules.base import JobOptions, PlanShape, Refusal, Schedule
 
 
 class PipeDream2BW(Schedule):
@@ -54,26 +58,4 @@ class PipeDream2BW(Schedule):
             return Refusal("--schedule async is for --mode pipeline: the collaborative and "
                            "fedavg modes run their own schedules", "--mode",
                            "pass --mode pipeline, or --schedule sync")
-        if options.resiliency > 0:
-            # A takeover recomputes a late micro-batch from the holders' one shared version;
-            # with two versions in flight that bookkeeping is not built.
-            return Refusal("--schedule async does not support --resiliency >= 1 yet (a "
-                           "takeover recomputes from one shared weight version, 2BW keeps "
-                           "two)", "--resiliency", "pass --resiliency 0, or --schedule sync")
-        if shape.grouped:
-            # A group reduces one step's gradients across its holders at the step end; under
-            # 2BW the holders would be computing two steps with two versions at once.
-            reason = (f"--schedule async needs one device per stage; stages "
-                      f"{list(shape.grouped)} are groups")
-            if shape.origin is ShapeOrigin.ASSIGNMENT:
-                return Refusal(reason, "--assignment",
-                               "give --assignment one device per stage, or --schedule sync")
-            return Refusal(reason, "--layout", "pass --layout pipeline, or --schedule sync")
-        if shape.watched:
-            reason = (f"--schedule async needs one device per stage; stages "
-                      f"{list(shape.watched)} have standbys")
-            if shape.origin is ShapeOrigin.ASSIGNMENT:
-                return Refusal(reason, "--assignment",
-                               "give --assignment no /standby, or --schedule sync")
-            return Refusal(reason, "--resiliency", "pass --resiliency 0, or --schedule sync")
         return None
