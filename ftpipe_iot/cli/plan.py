@@ -201,7 +201,8 @@ def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, objec
 @click.option("--micro-batches", type=COUNT_OR_AUTO, default=4, show_default=True,
               help="Micro-batches per step; a group has at most this many members; auto: "
                    "chosen to minimise the time per sample (the sync bubble shrinks as it "
-                   "grows, held activations grow with it).")
+                   "grows, held activations grow with it), for the printed plan's groups "
+                   "when it has some (at least one micro-batch per member).")
 @click.option("--schedule", type=click.Choice([s.value for s in ScheduleName]), default="sync",
               show_default=True, help="the schedule --micro-batches/--micro-batch-size auto "
                                       "choose for (async drains once per --drain-every steps)")
