@@ -16,7 +16,7 @@ from ftpipe_iot.planning.group_search import (
     data_parallel_plan,
     solve_groups,
 )
-from ftpipe_iot.planning.groups import GradientExchange, GroupPlan
+from ftpipe_iot.planning.groups import GradientExchange, GroupPlan, evaluate_groups
 from ftpipe_iot.planning.micro import (
     MicroBatching,
     MicroBatchingProblem,
@@ -28,7 +28,7 @@ from ftpipe_iot.planning.resilience import ResilienceOption, resilience_options
 from ftpipe_iot.planning.solver import DeviceSpec, LayerCosts, Partition, solve_partition
 from ftpipe_iot.planning.stability import StabilityBounds
 from ftpipe_iot.protocol.vocab import DelayCompensation, ScheduleName
-from ftpipe_iot.schedules import schedule_for
+from ftpipe_iot.schedules import JobOptions, PlanShape, schedule_for
 
 _DEFAULT_MODEL_MICRO_BATCH = 32
 
@@ -46,6 +46,12 @@ def _model_costs(model: str, micro_batch_size: int) -> LayerCosts:
     except (KeyError, ValueError) as exc:
         raise click.ClickException(f"cannot profile model {model!r}: {exc}") from exc
     return LayerCosts.from_dict({**data, "micro_batch_size": micro_batch_size})
+
+
+def _rescaled(costs: LayerCosts, model: str | None, micro_batch_size: int) -> LayerCosts:
+    """The costs at another micro-batch size: profiled again for a model, scaled for a file."""
+    return _model_costs(model, micro_batch_size) if model is not None else \
+        scaled_costs(costs, micro_batch_size)
 
 
 def _model_input_bytes(model: str, micro_batch_size: int) -> float:
@@ -195,7 +201,8 @@ def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, objec
 @click.option("--micro-batches", type=COUNT_OR_AUTO, default=4, show_default=True,
               help="Micro-batches per step; a group has at most this many members; auto: "
                    "chosen to minimise the time per sample (the sync bubble shrinks as it "
-                   "grows, held activations grow with it).")
+                   "grows, held activations grow with it), for the printed plan's groups "
+                   "when it has some (at least one micro-batch per member).")
 @click.option("--schedule", type=click.Choice([s.value for s in ScheduleName]), default="sync",
               show_default=True, help="the schedule --micro-batches/--micro-batch-size auto "
                                       "choose for (async drains once per --drain-every steps)")
@@ -301,26 +308,47 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
                    else _resilience_table(options, source, micro_batches))
         return
     partition = solve_partition(costs, devices)
+    how = GradientExchange(exchange)
+    by_name = {d.name: d for d in devices}
     auto: MicroBatching | None = None
     if auto_m or auto_b:
-        by_name = {d.name: d for d in devices}
         problem = MicroBatchingProblem(
             costs, [(s.start, s.end) for s in partition.stages],
             [by_name[s.device] for s in partition.stages],
             schedule=schedule_for(ScheduleName(schedule)),
-            drain_every=drain_every, max_in_flight=max_in_flight)
+            drain_every=drain_every, max_in_flight=max_in_flight, exchange=how)
         auto = choose_micro_batching(problem, None if auto_m else int(micro_batches),
                                      None if auto_b else micro_batch_size)
         micro_batches = auto.micro_batches
         if auto.micro_batch_size != micro_batch_size:
-            costs = _model_costs(model, auto.micro_batch_size) if model is not None else \
-                scaled_costs(costs, auto.micro_batch_size)
+            costs = _rescaled(costs, model, auto.micro_batch_size)
             micro_batch_size = auto.micro_batch_size
             partition = solve_partition(costs, devices)
     assert isinstance(micro_batches, int) and isinstance(micro_batch_size, int)
-    unused = [d.name for d in devices if d.name not in partition.devices]
-    how = GradientExchange(exchange)
     chosen = solve_groups(costs, devices, micro_batches, micro_batch_size, exchange=how)
+    grouped = auto is not None and chosen.largest_group > 1 and \
+        schedule_for(ScheduleName(schedule)).supports(
+            PlanShape.of_members([[m.share for m in s.members] for s in chosen.stages]),
+            JobOptions()) is None
+    if grouped:
+        # The printed plan has groups: choose again for its stages and members (the pipeline's
+        # choice ignores that a group needs M >= its members and exchanges gradients), then
+        # evaluate that same layout at the new choice.
+        assert auto is not None
+        problem = MicroBatchingProblem(
+            costs, [(s.start, s.end) for s in chosen.stages],
+            [tuple(by_name[name] for name in s.devices) for s in chosen.stages],
+            schedule=schedule_for(ScheduleName(schedule)),
+            drain_every=drain_every, max_in_flight=max_in_flight, exchange=how)
+        auto = choose_micro_batching(problem, None if auto_m else micro_batches,
+                                     None if auto_b else micro_batch_size)
+        micro_batches = auto.micro_batches
+        if auto.micro_batch_size != micro_batch_size:
+            costs = _rescaled(costs, model, auto.micro_batch_size)
+            micro_batch_size = auto.micro_batch_size
+            partition = solve_partition(costs, devices)
+        chosen = evaluate_groups(chosen, costs, devices, micro_batches, micro_batch_size)
+    unused = [d.name for d in devices if d.name not in partition.devices]
     chosen_unused = [d.name for d in devices if d.name not in chosen.devices]
     baselines = (_baselines(costs, devices, micro_batches, micro_batch_size, how) if compare
                  else {})
@@ -343,6 +371,7 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         }
         if auto is not None:
             report["micro_batching"] = {**auto.to_dict(), "schedule": schedule,
+                                        "for": "group_plan" if grouped else "pipeline",
                                         "auto": [n for n, on in (("micro_batches", auto_m),
                                                                  ("micro_batch_size", auto_b))
                                                  if on]}
@@ -359,7 +388,9 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         if auto is not None:
             click.echo(f"micro-batching ({schedule}, auto): {auto.micro_batches} micro-batches "
                        f"of {auto.micro_batch_size}, predicted {auto.samples_per_s:.2f} "
-                       f"samples/s on the one-device-per-stage pipeline; memory per stage "
+                       f"samples/s on "
+                       + ("the plan's stage groups; memory per stage (largest member) "
+                          if grouped else "the one-device-per-stage pipeline; memory per stage ")
                        + ", ".join(f"{m / 2**20:.1f}" for m in auto.stage_memory_bytes)
                        + " MiB")
         if schedule == ScheduleName.ASYNC.value:

@@ -215,7 +215,8 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
     # only now: the process entry points import torch, seconds on a small device
     from ftpipe_iot.runtime.entry import ProcessOptions, run_controller
 
-    train = _auto_micro_batching(train, training, devices, collab.pipeline)
+    train = _auto_micro_batching(train, training, devices, collab.pipeline, Layout(layout),
+                                 parse_assignment(assignment) if assignment else ())
 
     def keys() -> Credentials:
         """Asked once every other setting was checked: their errors come first."""
@@ -335,7 +336,8 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
     collab = collab_choices(ctx, training)
     if collab.pipeline:  # a combination the schedule refuses ends here, before anything starts
         _refuse_what_the_schedule_cannot_run(train_config(training), Layout(layout), devices)
-    train = _auto_micro_batching(train_config(training), training, devices, collab.pipeline)
+    train = _auto_micro_batching(train_config(training), training, devices, collab.pipeline,
+                                 Layout(layout))
     if not collab.pipeline:
         from ftpipe_iot.cli.collab import run_demo as run_collab_demo
 
@@ -407,8 +409,10 @@ def _refuse_what_the_schedule_cannot_run(train: TrainConfig, layout: Layout, dev
 
 
 def _auto_micro_batching(train: TrainConfig, training: dict[str, Any], devices: int,
-                         pipeline: bool) -> TrainConfig:
-    """Replace ``auto`` micro-batching values by the chosen ones (and say what was chosen)."""
+                         pipeline: bool, layout: Layout = Layout.PIPELINE,
+                         assignment: tuple[StageAssignment, ...] = ()) -> TrainConfig:
+    """Replace ``auto`` micro-batching values by the chosen ones (and say what was chosen):
+    for the pinned assignment's stages, ``--layout data``'s group, else ``devices`` stages."""
     auto_m, auto_b = auto_fields(training)
     if not (auto_m or auto_b):
         return train
@@ -416,12 +420,14 @@ def _auto_micro_batching(train: TrainConfig, training: dict[str, Any], devices: 
         raise click.UsageError("--micro-batches/--micro-batch-size auto are for --mode "
                                "pipeline; the collaborative modes choose with "
                                "--auto-micro-batches")
-    from ftpipe_iot.control.job import choose_job_micro_batching
+    from ftpipe_iot.control.job import choose_job_micro_batching, describe_holders
 
-    train, choice = choose_job_micro_batching(train, devices, auto_m, auto_b)
+    train, choice = choose_job_micro_batching(train, devices, auto_m, auto_b, layout=layout,
+                                              assignment=assignment)
     click.echo(f"micro-batching: {choice.micro_batches} micro-batches of "
                f"{choice.micro_batch_size} (predicted {choice.samples_per_s:.1f} samples/s on "
-               f"{devices} equal devices, {train.schedule.value} schedule)", err=True)
+               f"{describe_holders(devices, layout, assignment, train.resiliency)}, "
+               f"{train.schedule.value} schedule)", err=True)
     return train
 
 

@@ -4,6 +4,7 @@ solver reads, and the step arithmetic."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -14,6 +15,7 @@ from ftpipe_iot.core.models import build_layers, cut_shapes
 from ftpipe_iot.core.profiling import profile_stages
 from ftpipe_iot.core.schedule import SyncSchedule
 from ftpipe_iot.planning.costs import DeviceSpec
+from ftpipe_iot.planning.layouts import Layout
 from ftpipe_iot.planning.micro import (
     MicroBatching,
     MicroBatchingProblem,
@@ -21,7 +23,7 @@ from ftpipe_iot.planning.micro import (
     choose_micro_batching,
 )
 from ftpipe_iot.planning.solver import LayerCosts
-from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.plan import StageAssignment, TrainConfig
 from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName
 from ftpipe_iot.schedules import schedule_for
 
@@ -82,18 +84,68 @@ def prepare_job(train: TrainConfig, data: Dataset | None = None) -> JobModel:
                     grouping_refusal(layers[train.frozen_layers:]))
 
 
+def known_holders(costs: LayerCosts, n_devices: int, layout: Layout = Layout.PIPELINE,
+                  assignment: Sequence[StageAssignment] = (), resiliency: int = 0
+                  ) -> tuple[list[tuple[int, int]], list[tuple[DeviceSpec, ...]]]:
+    """The stages and the computing devices of each that micro-batching is chosen for, from
+    what the options say before any device connects; every device counts as the reference one.
+
+    - a pinned ``assignment``: its stages and computing members (standbys compute nothing). A
+      member's weight stands for its speed (``dev0*3+dev1``: dev0 three times as fast), the
+      heaviest as fast as the reference, so the apportioned micro-batches follow the weights as
+      the routing of the pinned shares does;
+    - ``--layout data``: one stage of every layer on the ``n_devices // (resiliency + 1)``
+      computing devices (the others stand by);
+    - ``--layout pipeline`` and ``auto``: ``n_devices`` single-device stages on the balanced
+      split. ``auto`` lays its plan out only after the devices connect (from their capacities
+      and budgets), so the one shape known before is the pipeline it is compared against.
+    """
+    if assignment:
+        stages, holders = [], []
+        for stage in assignment:
+            computing = [m for m in stage.members if m.share > 0]
+            heaviest = max(m.share for m in computing)
+            stages.append((stage.start, stage.end))
+            holders.append(tuple(DeviceSpec(m.device, factor=heaviest / m.share)
+                                 for m in computing))
+        return stages, holders
+    computing = max(1, n_devices // (resiliency + 1))
+    if layout is Layout.DATA and computing > 1:
+        return [(0, costs.n_layers)], [tuple(DeviceSpec(f"device{k}")
+                                             for k in range(computing))]
+    stages = balanced_stages(costs, n_devices)
+    return stages, [(DeviceSpec(f"device{k}"),) for k in range(len(stages))]
+
+
+def describe_holders(n_devices: int, layout: Layout = Layout.PIPELINE,
+                     assignment: Sequence[StageAssignment] = (), resiliency: int = 0) -> str:
+    """What :func:`known_holders` chooses for, in words (the CLI says it with the choice)."""
+    if assignment:
+        sizes = "/".join(str(sum(1 for m in s.members if m.share > 0)) for s in assignment)
+        return f"the --assignment's {len(assignment)} stages ({sizes} computing devices)"
+    computing = max(1, n_devices // (resiliency + 1))
+    if layout is Layout.DATA and computing > 1:
+        return f"one group of {computing} equal devices"
+    return f"{n_devices} equal devices"
+
+
 def choose_job_micro_batching(train: TrainConfig, n_stages: int, auto_m: bool, auto_b: bool,
-                              data: Dataset | None = None) -> tuple[TrainConfig, MicroBatching]:
+                              data: Dataset | None = None, *,
+                              layout: Layout = Layout.PIPELINE,
+                              assignment: Sequence[StageAssignment] = ()
+                              ) -> tuple[TrainConfig, MicroBatching]:
     """``--micro-batches auto`` / ``--micro-batch-size auto`` for a job about to start: the
-    reference costs measured here, ``n_stages`` equal devices on the balanced split (the plan
-    and the devices' budgets are not known before they connect), the job's schedule. Returns
-    the config with the chosen values and the choice."""
+    reference costs measured here, the job's schedule, and the layout the options fix before
+    the devices connect (:func:`known_holders`: a pinned ``assignment``'s groups, ``--layout
+    data``'s one group of the ``n_stages`` devices, else ``n_stages`` equal single-device
+    stages on the balanced split; the devices' budgets are not known yet). Returns the config
+    with the chosen values and the choice."""
     data = data if data is not None else load_dataset(train.data)
     model = prepare_job(train, data)
     costs = model.cost_model
-    stages = balanced_stages(costs, n_stages)
+    stages, holders = known_holders(costs, n_stages, layout, assignment, train.resiliency)
     problem = MicroBatchingProblem(
-        costs, stages, [DeviceSpec(f"device{k}") for k in range(len(stages))],
+        costs, stages, holders,
         schedule=schedule_for(train.schedule),
         drain_every=train.replicate_every or model.schedule.steps_per_epoch,
         max_in_flight=train.max_in_flight, max_batch=len(data.x_train),

@@ -46,6 +46,16 @@ class GradientExchange(enum.Enum):
         """Stage-sized gradient payloads each member sends or receives per step."""
         return members if self is GradientExchange.SUMS else micro_batches
 
+    def member_s(self, members: int, micro_batches: int, param_bytes: float,
+                 bandwidth_bytes_per_s: float) -> float:
+        """``reduce_i``: seconds per step one member of a group of ``members`` spends on the
+        exchange of a stage of ``param_bytes`` parameters over its link (0 alone: a single
+        holder exchanges nothing). The one price of the exchange: the fleet planner and the
+        micro-batching chooser (``planning.micro``) both ask it."""
+        if members < 2:
+            return 0.0
+        return self.copies(members, micro_batches) * param_bytes / bandwidth_bytes_per_s
+
 
 def _check_micro_batches(micro_batches: object) -> int:
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) \
@@ -278,11 +288,10 @@ def group_stage(costs: LayerCosts, members: Sequence[DeviceSpec], start: int, en
             f"stage [{start}, {end}) at least one micro-batch and sum to {micro_batches}")
     params = costs.stage_param_bytes(start, end)
     g = len(members)
-    copies = exchange.copies(g, micro_batches)
     stage_members = tuple(
         Member(device=d.name, micro_batches=n, share=n / micro_batches,
                compute_s=s.compute_s, comm_s=s.comm_s,
-               reduce_s=copies * params / d.bandwidth_bytes_per_s if g > 1 else 0.0)
+               reduce_s=exchange.member_s(g, micro_batches, params, d.bandwidth_bytes_per_s))
         for d, s, n in zip(members, singles, counts, strict=True))
     return GroupStage(start=start, end=end, members=stage_members,
                       memory_bytes=singles[0].memory_bytes, param_bytes=params,

@@ -26,6 +26,20 @@ gradients, optimizer state, and a second weight version under async), plus the a
 its in-flight micro-batches keep for backward (``min(M, W)`` micro-batches in sync, ``W``
 under async, where ``W`` is ``--max-in-flight``), each ``b / b0`` times the layer outputs.
 
+A stage may be held by a group of devices (``--layout data``, a grouped ``--assignment``, the
+fleet planner's plan). Every micro-batch is computed whole by one member, faster members
+taking more of them (``planning.groups.apportion``, what the controller's routing does), so a
+group needs ``M`` at least its members and its busy time per step is
+
+    T_k = max_i n_i * t_i(b) + max_i reduce_i,   n = apportion(M, [t_i(b) ...])
+
+with ``reduce_i`` the group's gradient exchange (``GradientExchange.member_s``: every member
+publishes each of its micro-batches' gradients to the group, so it moves ``M`` copies of the
+stage's parameters, whatever ``b``). The schedule gets ``T_k / M`` as the stage's time per
+micro-batch (a single device's ``t_k`` exactly), so its step formula stays its own; a member's
+memory is the schedule's with that member's ``n_i`` micro-batches, the in-flight bound counting
+every computing member.
+
 Time per sample keeps falling, ever more slowly, as M or b grows, while a larger mini-batch
 ``M * b`` changes the optimisation (fewer updates per epoch). So among the choices that fit
 every device's memory the chooser takes the smallest mini-batch whose time per sample is
@@ -40,6 +54,7 @@ from dataclasses import dataclass, field
 
 from ftpipe_iot.errors import PartitionError
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
+from ftpipe_iot.planning.groups import GradientExchange, apportion, check_devices
 from ftpipe_iot.planning.partition import balanced_split
 from ftpipe_iot.protocol.vocab import ScheduleName
 from ftpipe_iot.schedules import Schedule, schedule_for
@@ -47,16 +62,21 @@ from ftpipe_iot.schedules import Schedule, schedule_for
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_MICRO_BATCHES = 64
 
+#: What holds a stage: one device, or the computing members of a group.
+Holder = DeviceSpec | Sequence[DeviceSpec]
+
 
 @dataclass(frozen=True)
 class MicroBatching:
-    """A choice of M and b with what the model predicts for it."""
+    """A choice of M and b with what the model predicts for it. ``stage_memory_bytes``: per
+    stage, its largest member's; ``member_memory_bytes``: per stage, every member's."""
 
     micro_batches: int
     micro_batch_size: int
     time_per_sample_s: float
     step_s: float
     stage_memory_bytes: tuple[float, ...]
+    member_memory_bytes: tuple[tuple[float, ...], ...] = ()
 
     @property
     def samples_per_s(self) -> float:
@@ -66,18 +86,20 @@ class MicroBatching:
         return {"micro_batches": self.micro_batches, "micro_batch_size": self.micro_batch_size,
                 "predicted_samples_per_s": None if math.isinf(self.samples_per_s)
                 else self.samples_per_s, "step_s": self.step_s,
-                "stage_memory_bytes": list(self.stage_memory_bytes)}
+                "stage_memory_bytes": list(self.stage_memory_bytes),
+                "member_memory_bytes": [list(m) for m in self.member_memory_bytes]}
 
 
 @dataclass(frozen=True)
 class MicroBatchingProblem:
-    """What the choice depends on: the profile, the stages ``[start, end)`` and the device of
-    each, the schedule, and the limits. ``optimizer_copies``: optimizer state per parameter
-    (1 for SGD with momentum, 2 for Adam)."""
+    """What the choice depends on: the profile, the stages ``[start, end)`` and the holder of
+    each (a device, or a sequence of the devices of a group that compute it), the schedule, and
+    the limits. ``optimizer_copies``: optimizer state per parameter (1 for SGD with momentum, 2
+    for Adam); ``exchange``: what group members exchange (the runtime: every micro-batch)."""
 
     costs: LayerCosts
     stages: Sequence[tuple[int, int]]
-    devices: Sequence[DeviceSpec]
+    devices: Sequence[Holder]
     schedule: Schedule = field(default_factory=lambda: schedule_for(ScheduleName.SYNC))
     drain_every: int = 10
     max_in_flight: int = 8
@@ -85,18 +107,49 @@ class MicroBatchingProblem:
     optimizer_copies: int = 1
     predicted_weights: bool = False  # async's delay compensation keeps one more weight copy
     message_overhead_s: float = 0.002
+    exchange: GradientExchange = GradientExchange.MICRO_BATCHES
 
     def __post_init__(self) -> None:
         if len(self.stages) != len(self.devices) or not self.stages:
-            raise PartitionError("one device per stage is needed to choose micro-batching")
+            raise PartitionError("one holder (a device or a group of devices) per stage is "
+                                 "needed to choose micro-batching")
+        if any(not self.members(k) for k in range(len(self.stages))):
+            raise PartitionError("every stage's group needs at least one device")
+        check_devices([d for k in range(len(self.stages)) for d in self.members(k)])
+        expected = 0
+        for start, end in self.stages:
+            if start != expected or end <= start:
+                raise PartitionError(f"stages must be contiguous and non-empty: [{start}, "
+                                     f"{end}) where layer {expected} was expected to start")
+            expected = end
+        if expected != self.costs.n_layers:
+            raise PartitionError(f"the stages cover {expected} of the model's "
+                                 f"{self.costs.n_layers} layers")
 
     @property
     def profiled_size(self) -> int:
         return self.costs.micro_batch_size or 1
 
-    def stage_s(self, k: int, size: int) -> float:
+    @property
+    def min_micro_batches(self) -> int:
+        """The fewest micro-batches per step: every member of a group takes whole ones."""
+        return max(len(self.members(k)) for k in range(len(self.stages)))
+
+    @property
+    def holders(self) -> int:
+        """Devices that compute: what the schedule's in-flight bound counts."""
+        return sum(len(self.members(k)) for k in range(len(self.stages)))
+
+    def members(self, k: int) -> tuple[DeviceSpec, ...]:
+        """The devices that compute stage ``k`` (one for a single-device stage)."""
+        holder = self.devices[k]
+        return (holder,) if isinstance(holder, DeviceSpec) else tuple(holder)
+
+    def member_s(self, k: int, device: DeviceSpec, size: int) -> float:
+        """``t_k(b)`` of one micro-batch of ``size`` samples on ``device`` holding stage
+        ``k``."""
         start, end = self.stages[k]
-        costs, device = self.costs, self.devices[k]
+        costs = self.costs
         scale = size / self.profiled_size
         compute = math.fsum(costs.layer_cost_s[start:end]) * scale + costs.stage_overhead_s
         if end == costs.n_layers:
@@ -106,38 +159,85 @@ class MicroBatchingProblem:
         return device.factor * compute + self.message_overhead_s + \
             moved * scale / device.bandwidth_bytes_per_s
 
+    def counts(self, k: int, micro_batches: int, size: int) -> tuple[int, ...]:
+        """Micro-batches per member of stage ``k``: apportioned by speed, as routed. Raises
+        PartitionError when the group has more members than ``micro_batches``."""
+        members = self.members(k)
+        if len(members) == 1:
+            return (micro_batches,)
+        return apportion(micro_batches, [self.member_s(k, d, size) for d in members])
+
+    def exchange_s(self, k: int, micro_batches: int) -> float:
+        """The slowest member's gradient exchange per step on stage ``k`` (0 for one device)."""
+        start, end = self.stages[k]
+        members = self.members(k)
+        params = self.costs.stage_param_bytes(start, end)
+        return max(self.exchange.member_s(len(members), micro_batches, params,
+                                          d.bandwidth_bytes_per_s) for d in members)
+
+    def busy_s(self, k: int, micro_batches: int, size: int) -> float:
+        """``T_k``: stage ``k``'s busy time per step, its slowest member's micro-batches and
+        the group's gradient exchange."""
+        members = self.members(k)
+        counts = self.counts(k, micro_batches, size)
+        work = max(n * self.member_s(k, d, size) for n, d in zip(counts, members))
+        return work + self.exchange_s(k, micro_batches)
+
+    def stage_s(self, k: int, size: int, micro_batches: int = 1) -> float:
+        """Stage ``k``'s seconds per micro-batch as the schedule reads them: one device's
+        ``t_k(b)``, a group's busy time per step over ``micro_batches``."""
+        members = self.members(k)
+        if len(members) == 1:  # no division: a single device's time stays bit for bit
+            return self.member_s(k, members[0], size)
+        return self.busy_s(k, micro_batches, size) / micro_batches
+
     def step_s(self, micro_batches: int, size: int) -> float:
-        times = [self.stage_s(k, size) for k in range(len(self.stages))]
+        times = [self.stage_s(k, size, micro_batches) for k in range(len(self.stages))]
         return self.schedule.step_time_s(times, micro_batches, self.drain_every)
 
-    def stage_memory(self, k: int, micro_batches: int, size: int) -> float:
+    def member_memory(self, k: int, micro_batches: int, size: int) -> tuple[float, ...]:
+        """Bytes each member of stage ``k`` holds: the schedule's stage memory with that
+        member's micro-batches of the step (it stashes no one else's activations)."""
         start, end = self.stages[k]
         costs = self.costs
         activations = math.fsum(costs.activation_bytes[start:end]) * size / self.profiled_size
-        return self.schedule.stage_memory_bytes(costs.stage_param_bytes(start, end),
-                                                activations, micro_batches,
-                                                self.schedule.in_flight_limit(
-                                                    self.max_in_flight, len(self.stages)),
-                                                self.optimizer_copies, self.predicted_weights)
+        limit = self.schedule.in_flight_limit(self.max_in_flight, self.holders)
+        return tuple(self.schedule.stage_memory_bytes(costs.stage_param_bytes(start, end),
+                                                      activations, n, limit,
+                                                      self.optimizer_copies,
+                                                      self.predicted_weights)
+                     for n in self.counts(k, micro_batches, size))
+
+    def stage_memory(self, k: int, micro_batches: int, size: int) -> float:
+        """The most bytes a member of stage ``k`` holds."""
+        return max(self.member_memory(k, micro_batches, size))
 
     def evaluate(self, micro_batches: int, size: int) -> MicroBatching:
         step = self.step_s(micro_batches, size)
+        members = tuple(self.member_memory(k, micro_batches, size)
+                        for k in range(len(self.stages)))
         return MicroBatching(micro_batches, size, step / (micro_batches * size), step,
-                             tuple(self.stage_memory(k, micro_batches, size)
-                                   for k in range(len(self.stages))))
+                             tuple(max(m) for m in members), members)
 
     def fits(self, choice: MicroBatching) -> bool:
+        members = choice.member_memory_bytes or tuple((m,) for m in choice.stage_memory_bytes)
         return all(memory <= device.memory_bytes * (1 + 1e-12)
-                   for memory, device in zip(choice.stage_memory_bytes, self.devices))
+                   for k, stage in enumerate(members)
+                   for memory, device in zip(stage, self.members(k)))
 
 
 def choose_micro_batching(problem: MicroBatchingProblem, micro_batches: int | None,
                           micro_batch_size: int | None, tolerance: float = 0.05
                           ) -> MicroBatching:
-    """The (M, b) to train with; a given value (not None) is kept, a None one is chosen.
-    Raises PartitionError when nothing fits the devices' memory."""
+    """The (M, b) to train with; a given value (not None) is kept, a None one is chosen (never
+    fewer micro-batches than a group's members). Raises PartitionError when nothing fits the
+    devices' memory, or a given M is below a group's members."""
+    fewest = problem.min_micro_batches
+    if micro_batches is not None and micro_batches < fewest:
+        raise PartitionError(f"a group of {fewest} devices needs at least {fewest} "
+                             f"micro-batches per step, got {micro_batches}")
     counts = [micro_batches] if micro_batches is not None else \
-        list(range(1, MAX_MICRO_BATCHES + 1))
+        list(range(fewest, max(fewest, MAX_MICRO_BATCHES) + 1))
     sizes = [micro_batch_size] if micro_batch_size is not None else list(SIZES)
     candidates = [problem.evaluate(m, b) for m in counts for b in sizes
                   if problem.max_batch is None or m * b <= problem.max_batch]
