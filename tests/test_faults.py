@@ -18,7 +18,7 @@ from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.observability.watch import JobWatcher
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.topics import Topics
-from ftpipe_iot.protocol.vocab import EventType
+from ftpipe_iot.protocol.vocab import EventType, ScheduleName
 from ftpipe_iot.protocol.wire import MessageKind, Reassembler
 from ftpipe_iot.transport.config import BrokerConfig
 from ftpipe_iot.transport.mqtt import MqttTransport
@@ -27,20 +27,25 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 STEPS = 36
 REPLICATE_EVERY = 5
-_REFERENCE: dict[int, list] = {}
+_REFERENCE: dict[tuple[int, ScheduleName], list] = {}
 
 
-def reference(steps: int = STEPS):
-    if steps not in _REFERENCE:
-        train = TrainConfig(model=ModelSpec("cnn"), micro_batches=4, micro_batch_size=8)
-        _REFERENCE[steps] = train_reference(train, load_dataset(DataSpec("digits")), steps)
-    return _REFERENCE[steps]
+def reference(steps: int = STEPS, schedule: ScheduleName = ScheduleName.SYNC):
+    """One process (sync), or the 2BW simulator (async), of the jobs these tests run."""
+    if (steps, schedule) not in _REFERENCE:
+        train = TrainConfig(model=ModelSpec("cnn"), micro_batches=4, micro_batch_size=8,
+                            schedule=schedule, replicate_every=REPLICATE_EVERY)
+        _REFERENCE[steps, schedule] = train_reference(train, load_dataset(DataSpec("digits")),
+                                                      steps)
+    return _REFERENCE[steps, schedule]
 
 
 class FaultJob:
     """Devices and a controller of one job as processes, plus a watcher of its progress."""
 
-    def __init__(self, broker, processes, tmp_path, job: str, steps: int = STEPS) -> None:
+    def __init__(self, broker, processes, tmp_path, job: str, steps: int = STEPS,
+                 schedule: ScheduleName = ScheduleName.SYNC) -> None:
+        self.schedule = schedule
         self.broker = broker
         self.processes = processes
         self.tmp_path = tmp_path
@@ -59,7 +64,8 @@ class FaultJob:
             "--replicate-every", str(REPLICATE_EVERY), "--no-repartition",
             "--heartbeat-timeout", "2", "--stall-timeout", "10", "--wait-devices", "60",
             "--save-weights", str(self.tmp_path / "weights.npz"),
-            "--summary-json", str(self.tmp_path / "summary.json"), *extra)
+            "--summary-json", str(self.tmp_path / "summary.json"),
+            "--schedule", self.schedule.value, *extra)
 
     def wait_step(self, step: int, timeout_s: float = 120) -> None:
         assert self.watcher.wait_step(step, timeout_s), \
@@ -77,7 +83,7 @@ class FaultJob:
         gathered = load_weights(self.tmp_path / "weights.npz")
         events = [(e["type"], e.get("resume_step"), e.get("cause"), e.get("devices"))
                   for e in summary["events"] if e["type"] != "epoch_evaluated"]
-        assert max_weight_diff(gathered, reference(self.steps)) < 1e-5, events
+        assert max_weight_diff(gathered, reference(self.steps, self.schedule)) < 1e-5, events
         return summary
 
 

@@ -1,5 +1,6 @@
 """Stage groups with real device processes over a real Mosquitto: a group of 2 and a group of 3
-train like one process, and a member killed mid-run leaves its share to its peers."""
+train like one process, and a member killed mid-run leaves its share to its peers (under sync,
+and under async, where the survivors equal the 2BW simulator)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ftpipe_iot.core.data import load_dataset
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.specs import DataSpec
+from ftpipe_iot.protocol.vocab import ScheduleName
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -30,8 +32,9 @@ def _controller(processes, mosquitto, tmp_path, job: str, assignment: str, devic
                     "--summary-json", str(tmp_path / "summary.json"), *extra)
 
 
-def _reference(steps: int):
-    train = TrainConfig(micro_batches=M, micro_batch_size=B)
+def _reference(steps: int, schedule: ScheduleName = ScheduleName.SYNC):
+    train = TrainConfig(micro_batches=M, micro_batch_size=B, replicate_every=4,
+                        schedule=schedule)
     return train_reference(train, load_dataset(DataSpec("digits")), steps)
 
 
@@ -49,17 +52,20 @@ def test_groups_of_two_and_three_train_like_one_process(mosquitto, processes, tm
     assert max_weight_diff(load_weights(tmp_path / "w.npz"), _reference(steps)) < 1e-5
 
 
-def test_a_dead_member_leaves_its_share_to_its_peers(mosquitto, processes, tmp_path):
+@pytest.mark.parametrize("schedule", [ScheduleName.SYNC, ScheduleName.ASYNC])
+def test_a_dead_member_leaves_its_share_to_its_peers(mosquitto, processes, tmp_path, schedule):
     from ftpipe_iot.observability.watch import JobWatcher
     from ftpipe_iot.transport.config import BrokerConfig
 
-    steps = 40
+    steps = 40 if schedule is ScheduleName.SYNC else 16
     watcher = JobWatcher(BrokerConfig(port=mosquitto.port), "kill").start()
     try:
         for i in range(3):
             processes.device(f"dev{i}", "kill", mosquitto.url, "--keepalive", "2")
-        _controller(processes, mosquitto, tmp_path, "kill", "dev0+dev1:0-5,dev2:5-12", 3, steps)
-        assert watcher.wait_step(10, 120), processes.log("controller")[-3000:]
+        _controller(processes, mosquitto, tmp_path, "kill", "dev0+dev1:0-5,dev2:5-12", 3, steps,
+                    "--schedule", schedule.value)
+        assert watcher.wait_step(6 if schedule is ScheduleName.ASYNC else 10, 120), \
+            processes.log("controller")[-3000:]
         processes.signal("dev1", signal.SIGKILL)
         assert processes.wait("controller", 240) == 0, processes.log("controller")[-3000:]
     finally:
@@ -70,4 +76,4 @@ def test_a_dead_member_leaves_its_share_to_its_peers(mosquitto, processes, tmp_p
     assert [[d["device"] for d in s["devices"]] for s in summary["stages"]] == \
         [["dev0"], ["dev2"]]
     assert [(s["start"], s["end"]) for s in summary["stages"]] == [(0, 5), (5, 12)]
-    assert max_weight_diff(load_weights(tmp_path / "w.npz"), _reference(steps)) < 1e-5
+    assert max_weight_diff(load_weights(tmp_path / "w.npz"), _reference(steps, schedule)) < 1e-5

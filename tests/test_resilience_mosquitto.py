@@ -1,6 +1,7 @@
 """Resiliency r = 1 with real processes, real signals and a real Mosquitto: a stalled holder is
-taken over without a plan change, a killed one costs no rollback, and only a stage that loses
-every holder falls back to checkpoint recovery; the weights equal a failure-free run."""
+taken over without a plan change, a killed one costs no rollback (under sync and under async),
+and only a stage that loses every holder falls back to checkpoint recovery; the weights equal a
+failure-free run (one process, or the 2BW simulator)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import signal
 import pytest
 from test_faults import FaultJob
 
-from ftpipe_iot.protocol.vocab import EventType
+from ftpipe_iot.protocol.vocab import EventType, ScheduleName
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -18,7 +19,11 @@ STEPS = 30
 
 @pytest.fixture
 def job(mosquitto, processes, tmp_path, request):
-    job = FaultJob(mosquitto, processes, tmp_path, request.node.name[5:][:40], steps=STEPS)
+    schedule = getattr(request, "param", ScheduleName.SYNC)
+    name = request.node.name[5:].replace("[", "-").replace("]", "")[:40]
+    # async's cell is shorter: the kill at step 10 is what it checks
+    job = FaultJob(mosquitto, processes, tmp_path, name,
+                   steps=STEPS if schedule is ScheduleName.SYNC else 16, schedule=schedule)
     for i in range(4):
         job.device(f"dev{i}")
     yield job
@@ -54,6 +59,8 @@ def test_a_stalled_holder_is_taken_over_and_taken_back_without_a_plan_change(job
     assert stalled in _computing(summary)[0]  # taken back: it still computes stage 0
 
 
+@pytest.mark.parametrize("job", [ScheduleName.SYNC, ScheduleName.ASYNC], indirect=True,
+                         ids=["sync", "async"])
 def test_a_killed_holder_costs_no_rollback(job):
     # the Last Will reports the kill at once; a long heartbeat timeout keeps a busy machine's
     # slow start from counting as a failure

@@ -46,10 +46,10 @@ from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.core.schedule import StepVersions
 from ftpipe_iot.core.timings import StageTimings
 from ftpipe_iot.core.versioning import Versioning, versioning_for
-from ftpipe_iot.errors import StageInputError
+from ftpipe_iot.errors import PlanError, StageInputError
 from ftpipe_iot.observability.timeline import Timeline
 from ftpipe_iot.protocol.messages import LayerReplica
-from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.plan import Plan, TrainConfig
 from ftpipe_iot.protocol.vocab import DropReason, OptimizerName, SpanKind
 
 
@@ -169,6 +169,29 @@ class Stage:
         # training inputs of a later step than the weights: held until the stage gets there
         self._future: dict[int, dict[int, tuple[np.ndarray, np.ndarray, int | None]]] = {}
         self.computed: dict[int, int] = {}  # step -> micro-batches this holder computed
+
+    @classmethod
+    def from_plan(cls, plan: Plan, device: str, layers: Sequence[nn.Module],
+                  shapes: Sequence[tuple[int, ...]],
+                  compute_hook: Callable[[float], None] | None = None,
+                  timeline: Timeline | None = None) -> Stage:
+        """The stage ``device`` holds under ``plan``, from the whole model's ``layers`` and
+        the per-sample input shape at every cut (``shapes``): its layers, its holders (so its
+        reducer), the schedule's versions (so its versioning), and whether an earlier stage
+        has several holders (its inputs then come out of order)."""
+        assignment = plan.stage_of(device)
+        if assignment is None:
+            raise PlanError(f"plan {plan.version} gives {device} no stage")
+        return cls(index=assignment.stage, n_stages=plan.n_stages,
+                   layers=layers[assignment.start:assignment.end],
+                   first_layer=assignment.start, config=plan.train,
+                   expected_shape=tuple(shapes[assignment.start]),
+                   num_classes=plan.num_classes, compute_hook=compute_hook,
+                   start_step=plan.resume_step, group_size=len(assignment.members),
+                   member=assignment.member_index(device) or 0,
+                   versions=StepVersions.of(plan.train, plan.steps_per_epoch),
+                   ordered_inputs=all(len(s.members) == 1 for s in plan.stages[:assignment.stage]),
+                   timeline=timeline if timeline is not None else Timeline(enabled=False))
 
     @property
     def is_first(self) -> bool:

@@ -22,7 +22,6 @@ from ftpipe_iot.core.loader import StageLoader
 from ftpipe_iot.core.models import build_layers, cut_shapes
 from ftpipe_iot.core.outputs import StepDone
 from ftpipe_iot.core.replicas import replica_misfit
-from ftpipe_iot.core.schedule import StepVersions
 from ftpipe_iot.core.stage import Stage
 from ftpipe_iot.device.copies import LayerCopies
 from ftpipe_iot.device.link import LinkMeter
@@ -357,27 +356,16 @@ class DeviceAgent:
     def _build_stage(self, replicas: dict[int, LayerReplica]) -> None:
         plan, prepared = self.plan, self._prepared
         assert plan is not None and prepared is not None
-        assignment = plan.stage_of(self.name)
-        assert assignment is not None
         layers, shapes = prepared
-        stage = Stage(index=assignment.stage, n_stages=plan.n_stages,
-                      layers=layers[assignment.start:assignment.end],
-                      first_layer=assignment.start, config=plan.train,
-                      expected_shape=shapes[assignment.start], num_classes=plan.num_classes,
-                      compute_hook=self._emulate_compute, start_step=plan.resume_step,
-                      group_size=len(assignment.members),
-                      member=assignment.member_index(self.name) or 0,
-                      versions=StepVersions.of(plan.train, plan.steps_per_epoch),
-                      ordered_inputs=all(len(s.members) == 1
-                                         for s in plan.stages[:assignment.stage]),
-                      timeline=self.timeline)
+        stage = Stage.from_plan(plan, self.name, layers, shapes,
+                                compute_hook=self._emulate_compute, timeline=self.timeline)
         if replicas:
             stage.load(replicas)
         self._set_stage(stage)
         log.info("plan %d: %s holds stage %d, layers [%d, %d), from step %d", plan.version,
-                 self.name, assignment.stage, assignment.start, assignment.end,
-                 plan.resume_step)
-        self._report(Ready(assignment.stage))
+                 self.name, stage.index, stage.first_layer,
+                 stage.first_layer + len(stage.layers), plan.resume_step)
+        self._report(Ready(stage.index))
 
     def _drop_stage(self) -> None:
         self.loader = None

@@ -2,8 +2,9 @@
 contributions in, compute, activations, gradients, contributions and results out.
 
 The agent owns the plan, the weights and the reports; a ``StageRunner`` lives as long as the
-stage. With resiliency r >= 1 it also watches the stage's other holders and takes over their
-late micro-batches (``core.takeover``).
+stage. What it does beyond its own micro-batches is its role's (``device.roles``): with
+resiliency r >= 1 it watches the stage's other holders and takes over their late micro-batches
+(``core.takeover``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from ftpipe_iot.core.outputs import (
     StepDone,
 )
 from ftpipe_iot.core.stage import Stage
-from ftpipe_iot.core.takeover import TakeoverPhase, Watch, Watched
+from ftpipe_iot.core.takeover import TakeoverPhase, Watched
 from ftpipe_iot.device.link import LinkMeter
+from ftpipe_iot.device.roles import ComputingHolder, role_for
 from ftpipe_iot.errors import StageInputError
 from ftpipe_iot.observability.metrics import DeviceMetrics
 from ftpipe_iot.protocol.messages import Activation, Gradient, GroupPartial, Inbound, Progress
@@ -73,24 +75,13 @@ class StageRunner:
         # (step, micro-batch) -> the input as it came (route, counts) and its sender, to address
         # the outputs: activations by the route, the gradient back to the sender
         self.routes: dict[tuple[int, int], tuple[Activation, str]] = {}
-        self.watch = Watch(name, stage.is_last) if self.watching else None
+        self.role: ComputingHolder = role_for(name, plan, stage)
         self.takeovers = 0
         self.deferred: deque[Incoming] = deque()  # set aside by ``_absorb_contributions``
 
     @property
-    def watching(self) -> bool:
-        return self.plan.train.resiliency >= 1 and self.stage.group_size > 1
-
-    @property
     def topics_to_follow(self) -> list[str]:
-        index = self.stage.index
-        if self.watching:  # every input and gradient of the stage: to take over
-            return [self.topics.stage_act_all(index), self.topics.stage_grad_all(index),
-                    self.topics.stage_reduce(index)]
-        topics = [self.topics.stage_act(index, self.name), self.topics.stage_grad(index, self.name)]
-        if self.stage.group_size > 1:
-            topics.append(self.topics.stage_reduce(index))
-        return topics
+        return self.role.topics_to_follow()
 
     # -- in -------------------------------------------------------------------------------------
     def on_message(self, inbound: Inbound, message: StageMessage) -> None:
@@ -99,24 +90,22 @@ class StageRunner:
         if isinstance(message, GroupPartial):
             self._on_contribution(inbound, message)
         elif isinstance(message, Progress):
-            if self.watch is not None and inbound.sender != self.name:
-                self.watch.progress(inbound.step, inbound.micro_batch, now)
+            if inbound.sender != self.name:
+                self.role.progress_seen(inbound.step, inbound.micro_batch, now)
         elif isinstance(message, Activation):
             addressee = Topics.addressee(inbound.topic)
-            if self.watch is not None and message.train:
-                self.watch.input(inbound.step, inbound.micro_batch, addressee, inbound.sender,
-                                 message, now)
+            if message.train:
+                self.role.input_seen(inbound.step, inbound.micro_batch, addressee,
+                                     inbound.sender, message, now)
             if addressee != self.name:
                 return  # another holder's: watched only
             self.hooks.link(message.nbytes)
             self._forward(inbound.step, inbound.micro_batch, message, inbound.sender,
                           inbound.timestamp)
         else:
-            key = (inbound.step, inbound.micro_batch)
-            if self.watch is not None and key not in stage.pending:
-                item = self.watch.gradient(inbound.step, inbound.micro_batch, message.g, now)
-                if Topics.addressee(inbound.topic) != self.name or item is not None:
-                    return  # kept in case its holder needs replacing
+            if not self.role.gradient_seen(inbound.step, inbound.micro_batch,
+                                           Topics.addressee(inbound.topic), message.g, now):
+                return  # kept in case its holder needs replacing
             self.link.observe(inbound.timestamp, message.nbytes, time.time())
             self.hooks.link(message.nbytes)
             self.hooks.computing(inbound.step)
@@ -143,16 +132,16 @@ class StageRunner:
     def _on_contribution(self, inbound: Inbound, message: GroupPartial) -> None:
         if message.stage != self.stage.index or inbound.sender == self.name:
             return  # our own contribution, echoed back: already counted
-        if self.watch is not None:
-            self.watch.contributed(inbound.step, inbound.micro_batch, self.clock())
+        self.role.contribution_seen(inbound.step, inbound.micro_batch, self.clock())
         self.hooks.link(message.nbytes)
         self._emit_all(self.stage.offer_partial(inbound.step, SendPartial(
             inbound.step, inbound.micro_batch, message.grads, message.batch_norm)))
 
     def _absorb_contributions(self) -> None:
         """Before computing, take the contributions already queued: a holder coming back from a
-        stall finds its backlog done by others and drops it instead of computing it late."""
-        if self.watch is None:
+        stall finds its backlog done by others and drops it instead of computing it late (a
+        holder that takes nothing over has no backlog to drop)."""
+        if not self.role.takes_over:
             return
         reduce_topic = self.topics.stage_reduce(self.stage.index)
         queued: list[Incoming] = []
@@ -172,22 +161,19 @@ class StageRunner:
                 if isinstance(inbound.message, GroupPartial):
                     self._on_contribution(inbound, inbound.message)
                 elif isinstance(inbound.message, Progress) and inbound.sender != self.name:
-                    self.watch.progress(inbound.step, inbound.micro_batch, self.clock())
+                    self.role.progress_seen(inbound.step, inbound.micro_batch, self.clock())
             except StageInputError as exc:
                 self.messenger.drops.drop(exc.reason, str(exc))
 
     # -- taking over ----------------------------------------------------------------------------
     def holders_lost(self, devices: tuple[str, ...]) -> None:
         """The controller says these holders of the stage failed: take theirs over at once."""
-        if self.watch is not None:
-            self.watch.owners_lost(devices)
-            self.take_over_due()
+        self.role.owners_lost(devices)
+        self.take_over_due()
 
     def take_over_due(self) -> None:
         """Compute the other holders' late micro-batches (``core.takeover``)."""
-        if self.watch is None:
-            return
-        for item in self.watch.due(self.clock()):
+        for item in self.role.due(self.clock()):
             try:
                 self._take_over(item)
             except StageInputError as exc:
@@ -239,8 +225,8 @@ class StageRunner:
                 self.topics.stage_act(index + 1, device),
                 Activation(output.x, output.y, output.train, route, counts), version,
                 output.step, output.micro_batch, receivers=self._holders(index + 1))
-            if self.watch is not None and output.train:  # our watchers learn we are alive
-                self.watch.progress(output.step, output.micro_batch, self.clock())
+            if output.train and self.role.forwarded(output.step, output.micro_batch,
+                                                    self.clock()):  # watchers learn we're alive
                 self.messenger.send(self.topics.stage_reduce(index), Progress(index), version,
                                     output.step, output.micro_batch, qos=0,
                                     receivers=self._holders(index))
@@ -251,8 +237,7 @@ class StageRunner:
             return self.messenger.send(
                 self.topics.stage_grad(index - 1, device), Gradient(output.grad), version,
                 output.step, output.micro_batch, receivers=self._holders(index - 1))
-        if self.watch is not None:
-            self.watch.contributed(output.step, output.micro_batch, self.clock())
+        self.role.contribution_seen(output.step, output.micro_batch, self.clock())
         return self.messenger.send(
             self.topics.stage_reduce(index),
             GroupPartial(index, self.stage.member, output.grads, output.batch_norm),
@@ -270,8 +255,7 @@ class StageRunner:
             self.routes.pop(key, None)
             self.hooks.report(MicroBatchFinished(), output.step, output.micro_batch)
         elif isinstance(output, StepDone):
-            if self.watch is not None:
-                self.watch.step_done(output.step)
+            self.role.step_done(output.step)
             self.hooks.step_done(output)
 
 
