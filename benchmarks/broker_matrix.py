@@ -24,7 +24,7 @@ from ftpipe_iot.runtime.rabbitmq import (  # noqa: E402
     mqtt_plugin_version,
     rabbitmq_unavailable,
 )
-from ftpipe_iot.transport.config import BrokerConfig, MqttProtocol  # noqa: E402
+from ftpipe_iot.transport.connection import BrokerConfig, MqttProtocol  # noqa: E402
 from ftpipe_iot.transport.probe import probe  # noqa: E402
 
 BROKERS = ("mosquitto-5", "mosquitto-3.1.1", "embedded-amqtt", "rabbitmq")

@@ -15,7 +15,7 @@ from pathlib import Path
 from ftpipe_iot.observability.watch import JobWatcher
 from ftpipe_iot.runtime.broker import BrokerProcess
 from ftpipe_iot.runtime.supervise import ProcessGroup
-from ftpipe_iot.transport.config import BrokerConfig
+from ftpipe_iot.transport.connection import BrokerConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILES = REPO / "devices" / "profiles"

@@ -186,7 +186,7 @@ def _real_run(spec: JobSpec, first: int, last: int, work: Path) -> tuple[dict, d
         nodes = {n: lab.add_node(n, mbit * 1e6) for n, mbit in zip(NAMES, CAPS_MBIT)}
         with BrokerProcess(kind=BrokerKind.MOSQUITTO, port=PORT, bind="0.0.0.0",
                            data_dir=work / spec.job, netns=lab.hub) as broker:
-            from ftpipe_iot.transport.config import BrokerConfig
+            from ftpipe_iot.transport.connection import BrokerConfig
 
             placement = Placement(f"mqtt://127.0.0.1:{PORT}", BrokerConfig(port=PORT),
                                   controller_netns=lab.hub,

@@ -105,7 +105,7 @@ def _publish(mode: str, port: int, tensor: int, message: int, qos: int, count: i
     from ftpipe_iot.observability.metrics import DeviceMetrics
     from ftpipe_iot.protocol.messages import Activation
     from ftpipe_iot.protocol.wire import WireOptions
-    from ftpipe_iot.transport.config import BrokerConfig
+    from ftpipe_iot.transport.connection import BrokerConfig
     from ftpipe_iot.transport.messenger import Messenger
     from ftpipe_iot.transport.mqtt import MqttTransport
 
@@ -187,7 +187,7 @@ def _subscribe_project(port: int, message: int, qos: int, ready: Path,
     from ftpipe_iot.observability.metrics import DeviceMetrics
     from ftpipe_iot.protocol.messages import Activation
     from ftpipe_iot.transport.base import serve
-    from ftpipe_iot.transport.config import BrokerConfig
+    from ftpipe_iot.transport.connection import BrokerConfig
     from ftpipe_iot.transport.messenger import Messenger
     from ftpipe_iot.transport.mqtt import MqttTransport
 

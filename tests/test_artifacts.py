@@ -32,7 +32,7 @@ from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import ControllerPhase
-from ftpipe_iot.transport.config import BrokerConfig
+from ftpipe_iot.transport.connection import BrokerConfig
 from ftpipe_iot.transport.mqtt import MqttTransport
 
 TRAIN = TrainConfig(model=ModelSpec("cnn"), micro_batches=4, micro_batch_size=8, max_steps=6)

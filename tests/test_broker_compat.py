@@ -15,7 +15,7 @@ from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.observability.watch import JobWatcher
 from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess
 from ftpipe_iot.runtime.rabbitmq import RabbitMqBroker, rabbitmq_unavailable
-from ftpipe_iot.transport.config import BrokerConfig, MqttProtocol
+from ftpipe_iot.transport.connection import BrokerConfig, MqttProtocol
 from ftpipe_iot.transport.probe import probe
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]

@@ -25,7 +25,7 @@ from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
 from ftpipe_iot.protocol.vocab import MemberState, MessageKind
 from ftpipe_iot.protocol.wire import Reassembler
-from ftpipe_iot.transport.config import BrokerConfig
+from ftpipe_iot.transport.connection import BrokerConfig
 from ftpipe_iot.transport.mqtt import MqttTransport
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]

@@ -20,7 +20,7 @@ from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import EventType, ScheduleName
 from ftpipe_iot.protocol.wire import MessageKind, Reassembler
-from ftpipe_iot.transport.config import BrokerConfig
+from ftpipe_iot.transport.connection import BrokerConfig
 from ftpipe_iot.transport.mqtt import MqttTransport
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]

@@ -33,7 +33,7 @@ from ftpipe_iot.fleet.check import check_connection
 from ftpipe_iot.fleet.errors import CheckFailure, ConnectionCheckError
 from ftpipe_iot.fleet.model import BrokerSettings, Role, load_state
 from ftpipe_iot.runtime.broker import BrokerProcess, find_free_port, mosquitto_binary
-from ftpipe_iot.transport.config import load_bundle
+from ftpipe_iot.transport.connection import load_bundle
 
 pytestmark = pytest.mark.broker
 

@@ -19,7 +19,7 @@ from ftpipe_iot.fleet import acl, ca, fleet, passwd
 from ftpipe_iot.fleet.check import _tls_error, _verify_error
 from ftpipe_iot.fleet.errors import CheckFailure, FleetError, UnknownIdentityError
 from ftpipe_iot.fleet.model import BrokerSettings, Identity, Role, load_state
-from ftpipe_iot.transport.config import BrokerConfig, Bundle, load_bundle
+from ftpipe_iot.transport.connection import BrokerConfig, Bundle, load_bundle
 
 
 def _mode(path: Path) -> int:

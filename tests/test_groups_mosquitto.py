@@ -55,7 +55,7 @@ def test_groups_of_two_and_three_train_like_one_process(mosquitto, processes, tm
 @pytest.mark.parametrize("schedule", [ScheduleName.SYNC, ScheduleName.ASYNC])
 def test_a_dead_member_leaves_its_share_to_its_peers(mosquitto, processes, tmp_path, schedule):
     from ftpipe_iot.observability.watch import JobWatcher
-    from ftpipe_iot.transport.config import BrokerConfig
+    from ftpipe_iot.transport.connection import BrokerConfig
 
     steps = 40 if schedule is ScheduleName.SYNC else 16
     watcher = JobWatcher(BrokerConfig(port=mosquitto.port), "kill").start()

@@ -22,7 +22,7 @@ from ftpipe_iot.observability.watch import JobWatcher
 from ftpipe_iot.protocol.vocab import EventType
 from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess
 from ftpipe_iot.runtime.netns import call_in
-from ftpipe_iot.transport.config import BrokerConfig
+from ftpipe_iot.transport.connection import BrokerConfig
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.netns]
 

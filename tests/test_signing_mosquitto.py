@@ -40,7 +40,7 @@ from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import CommandOp, ControllerStatus, DeviceState
 from ftpipe_iot.protocol.wire import Reassembler
-from ftpipe_iot.transport.config import BrokerConfig
+from ftpipe_iot.transport.connection import BrokerConfig
 from ftpipe_iot.transport.messenger import Messenger
 from ftpipe_iot.transport.mqtt import MqttTransport
 

@@ -31,7 +31,7 @@ from ftpipe_iot.fleet.site import (
 from ftpipe_iot.observability.watch import JobWatcher
 from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess, find_free_port
 from ftpipe_iot.transport.base import RECONNECTED_TOPIC, topic_matches
-from ftpipe_iot.transport.config import BrokerConfig
+from ftpipe_iot.transport.connection import BrokerConfig
 from ftpipe_iot.transport.mqtt import MqttTransport
 
 JOB = "bridged"

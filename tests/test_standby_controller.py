@@ -20,7 +20,7 @@ from ftpipe_iot.observability.watch import JobWatcher
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
 from ftpipe_iot.protocol.vocab import ControllerStatus
-from ftpipe_iot.transport.config import BrokerConfig
+from ftpipe_iot.transport.connection import BrokerConfig
 
 JOB = "standby"
 

@@ -27,7 +27,7 @@ from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import ControllerStatus
 from ftpipe_iot.protocol.wire import Reassembler, encode
 from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess
-from ftpipe_iot.transport.config import BrokerConfig
+from ftpipe_iot.transport.connection import BrokerConfig
 from ftpipe_iot.transport.mqtt import MqttTransport
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]

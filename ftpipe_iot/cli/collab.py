@@ -198,7 +198,7 @@ def plan_collaborative(model: str | None, costs_file: Path | None, devices: list
                        batch: int, aggregate_every: int, split_point: int | None, private: bool,
                        as_json: bool) -> None:
     """``ftpipe-iot plan --mode collaborative``: the candidates and the choice."""
-    from ftpipe_iot.collab.profile import plan_offline
+    from ftpipe_iot.collab.layer_times import plan_offline
 
     if model is None or costs_file is not None:
         raise click.UsageError("--mode collaborative profiles a model on this machine: give "

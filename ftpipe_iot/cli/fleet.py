@@ -20,7 +20,7 @@ from ftpipe_iot.fleet import fleet as fleet_ops
 from ftpipe_iot.fleet.check import check_connection
 from ftpipe_iot.fleet.errors import FleetError
 from ftpipe_iot.fleet.model import BrokerSettings, Role
-from ftpipe_iot.transport.config import BrokerConfig, load_bundle
+from ftpipe_iot.transport.connection import BrokerConfig, load_bundle
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -15,7 +15,7 @@ from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
 from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName, ScheduleName, WireDtype
-from ftpipe_iot.transport.config import BrokerConfig, Bundle, load_bundle, parse_protocol
+from ftpipe_iot.transport.connection import BrokerConfig, Bundle, load_bundle, parse_protocol
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 

@@ -18,8 +18,8 @@ from torch import nn
 
 from ftpipe_iot.collab.config import COORDINATOR_NAME
 from ftpipe_iot.collab.emulation import ComputeMeter, Downlink, Uplink
+from ftpipe_iot.collab.layer_times import measure_layer_times, profile_sizes
 from ftpipe_iot.collab.metrics import CollabAgentMetrics
-from ftpipe_iot.collab.profile import measure_layer_times, profile_sizes
 from ftpipe_iot.core.loader import StageLoader
 from ftpipe_iot.core.models import build_layers, cut_shapes
 from ftpipe_iot.core.replicas import ReplicaStore

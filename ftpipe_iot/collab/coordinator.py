@@ -23,11 +23,11 @@ from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.artifacts.checkpoint import initial_layers, save_checkpoint
 from ftpipe_iot.collab.config import COORDINATOR_NAME, CollabConfig
+from ftpipe_iot.collab.layer_times import model_facts
 from ftpipe_iot.collab.metrics import CoordinatorMetrics
 from ftpipe_iot.collab.parts import evaluate, export_states, load_states
 from ftpipe_iot.collab.planner import Choice, Machine, choose
 from ftpipe_iot.collab.privacy import check_private_layers
-from ftpipe_iot.collab.profile import model_facts
 from ftpipe_iot.collab.rounds import (
     Member,
     RoundSpan,

@@ -22,7 +22,7 @@ from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.topics import check_name
 from ftpipe_iot.runtime.entry import ProcessOptions, _on_signals, setup_process
 from ftpipe_iot.transport.base import Will
-from ftpipe_iot.transport.config import BrokerConfig
+from ftpipe_iot.transport.connection import BrokerConfig
 from ftpipe_iot.transport.mqtt import MqttTransport
 
 

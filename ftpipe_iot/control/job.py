@@ -12,7 +12,7 @@ import numpy as np
 from ftpipe_iot.core.data import Dataset, load_dataset
 from ftpipe_iot.core.grouping import grouping_refusal
 from ftpipe_iot.core.models import build_layers, cut_shapes
-from ftpipe_iot.core.profiling import profile_stages
+from ftpipe_iot.core.reference_costs import profile_stages
 from ftpipe_iot.core.schedule import SyncSchedule
 from ftpipe_iot.planning.costs import DeviceSpec
 from ftpipe_iot.planning.layouts import Layout
@@ -31,7 +31,7 @@ from ftpipe_iot.schedules import schedule_for
 @dataclass(frozen=True)
 class JobModel:
     """A job's fixed facts. ``layer_costs`` are forward+backward seconds per micro-batch measured
-    here in stage context (the reference profile, ``core.profiling``); ``cost_model`` adds the
+    here in stage context (the reference profile, ``core.reference_costs``); ``cost_model`` adds the
     per-stage and loss overheads, activation and memory bytes per layer."""
 
     train: TrainConfig

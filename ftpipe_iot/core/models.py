@@ -208,11 +208,12 @@ def profile_layer_costs(name: str, micro_batch_size: int, width: float = 1.0) ->
     """Per-layer cost profile of a built-in model on its usual input, for offline planning.
 
     Returns ``layer_cost_s`` (fwd+bwd seconds per micro-batch, measured in stage context),
-    ``stage_overhead_s`` and ``head_overhead_s`` (``core.profiling``), ``activation_bytes`` (fp32
-    bytes of each layer's output for one micro-batch) and ``layer_memory_bytes`` (parameters,
-    gradients and optimizer state, plus the stashed input activation of each micro-batch).
+    ``stage_overhead_s`` and ``head_overhead_s`` (``core.reference_costs``),
+    ``activation_bytes`` (fp32 bytes of each layer's output for one micro-batch) and
+    ``layer_memory_bytes`` (parameters, gradients and optimizer state, plus the stashed input
+    activation of each micro-batch).
     """
-    from ftpipe_iot.core.profiling import profile_stages
+    from ftpipe_iot.core.reference_costs import profile_stages
     from ftpipe_iot.protocol.plan import TrainConfig
 
     input_shape, classes = ((3, 32, 32), 10) if name == "mobilenetv2" else ((1, 8, 8), 10)

@@ -1,6 +1,6 @@
 """A device bundle: the directory copied onto a device (or the controller/operator host).
 
-Contents: ``<role>.json`` (loadable by ``ftpipe_iot.transport.config.load_bundle``; paths
+Contents: ``<role>.json`` (loadable by ``ftpipe_iot.transport.connection.load_bundle``; paths
 inside are relative to it so the directory can be installed anywhere), ``password`` (0600, the
 only clear-text copy of the password), ``ca.crt``, ``client.crt``, ``client.key`` (0600), for
 identities that sign messages ``signing.key`` (0600) and ``roster.json`` (``fleet.keys``), and for
@@ -18,7 +18,7 @@ from ftpipe_iot.fleet.ca import KeyPair
 from ftpipe_iot.fleet.model import BrokerSettings, Identity, Role
 from ftpipe_iot.fleet.passwd import write_private
 from ftpipe_iot.runtime.broker import shared_file
-from ftpipe_iot.transport.config import BrokerConfig, Bundle, bundle_to_dict
+from ftpipe_iot.transport.connection import BrokerConfig, Bundle, bundle_to_dict
 
 UNIT_TEMPLATE = "ftpipe-device.service.template"
 UNIT_NAME = "ftpipe-device.service"

@@ -21,7 +21,7 @@ import paho.mqtt.client as mqtt
 
 from ftpipe_iot.fleet import ca
 from ftpipe_iot.fleet.errors import CheckFailure, ConnectionCheckError, FleetError
-from ftpipe_iot.transport.config import BrokerConfig, Bundle, ConfigError, MqttProtocol
+from ftpipe_iot.transport.connection import BrokerConfig, Bundle, ConfigError, MqttProtocol
 
 T = TypeVar("T")
 

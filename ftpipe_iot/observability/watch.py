@@ -24,7 +24,7 @@ from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import ControllerStatus, EventType
 from ftpipe_iot.protocol.wire import Reassembler
 from ftpipe_iot.transport.base import Incoming, Transport
-from ftpipe_iot.transport.config import BrokerConfig
+from ftpipe_iot.transport.connection import BrokerConfig
 from ftpipe_iot.transport.mqtt import MqttTransport
 
 

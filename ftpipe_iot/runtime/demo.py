@@ -30,7 +30,7 @@ from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess
 from ftpipe_iot.runtime.faults import Fault, FaultAction
 from ftpipe_iot.runtime.preflight import check_job
 from ftpipe_iot.runtime.supervise import ProcessGroup
-from ftpipe_iot.transport.config import BrokerConfig, parse_protocol
+from ftpipe_iot.transport.connection import BrokerConfig, parse_protocol
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from ftpipe_iot.planning.profiles import DeviceProfile
 from ftpipe_iot.protocol.messages import ControllerState
 from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.topics import Topics, check_name
-from ftpipe_iot.transport.config import BrokerConfig
+from ftpipe_iot.transport.connection import BrokerConfig
 from ftpipe_iot.transport.messenger import Messenger
 from ftpipe_iot.transport.mqtt import MqttTransport
 from ftpipe_iot.transport.tuning import tune_for_large_messages

@@ -44,8 +44,8 @@ def check_job(train: TrainConfig, split_point: int | None = None,
     with _children_import_path():
         layers = build_layers(train.model, data.input_shape, data.num_classes, train.seed)
     if collaborative:
+        from ftpipe_iot.collab.layer_times import model_facts
         from ftpipe_iot.collab.planner import usable_split_points
-        from ftpipe_iot.collab.profile import model_facts
 
         shapes = cut_shapes(layers, data.input_shape, data.num_classes, train.model.name)
         usable_split_points(model_facts(layers, shapes), split_point)

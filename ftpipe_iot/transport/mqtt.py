@@ -19,7 +19,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from ftpipe_iot.errors import TransportError
 from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, Will
-from ftpipe_iot.transport.config import BrokerConfig, MqttProtocol
+from ftpipe_iot.transport.connection import BrokerConfig, MqttProtocol
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from ftpipe_iot.observability.metrics import DeviceMetrics
 from ftpipe_iot.protocol.messages import Activation
 from ftpipe_iot.protocol.wire import WireOptions
 from ftpipe_iot.transport.base import Incoming
-from ftpipe_iot.transport.config import BrokerConfig, MqttProtocol
+from ftpipe_iot.transport.connection import BrokerConfig, MqttProtocol
 from ftpipe_iot.transport.messenger import Messenger
 from ftpipe_iot.transport.mqtt import MqttTransport
 
