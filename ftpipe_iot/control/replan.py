@@ -138,6 +138,7 @@ class Replanner:
         """Training (re)starts at ``step`` under a new plan; True when it is the job's first."""
         first = self.last_change_step is None
         self.last_change_step = step
+        self._candidate = None  # a move proposed under the previous plan is not this one's
         if self._asked_at is not None:
             self.cost_s = 0.5 * self.cost_s + 0.5 * (now - self._asked_at)
             self._asked_at = None

@@ -92,14 +92,16 @@ def propose_regroup(costs: LayerCosts, stages: Sequence[StageAssignment],
         return None  # checked first: solving is the costly part at large fleets
     if any(n < 1 for stage in counts for n in stage):
         return None
-    proposed_devices = [] if layout is None else [d for s in layout for d in s.devices]
-    pool = list(dict.fromkeys([*devices, *candidates, *proposed_devices]))
+    if layout is not None and not {d for s in layout for d in s.devices} <= set(candidates):
+        return None  # a device of the held move is gone
+    pool = list(dict.fromkeys([*devices, *candidates]))
     running = [(s.start, s.end, s.devices) for s in stages]
     m = at.micro_batches
     try:
         typical = _specs(pool, capacity, capabilities, None)
         if layout is None:
-            planned = solve_groups(costs, typical, m, start_from=evaluate_groups(
+            usable = [spec for spec in typical if spec.name in set(candidates)]
+            planned = solve_groups(costs, usable, m, start_from=evaluate_groups(
                 running, costs, typical, m, counts=counts))
         else:
             planned = evaluate_groups([(s.start, s.end, s.devices) for s in layout], costs,
