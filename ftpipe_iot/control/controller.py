@@ -27,7 +27,7 @@ from ftpipe_iot.control.liveness import Failure, LivenessTracker
 from ftpipe_iot.control.outbox import JobOutbox
 from ftpipe_iot.control.plan_stages import LayoutInputs, check_grouping, choose_stages
 from ftpipe_iot.control.recorder import Recorder
-from ftpipe_iot.control.replan import Replanner, ReplanReason, next_plan
+from ftpipe_iot.control.replan import Replanner, ReplanReason, changed_work, next_plan
 from ftpipe_iot.control.roster import Roster
 from ftpipe_iot.control.share_trial import TrialVerdict
 from ftpipe_iot.control.summary import RunSummary
@@ -513,6 +513,11 @@ class Controller:
             self.recorder.repartitioned(version, replan.target)
             if replan.rebalance is not None:
                 self.replanner.moved(version, replan.rebalance)
+            if self.training is not None and \
+                    any(len(s.members) > 1 for s in (*self.training.stages, *replan.target)):
+                # a member's time per micro-batch moves with its share too, not only with its
+                # layers (which restart its history on their own): measure those afresh
+                self.capacity.restart(changed_work(self.training.stages, replan.target))
             self._deploy([d for s in replan.target for d in s.devices], version, replan.target)
         else:
             current = list(self.plan.devices) if self.plan else []
@@ -536,18 +541,24 @@ class Controller:
         else:
             assert self.model is not None and self.plan is not None
             started = time.perf_counter()
-            changed = self.training.retune(step, self.model.cost_model,
-                                           self.config.retune_threshold)
-            if changed is not None:
-                self.recorder.shares_changed(
-                    step, self.training.stages, self.training.guard.last_revert
-                    if changed is TrialVerdict.REVERT else None)
-                self._predict(self.training.stages, step + 1)
+            # Layers first: a group plan's layout move is judged against the best shares of
+            # the layout in force, so when one is due a retune now would be wasted (and would
+            # restart the measurements the move was decided on).
             better = self.replanner.consider(step, self.model, self.plan,
                                              sorted(self.roster.alive), self.capacity,
-                                             self.roster.capabilities)
+                                             self.roster.capabilities, self.training.stages,
+                                             self.training.counts)
             if better is not None:
-                self.recorder.rebalancing(step, better.current_s, better.proposed_s)
+                self.recorder.rebalancing(step, better.current_s, better.proposed_s,
+                                          better.per)
+            else:
+                changed = self.training.retune(step, self.model.cost_model,
+                                               self.config.retune_threshold)
+                if changed is not None:
+                    self.recorder.shares_changed(
+                        step, self.training.stages, self.training.guard.last_revert
+                        if changed is TrialVerdict.REVERT else None)
+                    self._predict(self.training.stages, step + 1)
             self.recorder.decided(time.perf_counter() - started)
         if self.replanner.pending is not None:
             self._begin_replication()

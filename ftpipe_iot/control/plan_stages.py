@@ -4,16 +4,15 @@ of every device, or the fleet planner's plan); with warm standbys for the job's 
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ftpipe_iot.control.replan import without
 from ftpipe_iot.errors import ConfigError
 from ftpipe_iot.planning.capacity import CapacityEstimator
-from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
+from ftpipe_iot.planning.costs import LayerCosts
 from ftpipe_iot.planning.layouts import Layout, LayoutChoice, choose_layout
-from ftpipe_iot.planning.rebalance import device_specs
+from ftpipe_iot.planning.rebalance import comparable_specs, device_specs
 from ftpipe_iot.planning.resilience import split_for_resiliency, with_standbys
 from ftpipe_iot.protocol.messages import Capabilities
 from ftpipe_iot.protocol.plan import Member, Plan, StageAssignment
@@ -89,7 +88,7 @@ def choose_stages(inputs: LayoutInputs) -> tuple[tuple[StageAssignment, ...], li
             warnings.append(f"layout auto keeps a single pipeline: the model cannot be held by "
                             f"a group ({inputs.grouping_refusal})")
         if layout is not Layout.PIPELINE:
-            specs = _comparable(specs, inputs.capacity)
+            specs = comparable_specs(specs, inputs.capacity)
         choice = choose_layout(inputs.costs, specs, inputs.micro_batches, layout,
                                inputs.min_gain, schedule_for(inputs.schedule))
         if choice.warning:
@@ -119,17 +118,3 @@ def _described(choice: LayoutChoice) -> str:
             f"{seconds(choice.pipeline_step_s)} as a single pipeline, "
             f"{seconds(choice.planner_step_s)} as the fleet planner's plan")
 
-
-def _comparable(specs: list[DeviceSpec], capacity: CapacityEstimator) -> list[DeviceSpec]:
-    """Specs whose unmeasured devices count as the median measured one (1.0 when none is).
-
-    A measured factor includes everything that slowed the device on this host, the reference
-    1.0 of a device that has not run yet nothing: after a failure the newcomer would look
-    faster than every survivor and the planner would give it the whole model.
-    """
-    measured = [s.factor for s in specs if s.name in capacity.history or s.name in capacity.prior]
-    if not measured:
-        return specs
-    typical = statistics.median(measured)
-    return [s if s.name in capacity.history or s.name in capacity.prior
-            else replace(s, factor=typical) for s in specs]

@@ -179,10 +179,13 @@ class Recorder:
         self.progress.message(f"recovered in {recover_s:.2f}s: resuming at step {resume_step}")
         self._event(Event(EventType.RECOVERY_DONE, recover_s=recover_s, resume_step=resume_step))
 
-    def rebalancing(self, step: int, current_s: float, proposed_s: float) -> None:
-        self.progress.message(f"rebalancing at step {step}: predicted bottleneck "
-                              f"{current_s * 1e3:.1f} ms -> {proposed_s * 1e3:.1f} ms per "
-                              "micro-batch")
+    def rebalancing(self, step: int, current_s: float, proposed_s: float,
+                    per: str = "micro-batch") -> None:
+        """A layer move was decided: the predicted seconds ``per`` micro-batch (a pipeline's
+        bottleneck) or step (a group plan's) of the plan in force and of the move."""
+        what = "bottleneck" if per == "micro-batch" else "time"
+        self.progress.message(f"rebalancing at step {step}: predicted {what} "
+                              f"{current_s * 1e3:.1f} ms -> {proposed_s * 1e3:.1f} ms per {per}")
 
     def repartitioned(self, at_step: int, stages: tuple[StageAssignment, ...]) -> None:
         self.metrics.repartitions.inc()

@@ -1,5 +1,6 @@
 """Plan changes at step boundaries (pure): which change is pending and why, when the last one
-was, what a change costs as measured, and whether rebalancing the running plan pays off."""
+was, what a change costs as measured, and whether rebalancing the running plan pays off (a
+pipeline's partition by ``planning.rebalance``, a group plan's layout by ``planning.regroup``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from enum import Enum
 
 from ftpipe_iot.control.job import JobModel
 from ftpipe_iot.control.step_times import StepTimes
-from ftpipe_iot.core.routing import Counts
+from ftpipe_iot.core.routing import Counts, plan_counts
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.groups import apportion
 from ftpipe_iot.planning.partition import RepartitionPolicy
@@ -20,6 +21,7 @@ from ftpipe_iot.planning.rebalance import (
     RebalanceInputs,
     propose_rebalance,
 )
+from ftpipe_iot.planning.regroup import Regroup, propose_regroup
 from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.messages import Capabilities
 from ftpipe_iot.protocol.plan import Member, Plan, StageAssignment
@@ -34,6 +36,10 @@ class ReplanReason(str, Enum):
     FINAL = "final"
 
 
+#: A layer move: a pipeline's new partition or a group plan's new layout.
+Move = Rebalance | Regroup
+
+
 @dataclass
 class PendingReplan:
     """A plan change waiting for a step boundary; ``version`` is set once every stage has been
@@ -42,7 +48,7 @@ class PendingReplan:
     reason: ReplanReason
     target: tuple[StageAssignment, ...] | None = None
     version: int | None = None
-    rebalance: Rebalance | None = None
+    rebalance: Move | None = None
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,9 @@ class Replanner:
     failed_moves: int = 0  # rebalances in a row whose predicted gain did not show up
     confirmations: int = 2  # boundaries in a row that must propose the same move
     _asked_at: float | None = None
-    _candidate: tuple[tuple[tuple[str, int, int], ...], int] | None = None
+    # the move last proposed (a pipeline's assignment, a group plan's Regroup) and at how many
+    # boundaries in a row
+    _candidate: tuple[object, int] | None = None
     _check: MoveCheck | None = None
     _step_times: StepTimes = field(default_factory=lambda: StepTimes(4 * _JUDGE_STEPS + 1))
 
@@ -85,7 +93,7 @@ class Replanner:
                                  self.policy.cooldown_steps * scale)
 
     def request(self, reason: ReplanReason, target: Sequence[StageAssignment] | None = None,
-                rebalance: Rebalance | None = None) -> None:
+                rebalance: Move | None = None) -> None:
         """Ask for a change at the next boundary; the final gathering overrides anything else."""
         replaceable = self.pending is not None and self.pending.version is None and \
             self.pending.reason is ReplanReason.REBALANCE and reason is ReplanReason.REPAIR
@@ -106,7 +114,7 @@ class Replanner:
         realized = 1.0 - after / check.before_s
         self.failed_moves = 0 if realized >= check.predicted_gain / 2 else self.failed_moves + 1
 
-    def moved(self, at_step: int, rebalance: Rebalance) -> None:
+    def moved(self, at_step: int, rebalance: Move) -> None:
         """A rebalance takes effect at ``at_step``: judge it against the steps before."""
         before = self._step_times.mean_step_s(at_step - 1 - _JUDGE_STEPS, at_step - 1)
         if before is not None and rebalance.current_s > 0:
@@ -130,37 +138,72 @@ class Replanner:
         """Training (re)starts at ``step`` under a new plan; True when it is the job's first."""
         first = self.last_change_step is None
         self.last_change_step = step
+        self._candidate = None  # a move proposed under the previous plan is not this one's
         if self._asked_at is not None:
             self.cost_s = 0.5 * self.cost_s + 0.5 * (now - self._asked_at)
             self._asked_at = None
         return first
 
     def consider(self, step: int, model: JobModel, plan: Plan, candidates: Sequence[str],
-                 capacity: CapacityEstimator, capabilities: Mapping[str, Capabilities]
-                 ) -> Rebalance | None:
-        """At a step boundary: a better partition that pays off (and is now pending), or None."""
-        if not self.rebalance or self.pending is not None or \
-                any(len(s.members) > 1 for s in plan.stages):
-            return None  # groups are rebalanced by their shares (``Controller._retune``)
-        current = [(s.leader, s.start, s.end) for s in plan.stages]
-        better = propose_rebalance(
-            model.cost_model, current, candidates, capacity, capabilities,
-            self.effective_policy,
-            RebalanceInputs(step, self.last_change_step, model.total_steps - step,
-                            plan.train.micro_batches, self.cost_s))
+                 capacity: CapacityEstimator, capabilities: Mapping[str, Capabilities],
+                 stages: Sequence[StageAssignment] | None = None, counts: Counts | None = None
+                 ) -> Move | None:
+        """At a step boundary: a better partition (a pipeline) or layout (a group plan) that
+        pays off, and is now pending, or None. ``stages`` and ``counts`` are the shares in
+        force (a group plan's may have been retuned since it was published; default: the
+        plan's)."""
+        if not self.rebalance or self.pending is not None:
+            return None
+        running = tuple(stages) if stages is not None else plan.stages
+        at = RebalanceInputs(step, self.last_change_step, model.total_steps - step,
+                             plan.train.micro_batches, self.cost_s)
+        # A move must be proposed at consecutive boundaries: a device that is only briefly
+        # slower (another process took the core for a moment) does not move layers.
+        if any(len(s.members) > 1 for s in running):
+            if plan.train.resiliency > 0:
+                return None  # holders beyond the first are the layout's point: it is kept
+            better, seen = self._regroup(model, running, counts, candidates, capacity,
+                                         capabilities, at)
+        else:
+            current = [(s.leader, s.start, s.end) for s in running]
+            better = propose_rebalance(model.cost_model, current, candidates, capacity,
+                                       capabilities, self.effective_policy, at)
+            held = self._candidate
+            seen = held[1] + 1 if better is not None and held and \
+                held[0] == tuple(better.assignment) else 1
         if better is None:
             self._candidate = None
             return None
-        # A move must be proposed at consecutive boundaries: a device that is only briefly
-        # slower (another process took the core for a moment) does not move layers.
-        key = tuple(better.assignment)
-        seen = self._candidate[1] + 1 if self._candidate and self._candidate[0] == key else 1
-        self._candidate = (key, seen)
+        self._candidate = (better if isinstance(better, Regroup) else tuple(better.assignment),
+                           seen)
         if seen < self.confirmations:
             return None
         self._candidate = None
-        self.request(ReplanReason.REBALANCE, single_stages(better.assignment), better)
+        target = better.stages if isinstance(better, Regroup) else \
+            single_stages(better.assignment)
+        self.request(ReplanReason.REBALANCE, target, better)
         return better
+
+    def _regroup(self, model: JobModel, running: tuple[StageAssignment, ...],
+                 counts: Counts | None, candidates: Sequence[str],
+                 capacity: CapacityEstimator, capabilities: Mapping[str, Capabilities],
+                 at: RebalanceInputs) -> tuple[Regroup | None, int]:
+        """A group plan's layout move and the boundaries in a row it was proposed at: the
+        move held from the last boundary when it still pays (the planner is not asked again:
+        among devices equal but for noise its choice flips between layouts of the same time),
+        else the planner's."""
+        counts = counts if counts is not None else plan_counts(running, at.micro_batches)
+
+        def propose(layout: Sequence[StageAssignment] | None) -> Regroup | None:
+            return propose_regroup(model.cost_model, running, counts, candidates, capacity,
+                                   capabilities, self.effective_policy, at, layout)
+
+        held = self._candidate
+        if held is not None and isinstance(held[0], Regroup):
+            again = propose(held[0].stages)
+            if again is not None:
+                return again, held[1] + 1
+        return propose(None), 1
 
 
 def single_stages(assignment: Assignment) -> tuple[StageAssignment, ...]:
@@ -242,3 +285,12 @@ def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: Capacit
         Member(m.device, n / micro_batches) for m, n in zip(s.members, c)))
         for s, c in zip(stages, new_counts))
     return tuple(new_counts), shares
+
+
+def changed_work(before: Sequence[StageAssignment], after: Sequence[StageAssignment]
+                 ) -> list[str]:
+    """Devices of ``after`` whose layers or share differ from ``before`` (or that are new):
+    their time per micro-batch is to be measured afresh before the next move of work."""
+    held = {m.device: (s.start, s.end, m.share) for s in before for m in s.members}
+    return [m.device for s in after for m in s.members
+            if held.get(m.device) != (s.start, s.end, m.share)]

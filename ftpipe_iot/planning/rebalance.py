@@ -1,11 +1,14 @@
 """Planning decisions (pure): the solver's inputs for a set of devices, the partition of a new
-plan, and whether rebalancing a running plan pays off."""
+plan, and whether rebalancing a running plan pays off (``pays_off``: the rule every layer move
+follows, a pipeline's here and a group plan's in ``planning.regroup``)."""
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.partition import RepartitionPolicy, balanced_split
@@ -36,6 +39,24 @@ def device_specs(devices: Sequence[str], capacity: CapacityEstimator,
     return specs
 
 
+def comparable_specs(specs: Sequence[DeviceSpec], capacity: CapacityEstimator
+                     ) -> list[DeviceSpec]:
+    """Specs whose unmeasured devices count as the median measured one (1.0 when none is).
+
+    A measured factor includes everything that slowed the device on this host, the reference
+    1.0 of a device that has not run yet nothing: after a failure the newcomer would look
+    faster than every survivor and the planner would give it the whole model.
+    """
+    def known(name: str) -> bool:
+        return name in capacity.history or name in capacity.prior
+
+    measured = [s.factor for s in specs if known(s.name)]
+    if not measured:
+        return list(specs)
+    typical = statistics.median(measured)
+    return [s if known(s.name) else replace(s, factor=typical) for s in specs]
+
+
 def new_assignment(cost_model: LayerCosts, specs: Sequence[DeviceSpec]) -> tuple[Assignment,
                                                                                   str | None]:
     """Partition for a new plan over ``specs`` (in order): the solver when anything tells the
@@ -62,6 +83,7 @@ class Rebalance:
     assignment: Assignment
     current_s: float
     proposed_s: float
+    per: ClassVar[str] = "micro-batch"  # what ``current_s`` and ``proposed_s`` are seconds of
 
 
 @dataclass(frozen=True)
@@ -73,6 +95,17 @@ class RebalanceInputs:
     steps_left: int
     micro_batches: int
     replan_cost_s: float
+
+
+def pays_off(current_step_s: float, proposed_step_s: float, policy: RepartitionPolicy,
+             at: RebalanceInputs) -> bool:
+    """Whether moving layers from a plan of ``current_step_s`` seconds per step to one of
+    ``proposed_step_s`` is worth it: the policy's threshold, after its cooldown, and more time
+    saved over the steps left than a re-plan costs (moving the weights, draining and refilling
+    the pipeline: ``replan_cost_s`` as measured)."""
+    saved_s = (current_step_s - proposed_step_s) * at.steps_left
+    return saved_s > at.replan_cost_s and \
+        policy.decide(at.step, at.last_change_step, current_step_s, proposed_step_s)
 
 
 def propose_rebalance(cost_model: LayerCosts, current: Assignment, candidates: Sequence[str],
@@ -98,8 +131,7 @@ def propose_rebalance(cost_model: LayerCosts, current: Assignment, candidates: S
                                         device_specs(candidates, capacity, capabilities, 1))
     except PartitionError:
         return None
-    saved_s = (current_s - proposed_s) * at.micro_batches * at.steps_left
-    if saved_s <= at.replan_cost_s or \
-            not policy.decide(at.step, at.last_change_step, current_s, proposed_s):
+    # bottlenecks are per micro-batch: a step of the pipeline is micro_batches of them
+    if not pays_off(current_s * at.micro_batches, proposed_s * at.micro_batches, policy, at):
         return None
     return Rebalance(new, current_s, proposed_s)
