@@ -102,8 +102,12 @@ def test_predicted_weights_are_the_live_ones_minus_lr_times_the_momentum_buffer(
     assert torch.equal(stash.weights(1)[1]["weight"], weight.detach())
     stash.weights(0)
     for step in (0, 1):
-        for leaf in [*stash.weights(step)[1].values(), *stash.weights(step)[3].values()]:
+        leaves = [*stash.weights(step)[1].values(), *stash.weights(step)[3].values()]
+        gradients = stash.gradients(step)
+        gradients.before(step, 0)  # a backward of micro-batch 0 that leaves ones
+        for leaf in leaves:
             leaf.grad = torch.ones_like(leaf)
+        gradients.after(step, 0)
         stash.before_update(step)
         for optimizer in optimizers:
             if optimizer is not None:

@@ -104,9 +104,10 @@ def test_one_group_is_data_parallelism_with_gradient_exchange():
     stage = plan.stages[0]
     assert stage.micro_batch_counts == (4, 2)  # max(4*4, 2*8) = 16
     assert [m.share for m in stage.members] == pytest.approx([4 / 6, 2 / 6])
-    # every member sends its 400 gradient bytes and receives the other's: g * P / bandwidth
-    assert [m.reduce_s for m in stage.members] == pytest.approx([2 * 400 / 200, 2 * 400 / 400])
-    assert plan.step_s == pytest.approx(16.0 + 4.0)
+    # every member sends its float64 partial (2 * 400 bytes) and receives the other's:
+    # 2 g * P / bandwidth
+    assert [m.reduce_s for m in stage.members] == pytest.approx([4 * 400 / 200, 4 * 400 / 400])
+    assert plan.step_s == pytest.approx(16.0 + 8.0)
     assert plan.shares == pytest.approx({"a": 4 / 6, "b": 2 / 6})
 
 

@@ -150,12 +150,14 @@ def test_costly_gradient_exchange_favours_a_pipeline():
 
 def test_the_exchange_decides_between_replicas_and_a_pipeline():
     costs = flat(4, params=10.0)  # 40 bytes of parameters in all
-    devices = [DeviceSpec(f"d{i}", bandwidth_bytes_per_s=80.0) for i in range(2)]
+    devices = [DeviceSpec(f"d{i}", bandwidth_bytes_per_s=100.0) for i in range(2)]
     # two stages of one device: 8 * 2 + 2 = 18; one group of two: 4 * 4 + exchange
-    sums = solve_groups(costs, devices, 8, exchange=GradientExchange.SUMS)  # 2 * 40 / 80 = 1
-    assert sums.assignment == ((0, 4, ("d0", "d1")),) and sums.step_s == pytest.approx(17.0)
-    # every micro-batch's gradient (the default): 8 * 40 / 80 = 4 -> 20, the pipeline wins
-    each = solve_groups(costs, devices, 8)
+    # float64 partial sums (the default, what --resiliency 0 runs): 2 * 2 * 40 / 100 = 1.6
+    sums = solve_groups(costs, devices, 8)
+    assert sums.assignment == ((0, 4, ("d0", "d1")),) and sums.step_s == pytest.approx(17.6)
+    assert sums.exchange is GradientExchange.SUMS
+    # every micro-batch's gradient (--resiliency >= 1): 8 * 40 / 100 = 3.2, the pipeline wins
+    each = solve_groups(costs, devices, 8, exchange=GradientExchange.MICRO_BATCHES)
     assert each.largest_group == 1 and each.step_s == pytest.approx(18.0)
     assert each.exchange is GradientExchange.MICRO_BATCHES
 

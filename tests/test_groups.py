@@ -215,3 +215,45 @@ def test_a_retune_that_measures_no_slower_stays_and_a_change_without_history_is_
     assert verdicts[4] is TrialVerdict.KEEP and not guard.blocked(11)
     early, _ = _guard_after([0.1 * s for s in range(3)], 2)  # 1 interval before: no trial
     assert early.trial is None and not early.blocked(3)
+
+
+# -- the exchange in partial sums (docs/design.md §8) ---------------------------------------------
+def _reduce_traffic(job: MemoryJob) -> dict[str, int]:
+    """Count what the broker routes on the group topics: messages and payload bytes."""
+    counted = {"messages": 0, "bytes": 0}
+    route = job.broker.route
+
+    def counting(topic: str, payload: bytes, retain: bool) -> None:
+        if topic.endswith("/reduce"):
+            counted["messages"] += 1
+            counted["bytes"] += len(payload)
+        route(topic, payload, retain)
+
+    job.broker.route = counting  # type: ignore[method-assign]
+    return counted
+
+
+def test_partial_sums_on_mobilenet_equal_one_process_in_half_the_bytes():
+    """Two groups of 2 on MobileNetV2 (BatchNorm throughout, the model whose training amplifies
+    last-bit differences), 10 steps of 8 micro-batches: each member publishes one float64
+    partial sum per step, the fleet equals one process, and the group topics carry half the
+    bytes of one float32 gradient per micro-batch (M x 4 bytes against members x 8 per
+    parameter)."""
+    train = TrainConfig(model=ModelSpec("mobilenetv2", width=0.25), micro_batches=8,
+                        micro_batch_size=4, max_steps=10, lr=0.05, replicate_every=5)
+    stages = (_group(0, 0, 6, "d0", "d1"), _group(1, 6, 22, "d2", "d3"))
+    job = MemoryJob(ControllerConfig(train=train, devices=4, assignment=stages), devices=4)
+    traffic = _reduce_traffic(job)
+    job.start()
+    assert job.run() is ControllerPhase.DONE
+    controller = job.controller
+    gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
+    expected = train_reference(train, controller.data, steps=train.max_steps)
+    running = ("running_mean", "running_var")  # replayed: equal to float rounding
+    assert max_weight_diff(*[[{k: v for k, v in layer.items() if not k.endswith(running)}
+                              for layer in weights] for weights in (gathered, expected)]) < 1e-5
+    params = sum(v.size for layer in gathered for k, v in layer.items()
+                 if not k.endswith((*running, "num_batches_tracked")))
+    per_micro_batch = train.micro_batches * 4 * params  # what one gradient per micro-batch sends
+    published = traffic["bytes"] / train.max_steps
+    assert published < per_micro_batch / 1.8, (published, per_micro_batch)

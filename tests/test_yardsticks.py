@@ -255,10 +255,11 @@ def test_the_first_of_two_different_contributions_wins():
 
 
 def _holder(digits) -> Stage:
-    """One holder of a two-holder stage with the whole mlp."""
+    """One holder of a two-holder stage with the whole mlp, at --resiliency 1: its holders
+    take each other's micro-batches over, so each micro-batch's first result counts."""
     layers = build_layers(TRAIN.model, digits.input_shape, digits.num_classes, SEED)
-    return Stage(0, 1, layers, 0, TRAIN, tuple(digits.input_shape), digits.num_classes,
-                 group_size=2)
+    return Stage(0, 1, layers, 0, replace(TRAIN, resiliency=1), tuple(digits.input_shape),
+                 digits.num_classes, group_size=2)
 
 
 def _contribution(stage: Stage, micro_batch: int, value: float) -> SendPartial:

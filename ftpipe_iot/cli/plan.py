@@ -16,7 +16,7 @@ from ftpipe_iot.planning.group_search import (
     data_parallel_plan,
     solve_groups,
 )
-from ftpipe_iot.planning.groups import GradientExchange, GroupPlan, evaluate_groups
+from ftpipe_iot.planning.groups import GradientExchange, GroupPlan, evaluate_groups, exchange_for
 from ftpipe_iot.planning.micro import (
     MicroBatching,
     MicroBatchingProblem,
@@ -219,10 +219,12 @@ def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, objec
 @click.option("--max-in-flight", type=click.IntRange(min=1), default=8, show_default=True,
               help="micro-batches in flight (their activations are held for backward)")
 @click.option("--exchange", type=click.Choice([e.value for e in GradientExchange]),
-              default=GradientExchange.MICRO_BATCHES.value, show_default=True,
-              help="What group members exchange: every micro-batch's gradient (M copies of a "
-                   "stage's parameters per member; what a run does, exact to the bit) or, as a "
-                   "what-if, their gradient sums (g copies).")
+              default=None,
+              help="What group members exchange: their float64 gradient sums (2 g float32 "
+                   "copies of a stage's parameters per member; what a run does at "
+                   "--resiliency 0) or every micro-batch's gradient (M copies; what a run does "
+                   "at --resiliency >= 1, where holders take each other's over). Default: "
+                   "what the run would do.")
 @click.option("--compare", is_flag=True,
               help="Also show the best single pipeline and pure data parallelism.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
@@ -248,7 +250,7 @@ def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, objec
                    "the first layer's output bytes, an estimate].")
 def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, ...],
          more_profiles: tuple[Path, ...], micro_batch_size: int | None, at_step: int,
-         at_time: float, micro_batches: int, exchange: str, compare: bool,
+         at_time: float, micro_batches: int, exchange: str | None, compare: bool,
          as_json: bool, mode: str, server_profiles: tuple[Path, ...], batch_size: int,
          aggregate_every: int, split_point: int | None, dp: bool, resiliency: int | None,
          input_bytes: float | None, schedule: str = "sync", drain_every: int = 10,
@@ -308,7 +310,8 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
                    else _resilience_table(options, source, micro_batches))
         return
     partition = solve_partition(costs, devices)
-    how = GradientExchange(exchange)
+    # this path plans the --resiliency 0 fleet (the trade-off table above prices r >= 1)
+    how = GradientExchange(exchange) if exchange is not None else exchange_for(0)
     by_name = {d.name: d for d in devices}
     auto: MicroBatching | None = None
     if auto_m or auto_b:

@@ -15,6 +15,7 @@ from ftpipe_iot.core.models import build_layers, cut_shapes
 from ftpipe_iot.core.reference_costs import profile_stages
 from ftpipe_iot.core.schedule import SyncSchedule
 from ftpipe_iot.planning.costs import DeviceSpec
+from ftpipe_iot.planning.groups import exchange_for
 from ftpipe_iot.planning.layouts import Layout
 from ftpipe_iot.planning.micro import (
     MicroBatching,
@@ -150,7 +151,8 @@ def choose_job_micro_batching(train: TrainConfig, n_stages: int, auto_m: bool, a
         drain_every=train.replicate_every or model.schedule.steps_per_epoch,
         max_in_flight=train.max_in_flight, max_batch=len(data.x_train),
         optimizer_copies=2 if train.optimizer is OptimizerName.ADAM else 1,
-        predicted_weights=train.delay_compensation is DelayCompensation.PREDICT)
+        predicted_weights=train.delay_compensation is DelayCompensation.PREDICT,
+        exchange=exchange_for(train.resiliency))
     choice = choose_micro_batching(problem, None if auto_m else train.micro_batches,
                                    None if auto_b else train.micro_batch_size)
     return replace(train, micro_batches=choice.micro_batches,

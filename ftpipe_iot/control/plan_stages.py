@@ -11,6 +11,7 @@ from ftpipe_iot.control.replan import without
 from ftpipe_iot.errors import ConfigError
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.costs import LayerCosts
+from ftpipe_iot.planning.groups import exchange_for
 from ftpipe_iot.planning.layouts import Layout, LayoutChoice, choose_layout
 from ftpipe_iot.planning.rebalance import comparable_specs, device_specs
 from ftpipe_iot.planning.resilience import split_for_resiliency, with_standbys
@@ -90,7 +91,8 @@ def choose_stages(inputs: LayoutInputs) -> tuple[tuple[StageAssignment, ...], li
         if layout is not Layout.PIPELINE:
             specs = comparable_specs(specs, inputs.capacity)
         choice = choose_layout(inputs.costs, specs, inputs.micro_batches, layout,
-                               inputs.min_gain, schedule_for(inputs.schedule))
+                               inputs.min_gain, schedule_for(inputs.schedule),
+                               exchange_for(inputs.resiliency))
         if choice.warning:
             warnings.append(choice.warning)
         if layout is not Layout.PIPELINE:

@@ -1,11 +1,17 @@
 """What the members of a stage group exchange at the end of a step, and how they combine it
 (pure: arrays in, layer state out).
 
-Each member keeps the gradient of each of its micro-batches apart and sends them to its peers;
-every member then adds all M of them in micro-batch order, which is the single-process
-accumulation bit for bit (every micro-batch's loss is already divided by M), so all members
-apply the identical update and it equals the reference's. A float sum depends on its order:
-adding per-member sums instead would differ in the last bits, and training amplifies that.
+Every gradient is accumulated in float64, on every stage and in the reference alike, and cast to
+float32 once, for the optimizer. A float32 sum depends on its order, and training amplifies its
+last-bit differences (ReLU6's kinks in MobileNetV2 turn 1e-7 into 1e-2 in three steps); a float64
+sum of the same float32 gradients in another order differs by far less than a float32 rounding
+step, so once cast it is, all but never, the same float32 number. That is what lets the members
+of a group exchange one partial sum each instead of every micro-batch's gradient: a member sums
+its own micro-batches in micro-batch order, every member adds the partials in the same order
+(by their first micro-batch), and the update equals the single-process one. Holders that take
+over each other's micro-batches (``--resiliency >= 1``) still exchange per micro-batch, so that
+the first result of each counts once; those are added in micro-batch order, the reference's
+float64 sum exactly.
 BatchNorm's running statistics are sequential in micro-batch order
 (r <- (1 - m) r + m * batch_mean), so a member's own updates cannot simply be averaged: each
 member records the batch statistics of its micro-batches, and every member replays all of them
@@ -155,81 +161,128 @@ def gradient_partial(named: Sequence[tuple[str, nn.Parameter]],
     return out
 
 
+def sum_partial(named: Sequence[tuple[str, nn.Parameter]],
+                totals: Sequence[torch.Tensor | None]) -> dict[str, np.ndarray]:
+    """A member's float64 sum over its micro-batches as flat arrays: ``<layer>.<parameter>``
+    (a parameter none of its micro-batches reached is left out)."""
+    return {key: total.numpy() for (key, _), total in zip(named, totals) if total is not None}
+
+
 def apply_gradients(named: Sequence[tuple[str, nn.Parameter]],
                     merged: Mapping[str, np.ndarray], micro_batches: int) -> None:
     """Set every parameter's gradient to the sum of all members' micro-batch gradients, added
-    in micro-batch order: the single-process accumulation, bit for bit, on every member."""
+    in float64 in micro-batch order and cast once: the single-process accumulation, bit for
+    bit, on every member."""
     for key, param in named:
         total = None
         for micro_batch in range(micro_batches):
             grad = merged.get(f"{micro_batch}:{key}")
             if grad is not None:
-                tensor = torch.from_numpy(np.array(grad, copy=True))
-                total = tensor if total is None else total + tensor
-        param.grad = total
+                tensor = torch.from_numpy(np.array(grad, dtype=np.float64))  # a copy
+                total = tensor if total is None else total.add_(tensor)
+        param.grad = None if total is None else total.to(param.dtype)
+
+
+def apply_sums(named: Sequence[tuple[str, nn.Parameter]],
+               partials: Sequence[Mapping[str, np.ndarray]]) -> None:
+    """Set every parameter's gradient to the float64 sum of the members' partial sums, added in
+    the given order (the same on every member), cast once."""
+    for key, param in named:
+        total = None
+        for partial in partials:
+            value = partial.get(key)
+            if value is not None:
+                tensor = torch.from_numpy(np.array(value, dtype=np.float64))  # a copy
+                total = tensor if total is None else total.add_(tensor)
+        param.grad = None if total is None else total.to(param.dtype)
 
 
 def partial_misfit(named: Sequence[tuple[str, nn.Parameter]],
-                   partial: Mapping[str, np.ndarray]) -> str | None:
-    """Why a peer's gradients cannot be added to this stage's, or None."""
+                   partial: Mapping[str, np.ndarray], summed: bool = False) -> str | None:
+    """Why a peer's gradients cannot be added to this stage's, or None: per micro-batch
+    (``<micro-batch>:<name>``, float32) or, ``summed``, a partial sum (``<name>``, float64)."""
     shapes = {key: tuple(param.shape) for key, param in named}
+    dtype = np.float64 if summed else np.float32
     for key, value in partial.items():
-        _, _, name = key.partition(":")
+        name = key if summed else key.partition(":")[2]
         if name not in shapes:
             return f"gradient partial names an unknown parameter {key!r}"
-        if tuple(value.shape) != shapes[name] or value.dtype != np.float32:
+        if tuple(value.shape) != shapes[name] or value.dtype != dtype:
             return f"gradient partial {key} is {value.dtype}{list(value.shape)}"
     return None
 
 
 class OrderedGradients:
-    """Gradients summed in micro-batch order, whatever order the backward passes run in.
+    """Gradients summed in float64, in a fixed micro-batch order, whatever order the backward
+    passes run in.
 
-    Autograd adds each backward's gradient to ``.grad`` in the order the passes run, and a float
-    sum depends on its order; the single-process reference runs micro-batches 0, 1, 2, ...
-    A backward that runs in order accumulates in place as autograd does (no copy); one that
-    runs early is kept aside and added when its turn comes. ``keep_each`` keeps every
-    micro-batch's gradient apart instead: what a group member sends its peers.
+    Each backward runs with ``.grad`` cleared, so it leaves exactly its micro-batch's gradient;
+    that is added to the step's float64 total when its turn in the order comes (a backward that
+    runs early is kept aside until then), and ``finish`` puts the total, cast to the
+    parameter's dtype, in ``.grad``. The order is 0, 1, 2, ... unless ``expect`` gives the
+    micro-batches this holder computes. ``keep_each`` keeps every micro-batch's gradient apart
+    instead: what a holder that may be taken over sends its peers.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], keep_each: bool = False) -> None:
         self.params = list(params)
         self.keep_each = keep_each
-        self.next: dict[int, int] = {}  # step -> next micro-batch index to add
+        self.order: dict[int, tuple[int, ...]] = {}  # step -> the micro-batches, in order
+        self.next: dict[int, int] = {}  # step -> position in the order of the next to add
         self.early: dict[int, dict[int, list[torch.Tensor | None]]] = {}
-        self._saved: list[torch.Tensor | None] | None = None
+        self.totals: dict[int, list[torch.Tensor | None]] = {}
+
+    def expect(self, step: int, micro_batches: Sequence[int]) -> None:
+        """The micro-batches of ``step`` this holder computes, in the order to add them."""
+        self.order.setdefault(step, tuple(sorted(micro_batches)))
 
     def before(self, step: int, micro_batch: int) -> None:
-        if self.keep_each or micro_batch != self.next.setdefault(step, 0):
-            self._saved = [p.grad for p in self.params]
-            for p in self.params:
-                p.grad = None
+        for p in self.params:
+            p.grad = None
 
     def after(self, step: int, micro_batch: int) -> None:
-        if self._saved is not None:
-            self.early.setdefault(step, {})[micro_batch] = [p.grad for p in self.params]
-            for p, grad in zip(self.params, self._saved):
-                p.grad = grad
-            self._saved = None
-            if self.keep_each:
-                return
-        else:
-            self.next[step] += 1
-        early = self.early.get(step, {})
-        while self.next.get(step, 0) in early:
-            self._add(early.pop(self.next[step]))
-            self.next[step] += 1
+        grads = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        self.early.setdefault(step, {})[micro_batch] = grads
+        if self.keep_each:
+            return
+        early = self.early[step]
+        while (index := self._next_index(step)) is not None and index in early:
+            self._add(step, early.pop(index))
+            self.next[step] = self.next.get(step, 0) + 1
 
-    def _add(self, grads: Sequence[torch.Tensor | None]) -> None:
-        for p, grad in zip(self.params, grads):
-            if grad is not None:
-                p.grad = grad if p.grad is None else p.grad + grad
+    def _next_index(self, step: int) -> int | None:
+        position = self.next.get(step, 0)
+        order = self.order.get(step)
+        if order is None:
+            return position
+        return order[position] if position < len(order) else None
+
+    def _add(self, step: int, grads: Sequence[torch.Tensor | None]) -> None:
+        totals = self.totals.setdefault(step, [None] * len(self.params))
+        for i, grad in enumerate(grads):
+            if grad is None:
+                continue
+            if totals[i] is None:
+                totals[i] = grad.detach().to(torch.float64)
+            else:
+                totals[i].add_(grad.detach())
 
     def take(self, step: int, micro_batch: int) -> list[torch.Tensor | None]:
         """A kept micro-batch gradient (``keep_each``), forgotten here."""
         return self.early.get(step, {}).pop(micro_batch)
 
+    def total(self, step: int) -> list[torch.Tensor | None]:
+        """The step's float64 sums so far (per parameter; None where nothing came)."""
+        return list(self.totals.get(step, [None] * len(self.params)))
+
     def finish(self, step: int) -> None:
-        """The step's gradients are all in ``.grad``."""
+        """The step's sum goes to ``.grad``, cast to each parameter's dtype; forgotten here."""
+        totals = self.totals.pop(step, None)
+        for i, p in enumerate(self.params):
+            total = None if totals is None else totals[i]
+            p.grad = None if total is None else total.to(p.dtype)
         self.next.pop(step, None)
         self.early.pop(step, None)
+        self.order.pop(step, None)

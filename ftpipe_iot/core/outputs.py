@@ -26,13 +26,16 @@ class SendGradient:
 
 @dataclass(frozen=True)
 class SendPartial:
-    """A holder's contribution of one micro-batch to the step: its gradients and BatchNorm
-    statistics, for every other holder of the stage (``core.exchange``)."""
+    """A holder's contribution to the step, for every other holder of the stage: one
+    micro-batch's gradients (``covers`` empty: ``core.exchange``), or the float64 sum of the
+    micro-batches ``covers`` lists (``core.reducers.PartialSums``; ``micro_batch`` is the first
+    of them), with their BatchNorm statistics."""
 
     step: int
     micro_batch: int
     grads: dict[str, np.ndarray]
     batch_norm: dict[str, np.ndarray]
+    covers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ what this produces (to float tolerance). For ``--schedule async`` it is a simula
 asynchronous schedule: each step computes with the weight version ``StepVersions`` gives it
 (held by a ``WeightStash`` over the whole model, as each stage holds one over its layers, with
 the same delay compensation), so a fleet that never drains between steps still has one
-single-process answer.
+single-process answer. Gradients are summed in float64 in micro-batch order and cast once, as
+every stage sums them (``core.grouping``), through the same versioning a stage has.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ftpipe_iot.core.models import build_layers
 from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.core.schedule import StepVersions, SyncSchedule
 from ftpipe_iot.core.stage import freeze, make_optimizer, micro_batch_loss, train_mode
-from ftpipe_iot.core.stash import WeightStash
+from ftpipe_iot.core.versioning import versioning_for
 from ftpipe_iot.protocol.plan import TrainConfig
 
 
@@ -55,10 +56,11 @@ def _train(config: TrainConfig, data: Dataset, steps: int,
     schedule = SyncSchedule(len(data.x_train), config.micro_batches, config.micro_batch_size,
                             config.seed)
     versions = StepVersions.of(config, schedule.steps_per_epoch)
-    stash = WeightStash(layers, versions, 0, optimizers) if versions.stashes_weights else None
+    params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+    versioning = versioning_for(layers, params, versions, 0, optimizers, keep_each=False)
     for step in range(steps):
         train_mode(layers, config.frozen_layers)
-        weights = stash.weights(step) if stash is not None else None
+        weights = versioning.weights(step)
         for mb in schedule.micro_batches_of(step):
             h = torch.from_numpy(data.x_train[mb.sample_indices])
             y = torch.from_numpy(data.y_train[mb.sample_indices])
@@ -66,18 +68,15 @@ def _train(config: TrainConfig, data: Dataset, steps: int,
                 seed_layer(config.seed, step, mb.index, index)
                 h = layer(h) if weights is None else \
                     torch.func.functional_call(layer, weights[index], (h,))
-            if stash is not None:
-                stash.gradients(step).before(step, mb.index)
+            gradients = versioning.gradients(step)
+            gradients.before(step, mb.index)
             micro_batch_loss(h, y, config.micro_batches).backward()
-            if stash is not None:
-                stash.gradients(step).after(step, mb.index)
-        if stash is not None:
-            stash.before_update(step)
+            gradients.after(step, mb.index)
+        versioning.before_update(step)
         for optimizer in optimizers:
             if optimizer is not None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        if stash is not None:
-            stash.after_update(step)
+        versioning.after_update(step)
     return [{k: v.detach().numpy().copy() for k, v in layer.state_dict().items()}
             for layer in layers]

@@ -78,6 +78,18 @@ class StepRoutes:
     def for_counts(cls, counts: Counts) -> StepRoutes:
         return cls(counts, tuple(interleave(c) for c in counts))
 
+    def of_member(self, stage: int, member: int) -> tuple[int, ...]:
+        """The micro-batches member ``member`` of stage ``stage`` computes, in index order."""
+        return tuple(m for m, who in enumerate(self.members[stage]) if who == member)
+
+
+def own_micro_batches(counts: Counts, stage: int, member: int) -> tuple[int, ...] | None:
+    """Which of a step's micro-batches a member computes, from the counts its inputs carry
+    (None when they carry none: one member computes them all)."""
+    if stage >= len(counts) or member >= len(counts[stage]):
+        return None
+    return StepRoutes.for_counts(counts).of_member(stage, member)
+
 
 def plan_counts(stages: Sequence[StageAssignment], micro_batches: int) -> Counts:
     """The counts the plan's shares give."""

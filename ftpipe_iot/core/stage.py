@@ -25,10 +25,13 @@ from torch import nn
 
 from ftpipe_iot.core.grouping import (
     BatchNormRecorder,
+    OrderedGradients,
     apply_gradients,
+    apply_sums,
     gradient_partial,
     has_running_statistics,
     partial_misfit,
+    sum_partial,
     trainable,
 )
 from ftpipe_iot.core.outputs import (
@@ -40,7 +43,7 @@ from ftpipe_iot.core.outputs import (
     StageOutput,
     StepDone,
 )
-from ftpipe_iot.core.reducers import GroupExchange, LocalAccumulation, Update, reducer_for
+from ftpipe_iot.core.reducers import GroupExchange, PartialSums, Reducers, Update, reducer_for
 from ftpipe_iot.core.replicas import export_layer, import_layer
 from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.core.schedule import StepVersions
@@ -106,11 +109,13 @@ class Stage:
     ``first_layer``). ``expected_shape`` is the per-sample input shape the stage accepts.
 
     A stage held by more than one device (``group_size`` holders: group members and warm
-    standbys) exchanges (``core.reducers.GroupExchange``): it publishes each micro-batch's
-    gradient as soon as its backward is done and applies the optimizer once all M micro-batches
-    of the step have a contribution, its own or another holder's (``offer_partial``), in step
-    order. A stage alone (``LocalAccumulation``) applies the optimizer after its expected
-    micro-batches (given with the step's first forward). ``versions``: the schedule bound to the
+    standbys) exchanges: at ``--resiliency 0`` each member publishes one float64 partial sum
+    of its micro-batches (``core.reducers.PartialSums``), at ``--resiliency >= 1`` every
+    holder publishes each micro-batch's gradient as soon as its backward is done
+    (``GroupExchange``), and it applies the optimizer once all M micro-batches of the step are
+    covered, by its own or other holders' contributions (``offer_partial``), in step order. A
+    stage alone (``LocalAccumulation``) applies the optimizer after its expected micro-batches
+    (given with the step's first forward). ``versions``: the schedule bound to the
     job's numbers; under PipeDream-2BW the stage keeps the stash (``core.stash.WeightStash``).
     """
 
@@ -135,7 +140,7 @@ class Stage:
     pending: dict[tuple[int, int], _Pending] = field(init=False, default_factory=dict)
     completed_steps: set[int] = field(init=False, default_factory=set)
     timings: StageTimings = field(init=False, default_factory=StageTimings)
-    reducer: LocalAccumulation | GroupExchange = field(init=False)
+    reducer: Reducers = field(init=False)
     versioning: Versioning = field(init=False)
 
     def __post_init__(self) -> None:
@@ -150,10 +155,11 @@ class Stage:
         if self.start_step > 0:
             self.completed_steps = {self.start_step - 1}
         self.named = trainable(self.layers, self.first_layer)
-        self.reducer = reducer_for(self.group_size, self.config.micro_batches)
+        self.reducer = reducer_for(self.group_size, self.config.micro_batches,
+                                   takes_over=self.config.resiliency >= 1)
         self.versioning = versioning_for(self.layers, [p for _, p in self.named], self.versions,
                                          self.start_step, self.optimizers,
-                                         keep_each=self.reducer.exchanges)
+                                         keep_each=isinstance(self.reducer, GroupExchange))
         # BatchNorm's running statistics are updated in forward order. Holders that exchange,
         # and a stage alone behind a group, record each micro-batch's batch statistics and
         # replay them in index order when the step is applied, so the stage behind a group
@@ -167,8 +173,10 @@ class Stage:
         self._early: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
         self._next_forward: dict[int, int] = {}
         # training inputs of a later step than the weights: held until the stage gets there
-        self._future: dict[int, dict[int, tuple[np.ndarray, np.ndarray, int | None]]] = {}
+        self._future: dict[int, dict[int, tuple[np.ndarray, np.ndarray, int | None,
+                                                Sequence[int] | None]]] = {}
         self.computed: dict[int, int] = {}  # step -> micro-batches this holder computed
+        self._own: dict[int, tuple[int, ...]] = {}  # step -> the micro-batches routed here
 
     @classmethod
     def from_plan(cls, plan: Plan, device: str, layers: Sequence[nn.Module],
@@ -258,29 +266,33 @@ class Stage:
         return result, time.perf_counter() - start
 
     def forward(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray, train: bool,
-                expected: int | None = None) -> list[StageOutput]:
+                expected: int | None = None, own: Sequence[int] | None = None
+                ) -> list[StageOutput]:
         """Forward one micro-batch; the last stage also computes the loss and starts backward.
         ``expected``: how many of the step's micro-batches this member computes (all of them
-        without a group)."""
+        without a group); ``own``: which ones, when the routes say (their gradients are then
+        summed in that order)."""
         self._check_input(x, y)
         if not train:
             return self._evaluate(step, micro_batch, x, y)
         key = (step, micro_batch)
-        exchanges = self.reducer.exchanges
-        if exchanges and step < self.version:
+        if self.reducer.exchanges and step < self.version:
             raise StageInputError(DropReason.LATE, f"micro-batch {key}: the step is complete, "
                                   "other holders computed it")
-        seen = self.reducer.seen(step, micro_batch)
-        if key in self.pending or (seen and not exchanges) \
+        already = self.reducer.already(step, micro_batch)
+        if key in self.pending or already is DropReason.DUPLICATE \
                 or step in self.completed_steps or micro_batch in self._early.get(step, {}):
             raise StageInputError(DropReason.DUPLICATE, f"micro-batch {key} was already processed")
-        if seen:
+        if already is DropReason.LATE:
             raise StageInputError(DropReason.LATE, f"micro-batch {key} was already computed by "
                                   "another holder")
         if not self.versioning.available(step):  # a holder behind its peers: catch up first
-            self._future.setdefault(step, {})[micro_batch] = (x, y, expected)
+            self._future.setdefault(step, {})[micro_batch] = (x, y, expected, own)
             return []
-        self.reducer.expect(step, expected or self.config.micro_batches)
+        if own is not None:
+            self._own.setdefault(step, tuple(own))
+        self.reducer.expect(step, len(own) if own is not None
+                            else expected or self.config.micro_batches)
         if not self._in_order:
             return self._forward_one(step, micro_batch, x, y)
         early = self._early.setdefault(step, {})
@@ -333,10 +345,8 @@ class Stage:
         self.timings.micro_batch_s[micro_batch] = elapsed
         out: list[StageOutput] = [SendActivation(step, micro_batch, outputs.numpy(), y, True)]
         self.computed[step] = self.computed.get(step, 0) + 1
-        if self.reducer.exchanges:  # nothing to sum, but the holders count the micro-batch done
-            own = SendPartial(step, micro_batch, {}, {})
-            return [*out, own, *self.offer_partial(step, own)]
-        return out + self._apply(self.reducer.micro_batch_done(step, micro_batch, self.version))
+        # nothing to sum, but the holders count the micro-batch done
+        return out + self._micro_batch_done(step, micro_batch, None)
 
     def _forward_layers(self, inputs: torch.Tensor, arrivals: dict[int, float], step: int,
                         micro_batch: int) -> torch.Tensor:
@@ -358,8 +368,8 @@ class Stage:
         return h
 
     def contributed(self, step: int, micro_batch: int) -> bool:
-        """Whether some holder's contribution of this training micro-batch is already in."""
-        return self.reducer.exchanges and self.reducer.seen(step, micro_batch)
+        """Whether another holder's contribution of this training micro-batch is already in."""
+        return self.reducer.already(step, micro_batch) is DropReason.LATE
 
     def backward(self, step: int, micro_batch: int, grad: np.ndarray) -> list[StageOutput]:
         """Backward one micro-batch with the gradient of this stage's output."""
@@ -373,7 +383,7 @@ class Stage:
             raise StageInputError(DropReason.LATE, f"gradient of {key}: the step is complete, "
                                   "other holders computed it")
         if pending is None:
-            reason = DropReason.DUPLICATE if self.reducer.seen(step, micro_batch) or \
+            reason = DropReason.DUPLICATE if self.reducer.already(step, micro_batch) or \
                 step in self.completed_steps else DropReason.UNEXPECTED
             raise StageInputError(reason, f"no forward pass stashed for micro-batch {key}")
         if not isinstance(grad, np.ndarray) or grad.shape != tuple(pending.outputs.shape):
@@ -389,6 +399,8 @@ class Stage:
             np.array(grad, dtype=np.float32, copy=True))
 
         gradients = self.versioning.gradients(step)
+        if step in self._own:
+            gradients.expect(step, self._own[step])
 
         def run() -> torch.Tensor:
             gradients.before(step, micro_batch)
@@ -411,27 +423,57 @@ class Stage:
         else:  # the first stage, or the first trainable one: this micro-batch is done
             out.append(MicroBatchDone(step, micro_batch))
         self.computed[step] = self.computed.get(step, 0) + 1
-        if self.reducer.exchanges:
+        return out + self._micro_batch_done(step, micro_batch, gradients)
+
+    def _micro_batch_done(self, step: int, micro_batch: int,
+                          gradients: OrderedGradients | None) -> list[StageOutput]:
+        """One of this holder's micro-batches is done (``gradients``: where its gradient is;
+        None for a stage of fixed layers): the reducer's contribution and the steps now
+        complete."""
+        reducer = self.reducer
+        if isinstance(reducer, GroupExchange):
             assert self.recorder is not None
-            own = SendPartial(step, micro_batch, gradient_partial(
-                self.named, {micro_batch: gradients.take(step, micro_batch)}),
-                self.recorder.partial(step, micro_batch))
-            return [*out, own, *self.offer_partial(step, own)]
-        return out + self._apply(self.reducer.micro_batch_done(step, micro_batch, self.version))
+            grads = {} if gradients is None else gradient_partial(
+                self.named, {micro_batch: gradients.take(step, micro_batch)})
+            own = SendPartial(step, micro_batch, grads, self.recorder.partial(step, micro_batch))
+            return [own, *self.offer_partial(step, own)]
+        if isinstance(reducer, PartialSums):
+            covers = reducer.micro_batch_done(step, micro_batch)
+            if covers is None:
+                return []  # more of this holder's share to come
+            assert self.recorder is not None
+            records = {k: v for m in covers for k, v in self.recorder.partial(step, m).items()}
+            grads = {} if gradients is None else sum_partial(self.named, gradients.total(step))
+            own = SendPartial(step, covers[0], grads, records, covers)
+            return [own, *self.offer_partial(step, own)]
+        return self._apply(reducer.micro_batch_done(step, micro_batch, self.version))
 
     def offer_partial(self, step: int, partial: SendPartial) -> list[StageOutput]:
         """A holder's contribution (this one's own included). Steps are applied in order, each
         once all its M micro-batches are in; every holder applies the same update."""
         if step < self.version:
             raise StageInputError(DropReason.LATE, f"contribution to finished step {step}")
-        if not isinstance(self.reducer, GroupExchange):
+        reducer = self.reducer
+        if isinstance(reducer, PartialSums):
+            if not partial.covers:
+                raise StageInputError(DropReason.UNEXPECTED, f"stage {self.index} exchanges "
+                                      "partial sums, not single micro-batches")
+            misfit = partial_misfit(self.named, partial.grads, summed=True)
+            if misfit is not None:
+                raise StageInputError(DropReason.BAD_SHAPE, misfit)
+            return self._apply(reducer.offer(step, partial.covers, partial.grads,
+                                             partial.batch_norm, self.version))
+        if not isinstance(reducer, GroupExchange):
             raise StageInputError(DropReason.UNEXPECTED, f"stage {self.index} has one holder: "
                                   "it takes no contributions")
+        if partial.covers:
+            raise StageInputError(DropReason.UNEXPECTED, f"stage {self.index} exchanges single "
+                                  "micro-batches (its holders take over), not partial sums")
         misfit = partial_misfit(self.named, partial.grads)
         if misfit is not None:
             raise StageInputError(DropReason.BAD_SHAPE, misfit)
-        return self._apply(self.reducer.offer(step, partial.micro_batch, partial.grads,
-                                              partial.batch_norm, self.version))
+        return self._apply(reducer.offer(step, partial.micro_batch, partial.grads,
+                                         partial.batch_norm, self.version))
 
     def _apply(self, updates: list[Update]) -> list[StageOutput]:
         """Apply the complete steps, in order: their gradients into the live parameters (the
@@ -441,9 +483,13 @@ class Stage:
         for update in updates:
             step = update.step
             self.versioning.before_update(step)
-            if update.grads is not None:
+            if update.grads is not None or update.sums is not None:
                 with self.timeline.span(SpanKind.EXCHANGE, step):
-                    apply_gradients(self.named, update.grads, self.config.micro_batches)
+                    if update.sums is not None:
+                        apply_sums(self.named, update.sums)
+                    else:
+                        assert update.grads is not None
+                        apply_gradients(self.named, update.grads, self.config.micro_batches)
                     assert self.recorder is not None
                     self.recorder.replay(update.batch_norm or {}, self.config.micro_batches)
                 # forwards of this step that others finished first get no backward: forget them
@@ -477,6 +523,7 @@ class Stage:
                     optimizer.zero_grad(set_to_none=True)
             self.versioning.after_update(step)
         self.reducer.forget(step)
+        self._own.pop(step, None)
         self._early.pop(step, None)
         self._next_forward.pop(step, None)
         self.completed_steps = {s for s in self.completed_steps if s > step - 16} | {step}
@@ -488,8 +535,8 @@ class Stage:
             self.timings.typical_s, self.computed.pop(step, 0))]
         self.timings = StageTimings()
         for later in sorted(s for s in self._future if self.versioning.available(s)):
-            for micro_batch, (x, y, expected) in sorted(self._future.pop(later, {}).items()):
-                out += self.forward(later, micro_batch, x, y, True, expected)
+            for micro_batch, (x, y, expected, own) in sorted(self._future.pop(later, {}).items()):
+                out += self.forward(later, micro_batch, x, y, True, expected, own)
         return out
 
     def _evaluate(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray

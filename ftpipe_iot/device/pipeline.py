@@ -25,6 +25,7 @@ from ftpipe_iot.core.outputs import (
     StageOutput,
     StepDone,
 )
+from ftpipe_iot.core.routing import own_micro_batches
 from ftpipe_iot.core.stage import Stage
 from ftpipe_iot.core.takeover import TakeoverPhase, Watched
 from ftpipe_iot.device.link import LinkMeter
@@ -121,8 +122,10 @@ class StageRunner:
         self.hooks.computing(step)
         self._absorb_contributions()
         self.routes[(step, micro_batch)] = (message, sender)
+        own = own_micro_batches(message.counts, stage.index, stage.member) \
+            if message.train else None
         outputs = stage.forward(step, micro_batch, message.x, message.y, message.train,
-                                message.count(stage.index, stage.member))
+                                message.count(stage.index, stage.member), own)
         if message.train:
             self.metrics.samples.inc(len(message.y))
         if quiet:
@@ -135,7 +138,8 @@ class StageRunner:
         self.role.contribution_seen(inbound.step, inbound.micro_batch, self.clock())
         self.hooks.link(message.nbytes)
         self._emit_all(self.stage.offer_partial(inbound.step, SendPartial(
-            inbound.step, inbound.micro_batch, message.grads, message.batch_norm)))
+            inbound.step, inbound.micro_batch, message.grads, message.batch_norm,
+            message.covers)))
 
     def _absorb_contributions(self) -> None:
         """Before computing, take the contributions already queued: a holder coming back from a
@@ -240,7 +244,8 @@ class StageRunner:
         self.role.contribution_seen(output.step, output.micro_batch, self.clock())
         return self.messenger.send(
             self.topics.stage_reduce(index),
-            GroupPartial(index, self.stage.member, output.grads, output.batch_norm),
+            GroupPartial(index, self.stage.member, output.grads, output.batch_norm,
+                         output.covers),
             version, output.step, output.micro_batch, receivers=self._holders(index))
 
     def _deliver(self, output: StageOutput) -> None:

@@ -170,7 +170,7 @@ def solve_groups(
     max_exact_devices: int = DEFAULT_MAX_EXACT_GROUP_DEVICES,
     max_evaluations: int = DEFAULT_MAX_EVALUATIONS,
     start_from: GroupPlan | None = None,
-    exchange: GradientExchange = GradientExchange.MICRO_BATCHES,
+    exchange: GradientExchange = GradientExchange.SUMS,
 ) -> GroupPlan:
     """The plan with the smallest predicted time per sample: stage count, layer ranges, the
     group of each stage (at most ``min(micro_batches, max_group_size)`` members, each holding
@@ -195,7 +195,7 @@ def solve_groups(
 
 def exact_groups(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int,
                  micro_batch_size: int = 1, *, max_group_size: int | None = None,
-                 exchange: GradientExchange = GradientExchange.MICRO_BATCHES) -> GroupPlan:
+                 exchange: GradientExchange = GradientExchange.SUMS) -> GroupPlan:
     """The optimal plan by the Pareto DP whatever the fleet size (exponential in devices)."""
     cap = _check_inputs(costs, devices, micro_batches, max_group_size)
     tables = GroupTables(costs, devices, micro_batches, exchange)
@@ -208,7 +208,7 @@ def exact_groups(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches
 def heuristic_groups(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int,
                      micro_batch_size: int = 1, *, max_group_size: int | None = None,
                      max_evaluations: int = DEFAULT_MAX_EVALUATIONS,
-                     exchange: GradientExchange = GradientExchange.MICRO_BATCHES) -> GroupPlan:
+                     exchange: GradientExchange = GradientExchange.SUMS) -> GroupPlan:
     """The heuristic's plan alone (what :func:`solve_groups` uses above the exact limit),
     seeded also with :func:`data_parallel_plan`'s group."""
     cap = _check_inputs(costs, devices, micro_batches, max_group_size)
@@ -234,7 +234,7 @@ def best_single_pipeline(costs: LayerCosts, devices: Sequence[DeviceSpec], micro
 def data_parallel_plan(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int,
                        micro_batch_size: int = 1, *, members: Sequence[str] | None = None,
                        max_group_size: int | None = None,
-                       exchange: GradientExchange = GradientExchange.MICRO_BATCHES) -> GroupPlan:
+                       exchange: GradientExchange = GradientExchange.SUMS) -> GroupPlan:
     """Pure data parallelism: one stage with every layer, held by ``members`` or, by default,
     the best group among, for each link speed, the fastest ``k`` devices with at least that
     link that hold the whole model (at most ``micro_batches`` of them). Raises
@@ -267,7 +267,7 @@ def data_parallel_plan(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_b
 def exhaustive_groups(costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int,
                       micro_batch_size: int = 1, *,
                       max_group_size: int | None = None,
-                      exchange: GradientExchange = GradientExchange.MICRO_BATCHES) -> GroupPlan:
+                      exchange: GradientExchange = GradientExchange.SUMS) -> GroupPlan:
     """Brute-force oracle: every stage count, every split, every assignment of each device to a
     stage or to none. ``O(L^S * (S + 1)^D)``; tests on tiny instances only."""
     cap = _check_inputs(costs, devices, micro_batches, max_group_size)

@@ -34,7 +34,7 @@ class GroupTables:
     """
 
     def __init__(self, costs: LayerCosts, devices: Sequence[DeviceSpec], micro_batches: int,
-                 exchange: GradientExchange = GradientExchange.MICRO_BATCHES):
+                 exchange: GradientExchange = GradientExchange.SUMS):
         n = costs.n_layers
         self.exchange = exchange
         self.n_layers = n

@@ -37,14 +37,17 @@ GroupAssignment = Sequence[tuple[int, int, Sequence[str]]]
 
 
 class GradientExchange(enum.Enum):
-    """What the members of a group exchange through the broker at the step end."""
+    """What the members of a group exchange through the broker at the step end
+    (``core.reducers``): what a run exchanges is ``exchange_for`` its resiliency."""
 
-    SUMS = "sums"  # each member's accumulated gradient: g * P bytes per member
-    MICRO_BATCHES = "micro-batches"  # every micro-batch's gradient: M * P bytes per member
+    # each member's float64 partial sum (twice a float32 stage's bytes): 2 g * P per member
+    SUMS = "sums"
+    # every micro-batch's float32 gradient (holders take each other's over): M * P per member
+    MICRO_BATCHES = "micro-batches"
 
     def copies(self, members: int, micro_batches: int) -> int:
-        """Stage-sized gradient payloads each member sends or receives per step."""
-        return members if self is GradientExchange.SUMS else micro_batches
+        """Float32-stage-sized gradient payloads each member sends or receives per step."""
+        return 2 * members if self is GradientExchange.SUMS else micro_batches
 
     def member_s(self, members: int, micro_batches: int, param_bytes: float,
                  bandwidth_bytes_per_s: float) -> float:
@@ -55,6 +58,12 @@ class GradientExchange(enum.Enum):
         if members < 2:
             return 0.0
         return self.copies(members, micro_batches) * param_bytes / bandwidth_bytes_per_s
+
+
+def exchange_for(resiliency: int) -> GradientExchange:
+    """What a run's groups exchange: partial sums, unless holders take each other's
+    micro-batches over (``--resiliency >= 1``), which needs each micro-batch's result apart."""
+    return GradientExchange.MICRO_BATCHES if resiliency >= 1 else GradientExchange.SUMS
 
 
 def _check_micro_batches(micro_batches: object) -> int:
@@ -173,7 +182,7 @@ class GroupPlan:
     stages: tuple[GroupStage, ...]
     micro_batches: int
     micro_batch_size: int = 1
-    exchange: GradientExchange = GradientExchange.MICRO_BATCHES
+    exchange: GradientExchange = GradientExchange.SUMS
 
     @property
     def step_s(self) -> float:
@@ -274,7 +283,7 @@ def check_devices(devices: Sequence[DeviceSpec]) -> dict[str, DeviceSpec]:
 
 def group_stage(costs: LayerCosts, members: Sequence[DeviceSpec], start: int, end: int,
                 micro_batches: int, counts: Sequence[int] | None = None,
-                exchange: GradientExchange = GradientExchange.MICRO_BATCHES) -> GroupStage:
+                exchange: GradientExchange = GradientExchange.SUMS) -> GroupStage:
     """Evaluate layers ``[start, end)`` on a group; ``counts`` (micro-batches per member)
     default to the optimal :func:`apportion`."""
     singles = [stage_for(costs, device, start, end) for device in members]
@@ -310,7 +319,7 @@ def evaluate_groups(
 ) -> GroupPlan:
     """Evaluate ``(start, end, members)`` stages (or a :class:`GroupPlan`'s) under ``devices``:
     with the optimal shares, or with the given micro-batch ``counts`` per stage and member.
-    ``exchange`` defaults to the given plan's, else :attr:`GradientExchange.MICRO_BATCHES`
+    ``exchange`` defaults to the given plan's, else :attr:`GradientExchange.SUMS`
     (what the runtime does).
 
     Stages over a member's memory budget are kept and flagged ``fits_memory=False``; malformed
@@ -324,7 +333,7 @@ def evaluate_groups(
     if isinstance(assignment, GroupPlan):
         exchange = exchange or assignment.exchange
         assignment = assignment.assignment
-    exchange = exchange or GradientExchange.MICRO_BATCHES
+    exchange = exchange or GradientExchange.SUMS
     if not assignment:
         raise PartitionError("an assignment needs at least one stage")
     if counts is not None and len(counts) != len(assignment):

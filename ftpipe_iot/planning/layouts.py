@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from ftpipe_iot.errors import PartitionError
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
 from ftpipe_iot.planning.group_search import data_parallel_plan, solve_groups
-from ftpipe_iot.planning.groups import GroupPlan, evaluate_groups
+from ftpipe_iot.planning.groups import GradientExchange, GroupPlan, evaluate_groups
 from ftpipe_iot.planning.rebalance import new_assignment
 from ftpipe_iot.protocol.vocab import ScheduleName
 from ftpipe_iot.schedules import (
@@ -87,8 +87,8 @@ def _refusal(schedule: Schedule,
 
 
 def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches: int,
-                  layout: Layout, min_gain: float = 0.10, schedule: Schedule | None = None
-                  ) -> LayoutChoice:
+                  layout: Layout, min_gain: float = 0.10, schedule: Schedule | None = None,
+                  exchange: GradientExchange = GradientExchange.SUMS) -> LayoutChoice:
     """The stages of a new plan over ``specs`` (in the controller's order) for ``layout``,
     never a plan ``schedule`` (default: sync) refuses.
 
@@ -98,7 +98,8 @@ def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches:
     warning; when the schedule refuses the group, its refusal is raised (``PlanError``).
     ``auto`` takes :func:`solve_groups`' plan when it predicts a step at least ``min_gain``
     shorter than the single pipeline's and the schedule supports it, else the single pipeline
-    (with a warning naming the plan the schedule refused).
+    (with a warning naming the plan the schedule refused). ``exchange``: what the run's groups
+    will exchange (``groups.exchange_for`` its resiliency), which prices them.
     """
     if not 0 <= min_gain < 1:
         raise PartitionError(f"min_gain must be in [0, 1), got {min_gain}")
@@ -111,14 +112,16 @@ def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches:
             members = [s.name for s in sorted(specs, key=lambda s: s.factor)[:micro_batches]]
             warning = (f"layout data: {len(specs)} devices but {micro_batches} micro-batches "
                        f"per step; the {micro_batches} fastest hold the model")
-        plan = data_parallel_plan(costs, specs, micro_batches, members=members)
+        plan = data_parallel_plan(costs, specs, micro_batches, members=members,
+                                  exchange=exchange)
         if plan.fits_memory:
             refusal = _refusal(schedule, _stages(plan))
             if refusal is not None:
                 raise refusal.error()
             return LayoutChoice(_stages(plan), "data", planner_step_s=_finite(plan.step_s),
                                 warning=warning)
-        choice = choose_layout(costs, specs, micro_batches, Layout.AUTO, min_gain, schedule)
+        choice = choose_layout(costs, specs, micro_batches, Layout.AUTO, min_gain, schedule,
+                               exchange)
         return LayoutChoice(choice.stages, choice.kind, choice.pipeline_step_s,
                             choice.planner_step_s,
                             "layout data: the whole model does not fit every device's memory; "
@@ -128,9 +131,9 @@ def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches:
     if layout is Layout.PIPELINE:
         return LayoutChoice(single, "pipeline", warning=warning)
     pipeline = evaluate_groups([(lo, hi, members) for lo, hi, members, _ in single], costs,
-                               specs, micro_batches)
+                               specs, micro_batches, exchange=exchange)
     try:
-        planned = solve_groups(costs, specs, micro_batches)
+        planned = solve_groups(costs, specs, micro_batches, exchange=exchange)
     except PartitionError as exc:
         return LayoutChoice(single, "pipeline", _finite(pipeline.step_s), None,
                             f"fleet planner: {exc}; a single pipeline instead")

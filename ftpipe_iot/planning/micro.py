@@ -107,7 +107,7 @@ class MicroBatchingProblem:
     optimizer_copies: int = 1
     predicted_weights: bool = False  # async's delay compensation keeps one more weight copy
     message_overhead_s: float = 0.002
-    exchange: GradientExchange = GradientExchange.MICRO_BATCHES
+    exchange: GradientExchange = GradientExchange.SUMS
 
     def __post_init__(self) -> None:
         if len(self.stages) != len(self.devices) or not self.stages:

@@ -90,7 +90,7 @@ def resilience_cost(stages: Sequence[StageAssignment], costs: LayerCosts, input_
     receives M inputs and M output gradients; a watching stage (r >= 1, more than one holder)
     has them delivered to every holder instead of one, and publishes each micro-batch's
     gradient (its parameters' bytes) plus a progress note to all its holders; a group without
-    watching exchanges the contributions only.
+    watching exchanges one float64 partial sum per member (twice its parameters' bytes).
     """
     sent = delivered = compute = 0.0
     m = micro_batches
@@ -106,10 +106,15 @@ def resilience_cost(stages: Sequence[StageAssignment], costs: LayerCosts, input_
             sent += m * grad
             delivered += m * fan_out * grad
         if holders > 1:  # contributions reach every holder, the sender's echo included
-            contribution = costs.stage_param_bytes(stage.start, stage.end) + \
-                MESSAGE_OVERHEAD_BYTES
-            sent += m * contribution
-            delivered += m * holders * contribution
+            params = costs.stage_param_bytes(stage.start, stage.end)
+            if watching:  # every micro-batch's gradient, the first of each counts
+                contribution = params + MESSAGE_OVERHEAD_BYTES
+                sent += m * contribution
+                delivered += m * holders * contribution
+            else:  # one float64 partial sum per member
+                contribution = 2 * params + MESSAGE_OVERHEAD_BYTES
+                sent += holders * contribution
+                delivered += holders * holders * contribution
         if watching and index + 1 < len(stages):
             sent += m * MESSAGE_OVERHEAD_BYTES
             delivered += m * holders * MESSAGE_OVERHEAD_BYTES

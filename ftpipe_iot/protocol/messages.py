@@ -282,14 +282,17 @@ class LayerReplica:
 
 @dataclass(frozen=True)
 class GroupPartial:
-    """A group member's share of a step, for the other members of its stage: the gradients it
-    accumulated and the BatchNorm statistics of its micro-batches (``core.grouping``)."""
+    """A holder's contribution to a step, for the other holders of its stage: one micro-batch's
+    gradients (``covers`` empty, keys ``<micro-batch>:<parameter>``, float32), or the float64
+    sum over the micro-batches in ``covers`` (keys ``<parameter>``), with the BatchNorm
+    statistics of those micro-batches (``core.grouping``, ``core.reducers``)."""
 
     KIND: ClassVar[MessageKind] = MessageKind.REDUCE
     stage: int
     member: int
     grads: dict[str, np.ndarray]
     batch_norm: dict[str, np.ndarray] = field(default_factory=dict)
+    covers: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -297,8 +300,11 @@ class GroupPartial:
                    for v in part.values())
 
     def to_body(self) -> dict[str, Any]:
-        return {"stage": self.stage, "member": self.member, "grads": self.grads,
-                "batch_norm": self.batch_norm}
+        body: dict[str, Any] = {"stage": self.stage, "member": self.member,
+                                "grads": self.grads, "batch_norm": self.batch_norm}
+        if self.covers:
+            body["covers"] = list(self.covers)
+        return body
 
     @classmethod
     def from_body(cls, raw: object) -> GroupPartial:
@@ -310,8 +316,11 @@ class GroupPartial:
                     isinstance(k, str) and isinstance(v, np.ndarray) for k, v in value.items()):
                 raise f.fail(key, "a map of names to arrays", type(value).__name__)
             arrays[key] = dict(value)
+        covers = f.int_list("covers", [])
+        if any(m < 0 for m in covers) or len(set(covers)) != len(covers):
+            raise f.fail("covers", "distinct micro-batch indices >= 0", covers)
         return cls(f.int("stage", low=0), f.int("member", low=0), arrays["grads"],
-                   arrays["batch_norm"])
+                   arrays["batch_norm"], tuple(covers))
 
 
 @dataclass(frozen=True)
