@@ -3,16 +3,20 @@
 Not guaranteed optimal (``group_search.exact_groups`` is, for small fleets). For every stage count
 ``S`` the devices, fastest first, are dealt into ``S`` groups two ways (balanced aggregate speed;
 runs of similar speed, which keep a slow member from setting a fast group's micro-batch latency),
-the groups are ordered fastest or slowest first, and a DP over layer ranges for that ordered list
-of groups picks the cuts (:func:`ranges_for`). The best seeds are then improved by local moves:
-move a device to another group, leave it out or bring it back, swap two devices, swap two
-neighbouring stages. Deterministic: same inputs, same plan.
+the groups are ordered fastest or slowest first (up to three groups: in every order), and a DP
+over layer ranges for that ordered list of groups picks the cuts (:func:`ranges_for`). Seeds of
+unequal sizes (:func:`unequal_seeds`: one big group and single devices, which exchange nothing)
+cover plans such as the head on many members and the layers with costly exchanges on one. The
+best seeds are then improved by local moves: move a device to another group, leave it out or
+bring it back, swap two devices, swap two neighbouring stages. Deterministic: same inputs, same
+plan.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -247,30 +251,81 @@ def seeds(tables: GroupTables, cap: int) -> Iterator[Groups]:
                     yield tuple(by_speed[::-1])
 
 
+#: Seeds of up to this many groups are scored in every order of their groups (memory budgets and
+#: links can make a big or a slow group belong in the middle); longer ones in the orders dealt.
+_EVERY_ORDER_UP_TO = 3
+
+
+def _every_order(family: Iterable[Groups]) -> Iterator[Groups]:
+    """Every seed of ``family`` as dealt, then, when it is short enough, in its other orders."""
+    for groups in family:
+        yield groups
+        if len(groups) <= _EVERY_ORDER_UP_TO:
+            yield from itertools.islice(itertools.permutations(groups), 1, None)
+
+
+def unequal_seeds(tables: GroupTables, cap: int) -> Iterator[Groups]:
+    """Starting groupings of unequal sizes, which :func:`seeds` never deals: for every stage
+    count ``S >= 2`` and big-group size ``k``, one group of ``k`` devices and ``S - 1`` devices
+    on stages of their own. The big group takes what many members speed up (the head overhead,
+    costly layers) while single devices, which exchange no gradients, hold the layers with
+    costly exchanges. The devices come in three orders: by compute, by compute and links
+    (:func:`_stage_speeds`), and by link first (a group's exchange runs at its slowest link,
+    so the big group gets the best-linked devices). The big group goes first, then the single
+    devices in that order, or the mirror image. About as many seeds as :func:`seeds` deals."""
+    plain = [1.0 / d.factor for d in tables.devices]
+    links = [d.bandwidth_bytes_per_s for d in tables.devices]
+    n_dev = len(plain)
+    for n_groups in stage_counts(min(n_dev, tables.n_layers))[1:]:
+        most = min(cap, n_dev - n_groups + 1)
+        if most < 2:
+            continue
+        sizes = sorted({m for m in _SEED_SIZES if 2 <= m < most} | {most})
+        stage = _stage_speeds(tables, n_groups)
+        orders = [sorted(range(n_dev), key=lambda i: (-plain[i], i)),
+                  sorted(range(n_dev), key=lambda i: (-stage[i], i)),
+                  sorted(range(n_dev), key=lambda i: (-links[i], -stage[i], i))]
+        for order in orders:
+            for size in sizes:
+                singles = tuple((i,) for i in order[size:size + n_groups - 1])
+                yield (tuple(order[:size]), *singles)
+                yield (*singles[::-1], tuple(order[:size]))
+
+
 def heuristic_search(
     tables: GroupTables, cap: int, *, extra_seeds: Sequence[Groups] = (),
     max_evaluations: int = DEFAULT_MAX_EVALUATIONS, polish: int = 3,
 ) -> tuple[float, Groups, Ranges]:
-    """Best grouping found: every seed scored, the ``polish`` best improved by local moves.
-    Returns ``(step time, groups, ranges)``; ``(inf, (), ())`` when nothing fits."""
+    """Best grouping found: every seed scored (:func:`seeds` with ``extra_seeds``, and
+    :func:`unequal_seeds`), the ``polish`` best of each of the two families improved by local
+    moves (each family its own: the best few of one often share one basin). Returns
+    ``(step time, groups, ranges)``; ``(inf, (), ())`` when nothing fits."""
     search = _Search(tables, cap, max_evaluations)
-    scored = []
-    for groups in (*seeds(tables, cap), *extra_seeds):
-        value = search.score(groups)[0]
-        if math.isfinite(value):
-            scored.append((value, groups))
-    if not scored:
+    best_value, best_groups = math.inf, ()
+    families = []
+    for family in ((*seeds(tables, cap), *extra_seeds), unequal_seeds(tables, cap)):
+        scored = []
+        for groups in _every_order(family):
+            value = search.score(groups)[0]
+            if math.isfinite(value):
+                scored.append((value, groups))
+        scored.sort(key=lambda item: item[0])
+        if scored and scored[0][0] < best_value:
+            best_value, best_groups = scored[0]
+        families.append(scored)
+    if not best_groups:
         return math.inf, (), ()
-    scored.sort(key=lambda item: item[0])
-    best_value, best_groups = scored[0]
     starts, seen = [], set()
-    for _, groups in scored:
-        key = tuple(tables.key(g) for g in groups)
-        if key not in seen:
-            seen.add(key)
-            starts.append(groups)
-        if len(starts) == polish:
-            break
+    for scored in families:
+        chosen = 0
+        for _, groups in scored:
+            if chosen == polish:
+                break
+            key = tuple(tables.key(g) for g in groups)
+            if key not in seen:
+                seen.add(key)
+                starts.append(groups)
+                chosen += 1
     for groups in starts:
         value, groups = search.improve(groups, len(tables.devices))
         if value < best_value * (1 - _REL_TOL):
