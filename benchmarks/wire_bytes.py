@@ -29,15 +29,17 @@ from ftpipe_iot.core.reference import train_reference  # noqa: E402
 from ftpipe_iot.core.stage import micro_batch_loss  # noqa: E402
 from ftpipe_iot.protocol.messages import Activation, Gradient, envelope  # noqa: E402
 from ftpipe_iot.protocol.plan import TrainConfig  # noqa: E402
-from ftpipe_iot.protocol.vocab import WireDtype  # noqa: E402
+from ftpipe_iot.protocol.vocab import WireCodec  # noqa: E402
 from ftpipe_iot.protocol.wire import WireOptions, encode  # noqa: E402
 
 MB = 8
 ENCODINGS = {
     "fp32": WireOptions(compress=False),
     "fp32+lz4": WireOptions(compress=True),
-    "fp16": WireOptions(compress=False, wire_dtype=WireDtype.FP16),
-    "fp16+lz4": WireOptions(compress=True, wire_dtype=WireDtype.FP16),
+    "fp16": WireOptions(compress=False, codec=WireCodec.FP16),
+    "fp16+lz4": WireOptions(compress=True, codec=WireCodec.FP16),
+    "int8": WireOptions(compress=False, codec=WireCodec.INT8),
+    "int4": WireOptions(compress=False, codec=WireCodec.INT4),
 }
 MODELS = {
     "cnn/digits": TrainConfig(model=ModelSpec("cnn"), data=DataSpec("digits"),

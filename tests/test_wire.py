@@ -15,7 +15,7 @@ from ftpipe_iot.protocol.wire import (
     Reassembler,
     UnknownKind,
     UnknownVersion,
-    WireDtype,
+    WireCodec,
     WireOptions,
     decode,
     encode,
@@ -56,10 +56,10 @@ def test_sparse_activations_are_compressed_dense_are_not():
     assert len(encode(_env(x=sparse), WireOptions(compress=False))[0]) > sparse.nbytes
 
 
-def test_fp16_wire_dtype_halves_bytes_and_restores_dtype():
+def test_fp16_wire_codec_halves_bytes_and_restores_dtype():
     x = np.random.default_rng(2).standard_normal((32, 64)).astype(np.float32)
     native = encode(_env(x=x), WireOptions(compress=False))[0]
-    half = encode(_env(x=x), WireOptions(compress=False, wire_dtype=WireDtype.FP16))[0]
+    half = encode(_env(x=x), WireOptions(compress=False, codec=WireCodec.FP16))[0]
     assert len(half) < 0.6 * len(native)
     back = decode(half).body["x"]
     assert back.dtype == np.float32

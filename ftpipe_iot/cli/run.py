@@ -121,7 +121,7 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 # them. One table for `controller` and `demo` (each has a part of them).
 _PIPELINE_ONLY = ("resume", "standby", "standby_controller", "assignment", "checkpoint_dir",
                   "device_names", "freeze_layers", "resiliency", "layout", "trace_dir",
-                  "write_trace")
+                  "write_trace", "wire_codec")
 
 
 @command()

@@ -279,7 +279,7 @@ class CollabAgent(abc.ABC):
             return
         self.plan, self.round, self._loader = plan, None, None
         self.messenger.options = WireOptions(
-            compress=plan.train.compress, wire_dtype=plan.train.wire_dtype,
+            compress=plan.train.compress,
             max_message_bytes=self.messenger.options.max_message_bytes)
         wanted = set(self.held_layers(plan))
         for layer in self._weights - wanted:

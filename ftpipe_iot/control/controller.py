@@ -128,7 +128,8 @@ class Controller:
     def _setup(self, train: TrainConfig) -> None:
         """Derive the job's fixed facts (data, reference costs, steps) from a training config."""
         self.train = train
-        self.messenger.options = WireOptions(compress=train.compress, wire_dtype=train.wire_dtype)
+        # the feed goes exact: a codec codes what crosses a cut between stages
+        self.messenger.options = WireOptions(compress=train.compress)
         self.model = prepare_job(train, self._given_data)
         check_grouping(self.model.grouping_refusal, self.config.layout, train.resiliency,
                        self.config.assignment)

@@ -6,12 +6,16 @@ asynchronous schedule: each step computes with the weight version ``StepVersions
 (held by a ``WeightStash`` over the whole model, as each stage holds one over its layers, with
 the same delay compensation), so a fleet that never drains between steps still has one
 single-process answer. Gradients are summed in float64 in micro-batch order and cast once, as
-every stage sums them (``core.grouping``), through the same versioning a stage has.
+every stage sums them (``core.grouping``), through the same versioning a stage has. With a wire
+codec (``--wire-codec``) it simulates the coded wire too: what crosses each cut between stages,
+activations forward and their gradients back, passes through the codec's round trip, as the
+receiving stage gets it (``protocol.codecs``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,30 +26,51 @@ from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.core.schedule import StepVersions, SyncSchedule
 from ftpipe_iot.core.stage import freeze, make_optimizer, micro_batch_loss, train_mode
 from ftpipe_iot.core.versioning import versioning_for
+from ftpipe_iot.errors import PlanError
+from ftpipe_iot.protocol.codecs import roundtrip
 from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.vocab import WireCodec
+
+
+class _WireCut(torch.autograd.Function):
+    """A cut between two stages on a coded wire: forward, the receiver gets the activation
+    through the codec; backward, the sender gets the gradient through it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, codec: WireCodec) -> torch.Tensor:
+        ctx.codec = codec
+        return torch.from_numpy(roundtrip(x.detach().numpy(), codec))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.from_numpy(roundtrip(grad.detach().contiguous().numpy(), ctx.codec)), None
 
 
 def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int = 1,
-                    initial: Mapping[int, Mapping[str, np.ndarray]] | None = None
-                    ) -> list[dict[str, np.ndarray]]:
+                    initial: Mapping[int, Mapping[str, np.ndarray]] | None = None,
+                    cuts: Sequence[int] = ()) -> list[dict[str, np.ndarray]]:
     """Train ``steps`` steps in one process; return each layer's state as numpy. The steps are
     synchronous or, with ``config.schedule`` async, the asynchronous schedule's.
 
     Runs with ``threads`` intra-op threads (devices use one by default): CPU kernels split their
     reductions by thread count, so a different count gives last-bit differences that training
     amplifies over a hundred steps. ``initial`` (layer -> state) replaces the seed's weights,
-    as ``--init-from`` does.
+    as ``--init-from`` does. ``cuts``: the first layer of every stage but the first, where a
+    coded wire (``config.wire_codec``) crosses between stages; needed with a codec.
     """
+    if config.wire_codec is not WireCodec.NONE and not cuts:
+        raise PlanError(f"simulating the {config.wire_codec.value} wire codec needs the cuts "
+                        "between stages (cuts=...): the codec acts where the wire is")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _train(config, data, steps, initial)
+        return _train(config, data, steps, initial, frozenset(cuts))
     finally:
         torch.set_num_threads(previous)
 
 
 def _train(config: TrainConfig, data: Dataset, steps: int,
-           initial: Mapping[int, Mapping[str, np.ndarray]] | None
+           initial: Mapping[int, Mapping[str, np.ndarray]] | None, cuts: frozenset[int]
            ) -> list[dict[str, np.ndarray]]:
     layers = build_layers(config.model, data.input_shape, data.num_classes, config.seed)
     for index, state in (initial or {}).items():
@@ -65,6 +90,8 @@ def _train(config: TrainConfig, data: Dataset, steps: int,
             h = torch.from_numpy(data.x_train[mb.sample_indices])
             y = torch.from_numpy(data.y_train[mb.sample_indices])
             for index, layer in enumerate(layers):  # random draws keyed as in a stage
+                if index in cuts and config.wire_codec is not WireCodec.NONE:
+                    h = _WireCut.apply(h, config.wire_codec)
                 seed_layer(config.seed, step, mb.index, index)
                 h = layer(h) if weights is None else \
                     torch.func.functional_call(layer, weights[index], (h,))

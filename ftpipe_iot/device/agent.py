@@ -304,7 +304,7 @@ class DeviceAgent:
         self._drop_stage()
         self._prepared = prepared
         self.messenger.options = WireOptions(compress=plan.train.compress,
-                                             wire_dtype=plan.train.wire_dtype)
+                                             codec=plan.train.wire_codec)
         self.messenger.job_limit = plan.max_message_bytes
         self.copies.follow(plan, self.name)
         if assignment is None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ftpipe_iot.errors import ConfigError, PlanError
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
-from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName, ScheduleName, WireDtype
+from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName, ScheduleName, WireCodec
 from ftpipe_iot.schedules import JobOptions, PlanShape, schedule_for
 
 
@@ -34,7 +34,7 @@ class TrainConfig:
     max_steps: int | None = None
     max_in_flight: int = 8
     eval_batch_size: int = 64
-    wire_dtype: WireDtype = WireDtype.NATIVE
+    wire_codec: WireCodec = WireCodec.NONE  # the stage data's codec (``protocol.codecs``)
     compress: bool = True
     replicate_every: int = 10
     frozen_layers: int = 0  # layers [0, frozen_layers) stay fixed (eval mode, no gradients)
@@ -83,7 +83,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["optimizer"] = self.optimizer.value
-        data["wire_dtype"] = self.wire_dtype.value
+        data["wire_codec"] = self.wire_codec.value
         data["schedule"] = self.schedule.value
         data["delay_compensation"] = self.delay_compensation.value
         data["data"]["shape"] = list(self.data.shape)
@@ -116,7 +116,10 @@ class TrainConfig:
             data["shape"] = tuple(data["shape"])
             values["data"] = DataSpec(**data)
             values["optimizer"] = OptimizerName(values["optimizer"])
-            values["wire_dtype"] = WireDtype(values["wire_dtype"])
+            # a config saved before codecs existed named its wire dtype: native is none
+            legacy = values.pop("wire_dtype", "native")
+            values["wire_codec"] = WireCodec(values.get(
+                "wire_codec", WireCodec.NONE.value if legacy == "native" else legacy))
             values["schedule"] = ScheduleName(values.get("schedule", ScheduleName.SYNC.value))
             # a config saved before delay compensation existed ran without it: a resumed job
             # keeps its rule

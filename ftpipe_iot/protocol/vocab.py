@@ -38,11 +38,14 @@ class MessageKind(str, Enum):
     COLLAB_STATUS = "c_status"
 
 
-class WireDtype(str, Enum):
-    """Dtype of float tensors on the wire. fp16 halves traffic but breaks exactness."""
+class WireCodec(str, Enum):
+    """How the stage data (activations, their gradients) goes on the wire
+    (``protocol.codecs``): as it is, or coded with fewer bytes, deterministically."""
 
-    NATIVE = "native"
+    NONE = "none"
     FP16 = "fp16"
+    INT8 = "int8"
+    INT4 = "int4"
 
 
 class OptimizerName(str, Enum):

@@ -34,8 +34,9 @@ from ftpipe_iot.errors import (
     UnknownVersion,
     WireError,
 )
+from ftpipe_iot.protocol.codecs import decode_array, encode_array, is_coded
 from ftpipe_iot.protocol.signing import Sealer, signed_content, tag_content
-from ftpipe_iot.protocol.vocab import MessageKind, WireDtype
+from ftpipe_iot.protocol.vocab import MessageKind, WireCodec
 
 PROTOCOL_VERSION = 1
 # Below this the lz4 frame header costs more than it can save.
@@ -75,10 +76,12 @@ class Envelope:
 
 @dataclass(frozen=True)
 class WireOptions:
-    """Encoding choices: compression, wire dtype for float tensors, maximum message size."""
+    """Encoding choices: compression, the codec of the message's float32 tensors (the
+    messenger gives the stage data the job's codec and everything else none), maximum message
+    size."""
 
     compress: bool = True
-    wire_dtype: WireDtype = WireDtype.NATIVE
+    codec: WireCodec = WireCodec.NONE
     max_message_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
@@ -114,25 +117,26 @@ def _decode_hook(obj: dict) -> Any:
     return obj
 
 
-def _to_wire_dtype(value: Any, wire_dtype: WireDtype) -> Any:
-    if wire_dtype is WireDtype.FP16 and isinstance(value, np.ndarray) and value.dtype in (
-        np.float32, np.float64
-    ):
-        return {"__fp16__": value.astype(np.float16), "dtype": value.dtype.str}
+def _coded(value: Any, codec: WireCodec) -> Any:
+    if isinstance(value, np.ndarray):
+        return encode_array(value, codec)
     if isinstance(value, dict):
-        return {k: _to_wire_dtype(v, wire_dtype) for k, v in value.items()}
+        return {k: _coded(v, codec) for k, v in value.items()}
     if isinstance(value, list):
-        return [_to_wire_dtype(v, wire_dtype) for v in value]
+        return [_coded(v, codec) for v in value]
     return value
 
 
-def _from_wire_dtype(value: Any) -> Any:
+def _decoded(value: Any) -> Any:
     if isinstance(value, dict):
-        if "__fp16__" in value:
-            return np.asarray(value["__fp16__"]).astype(np.dtype(value["dtype"]))
-        return {k: _from_wire_dtype(v) for k, v in value.items()}
+        if is_coded(value):
+            try:
+                return decode_array(value)
+            except WireError as exc:
+                raise MalformedFrame(str(exc)) from exc
+        return {k: _decoded(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_from_wire_dtype(v) for v in value]
+        return [_decoded(v) for v in value]
     return value
 
 
@@ -146,7 +150,8 @@ def _sample_compresses(raw: bytes) -> bool:
 
 
 def _pack_body(body: dict[str, Any], options: WireOptions) -> tuple[bytes, bool]:
-    raw = msgpack.packb(_to_wire_dtype(body, options.wire_dtype), default=_encode_hook,
+    coded = body if options.codec is WireCodec.NONE else _coded(body, options.codec)
+    raw = msgpack.packb(coded, default=_encode_hook,
                         use_bin_type=True)
     if options.compress and len(raw) >= COMPRESS_MIN_BYTES and (
             len(raw) <= COMPRESS_PROBE_ABOVE or _sample_compresses(raw)):
@@ -174,7 +179,7 @@ def _unpack_body(data: bytes, compressed: bool, max_body_bytes: int) -> dict[str
         raise MalformedFrame(f"body does not decode: {type(exc).__name__}: {exc}") from exc
     if not isinstance(body, dict):
         raise MalformedFrame("body is not a map")
-    return _from_wire_dtype(body)
+    return _decoded(body)
 
 
 _SIGNED_FIELDS = ("v", "k", "j", "s", "p", "st", "mb", "q", "t", "z", "ss", "w")

@@ -21,9 +21,12 @@ from ftpipe_iot.protocol.messages import (
 )
 from ftpipe_iot.protocol.signing import Credentials, ReplayGuard
 from ftpipe_iot.protocol.topics import Topics
-from ftpipe_iot.protocol.vocab import DropReason, MessageKind
+from ftpipe_iot.protocol.vocab import DropReason, MessageKind, WireCodec
 from ftpipe_iot.protocol.wire import FrameHeader, Reassembler, WireOptions, encode
 from ftpipe_iot.transport.base import Incoming, Transport, Will
+
+# the stage data, which the job's codec may code; everything else goes exact
+CODED_KINDS = frozenset({MessageKind.ACTIVATION, MessageKind.GRADIENT})
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +87,17 @@ class Messenger:
         limit = self.transport.max_payload_bytes
         return limit if self.job_limit is None else min(limit, self.job_limit)
 
-    def _wire_options(self, compress: bool | None = None) -> WireOptions:
+    def _wire_options(self, compress: bool | None = None, kind: MessageKind | None = None
+                      ) -> WireOptions:
+        """The options a message of ``kind`` is encoded with: the job's codec for the stage
+        data only (``protocol.codecs``), none for everything else (weights stay exact)."""
         size = self.max_message_bytes
         options = self.options
-        if compress is None and options.max_message_bytes == size:
+        codec = options.codec if kind in CODED_KINDS else WireCodec.NONE
+        if compress is None and options.max_message_bytes == size and codec is options.codec:
             return options
         return WireOptions(compress=options.compress if compress is None else compress,
-                           wire_dtype=options.wire_dtype, max_message_bytes=size)
+                           codec=codec, max_message_bytes=size)
 
     def send(self, topic: str, message: Message, plan_version: int = 0, step: int = -1,
              micro_batch: int = -1, qos: int = 1, retain: bool = False,
@@ -113,7 +120,7 @@ class Messenger:
         link emulated in another thread publishes them after their transmission time)."""
         env = envelope(message, self.job, self.name, plan_version, step, micro_batch,
                        next(self._seq), session=self.session)
-        return encode(env, options or self._wire_options(),
+        return encode(env, options or self._wire_options(kind=message.KIND),
                       self.credentials.sealer(self.name, receivers, also_sign))
 
     def publish_frames(self, topic: str, frames: list[bytes], kind: MessageKind, qos: int = 1,
