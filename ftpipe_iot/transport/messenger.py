@@ -60,7 +60,7 @@ class Messenger:
         self.name = name
         self.job = job
         self.metrics = metrics
-        self.options = options  # compression and wire dtype; the frame size is decided below
+        self.options = options  # compression and codec; the frame size is decided below
         self.job_limit: int | None = None  # the job's message size (from the plan), if any
         self.drops = DropLog(metrics, logger)
         self._log = logger
