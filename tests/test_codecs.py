@@ -151,3 +151,26 @@ def test_device_processes_on_an_int8_wire_over_mosquitto_equal_the_simulator(mos
     train = replace(TRAIN, max_steps=steps)
     gathered = load_weights(tmp_path / "weights.npz")
     assert max_weight_diff(gathered, train_reference(train, data, steps, cuts=CUTS)) < 1e-5
+
+
+def test_the_planner_prices_the_codec_on_the_wire_and_not_in_memory():
+    from ftpipe_iot.planning.micro import MicroBatchingProblem
+    from ftpipe_iot.planning.solver import DeviceSpec, LayerCosts, solve_partition
+
+    costs = LayerCosts((1.0,) * 4, (4e6,) * 4, (1e6,) * 4, micro_batch_size=8)
+    int8 = replace(costs, wire_factor=bytes_per_value(WireCodec.INT8) / 4)
+    slow = [DeviceSpec(f"d{i}", 1.0, 1.25e6) for i in range(2)]  # 10 Mbit/s links
+    exact, coded = solve_partition(costs, slow), solve_partition(int8, slow)
+    # a cut costs 6.4 s of link in fp32 (one device alone is faster: 4 s) and 1.7 s in int8
+    assert len(exact.stages) == 1 and exact.bottleneck_s == pytest.approx(4.0)
+    assert len(coded.stages) == 2 and coded.bottleneck_s == pytest.approx(2 + 6.4 * 1.0625 / 4)
+    problem = MicroBatchingProblem(costs, [(0, 2), (2, 4)], slow)
+    coded_problem = MicroBatchingProblem(int8, [(0, 2), (2, 4)], slow)
+    link = problem.stage_s(0, 8) - 2.0 - 0.002  # compute 2 s, 2 ms a message
+    assert coded_problem.stage_s(0, 8) - 2.0 - 0.002 == pytest.approx(link * 1.0625 / 4)
+    assert coded_problem.stage_memory(0, 4, 8) == problem.stage_memory(0, 4, 8)
+    assert LayerCosts.from_dict({"layer_cost_s": [1.0], "activation_bytes": [1.0],
+                                 "layer_memory_bytes": [1.0], "wire_factor": 0.5}).wire_factor \
+        == 0.5
+    with pytest.raises(Exception, match="wire_factor"):
+        replace(costs, wire_factor=2.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -27,7 +28,8 @@ from ftpipe_iot.planning.profiles import fleet_device_specs, load_profile
 from ftpipe_iot.planning.resilience import ResilienceOption, resilience_options
 from ftpipe_iot.planning.solver import DeviceSpec, LayerCosts, Partition, solve_partition
 from ftpipe_iot.planning.stability import StabilityBounds
-from ftpipe_iot.protocol.vocab import DelayCompensation, ScheduleName
+from ftpipe_iot.protocol.codecs import bytes_per_value
+from ftpipe_iot.protocol.vocab import DelayCompensation, ScheduleName, WireCodec
 from ftpipe_iot.schedules import JobOptions, PlanShape, schedule_for
 
 _DEFAULT_MODEL_MICRO_BATCH = 32
@@ -218,6 +220,10 @@ def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, objec
               help="async: steps between drains (the training's --replicate-every)")
 @click.option("--max-in-flight", type=click.IntRange(min=1), default=8, show_default=True,
               help="micro-batches in flight (their activations are held for backward)")
+@click.option("--wire-codec", type=click.Choice([c.value for c in WireCodec]), default="none",
+              show_default=True,
+              help="price the activations and gradients at the cuts as this codec puts them "
+                   "on the wire (the training's --wire-codec)")
 @click.option("--exchange", type=click.Choice([e.value for e in GradientExchange]),
               default=None,
               help="What group members exchange: their float64 gradient sums (2 g float32 "
@@ -255,7 +261,7 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
          aggregate_every: int, split_point: int | None, dp: bool, resiliency: int | None,
          input_bytes: float | None, schedule: str = "sync", drain_every: int = 10,
          max_in_flight: int = 8, lr: float = 0.05, momentum: float = 0.9,
-         delay_compensation: str = "predict") -> None:
+         delay_compensation: str = "predict", wire_codec: str = "none") -> None:
     """Plan stages for a model over devices given by profiles (ftpipe-iot plan --costs c.json
     --profiles a.json b.json): the number of stages, their layers, the group of devices of each
     stage and every member's share of the micro-batches, minimising the time per sample.
@@ -296,6 +302,8 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         micro_batch_size = micro_batch_size or _DEFAULT_MODEL_MICRO_BATCH
         costs = _model_costs(model, micro_batch_size)
         source = f"model {model}"
+    codec = WireCodec(wire_codec)
+    costs = replace(costs, wire_factor=bytes_per_value(codec) / bytes_per_value(WireCodec.NONE))
     devices = fleet_device_specs(profiles, step=at_step, elapsed_s=at_time)
     if resiliency is not None:
         if auto_m or auto_b:

@@ -24,8 +24,9 @@ from ftpipe_iot.planning.micro import (
     choose_micro_batching,
 )
 from ftpipe_iot.planning.solver import LayerCosts
+from ftpipe_iot.protocol.codecs import bytes_per_value
 from ftpipe_iot.protocol.plan import StageAssignment, TrainConfig
-from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName
+from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName, WireCodec
 from ftpipe_iot.schedules import schedule_for
 
 
@@ -75,7 +76,9 @@ def prepare_job(train: TrainConfig, data: Dataset | None = None) -> JobModel:
         "micro_batch_size": train.micro_batch_size,
         "stage_overhead_s": profile.stage_overhead_s,
         "head_overhead_s": profile.head_overhead_s,
-        "param_bytes": [4 * p for p in params]})
+        "param_bytes": [4 * p for p in params],
+        # the planner prices the stage data as the job's codec puts it on the wire
+        "wire_factor": bytes_per_value(train.wire_codec) / bytes_per_value(WireCodec.NONE)})
     costs = list(profile.layer_cost_s)
     schedule = SyncSchedule(len(data.x_train), train.micro_batches, train.micro_batch_size,
                             train.seed)

@@ -40,8 +40,14 @@ class LayerCosts:
     stage_overhead_s: float = 0.0  # every stage, per micro-batch (docs/design.md §7)
     head_overhead_s: float = 0.0   # the last stage's loss, per micro-batch
     param_bytes: tuple[float, ...] = ()  # per layer; () = unknown, counted as 0
+    # bytes on the wire per byte of an activation or its gradient at a cut: the stage data's
+    # codec (``protocol.codecs.bytes_per_value`` / 4); memory keeps the full activation
+    wire_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        factor = _check_number(self.wire_factor, "wire_factor")
+        if not 0 < factor <= 1:
+            raise PartitionError(f"wire_factor must be in (0, 1], got {factor}")
         for name in ("stage_overhead_s", "head_overhead_s"):
             value = _check_number(getattr(self, name), name)
             if value < 0:
@@ -77,6 +83,10 @@ class LayerCosts:
         head = self.head_overhead_s if end == self.n_layers else 0.0
         return math.fsum(self.layer_cost_s[start:end]) + self.stage_overhead_s + head
 
+    def cut_bytes(self, layer: int) -> float:
+        """Bytes on the wire of layer ``layer``'s output (or its gradient), one micro-batch."""
+        return self.activation_bytes[layer] * self.wire_factor
+
     def stage_param_bytes(self, start: int, end: int) -> float:
         """Parameter (= gradient) bytes of layers ``[start, end)``; 0 when unknown."""
         return math.fsum(self.param_bytes[start:end])
@@ -85,12 +95,14 @@ class LayerCosts:
     def from_dict(cls, data: Mapping[str, object]) -> LayerCosts:
         """Build from ``{"layer_cost_s": [...], "activation_bytes": [...],
         "layer_memory_bytes": [...]}`` plus the optional ``micro_batch_size``,
-        ``stage_overhead_s``, ``head_overhead_s`` and ``param_bytes``; unknown keys are errors.
+        ``stage_overhead_s``, ``head_overhead_s``, ``param_bytes`` and ``wire_factor``; unknown
+        keys are errors.
         """
         if not isinstance(data, Mapping):
             raise PartitionError(f"layer costs must be a JSON object, got {type(data).__name__}")
         required = ("layer_cost_s", "activation_bytes", "layer_memory_bytes")
-        optional = {"micro_batch_size", "stage_overhead_s", "head_overhead_s", "param_bytes"}
+        optional = {"micro_batch_size", "stage_overhead_s", "head_overhead_s", "param_bytes",
+                    "wire_factor"}
         unknown = set(data) - set(required) - optional
         if unknown:
             raise PartitionError(f"unknown keys in layer costs: {sorted(unknown)}")
@@ -109,7 +121,8 @@ class LayerCosts:
         return cls(**lists, micro_batch_size=data.get("micro_batch_size"),  # type: ignore[arg-type]
                    stage_overhead_s=data.get("stage_overhead_s", 0.0),  # type: ignore[arg-type]
                    head_overhead_s=data.get("head_overhead_s", 0.0),  # type: ignore[arg-type]
-                   param_bytes=tuple(params))
+                   param_bytes=tuple(params),
+                   wire_factor=data.get("wire_factor", 1.0))  # type: ignore[arg-type]
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> LayerCosts:

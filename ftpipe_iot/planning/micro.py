@@ -154,8 +154,8 @@ class MicroBatchingProblem:
         compute = math.fsum(costs.layer_cost_s[start:end]) * scale + costs.stage_overhead_s
         if end == costs.n_layers:
             compute += costs.head_overhead_s
-        moved = 2 * (costs.activation_bytes[start - 1] if start > 0 else 0.0) + \
-            2 * (costs.activation_bytes[end - 1] if end < costs.n_layers else 0.0)
+        moved = 2 * (costs.cut_bytes(start - 1) if start > 0 else 0.0) + \
+            2 * (costs.cut_bytes(end - 1) if end < costs.n_layers else 0.0)
         return device.factor * compute + self.message_overhead_s + \
             moved * scale / device.bandwidth_bytes_per_s
 
@@ -268,4 +268,5 @@ def scaled_costs(costs: LayerCosts, size: int) -> LayerCosts:
         tuple(a * scale for a in costs.activation_bytes),
         tuple(p + (m - p) * scale for m, p in zip(costs.layer_memory_bytes, params)),
         micro_batch_size=size, stage_overhead_s=costs.stage_overhead_s,
-        head_overhead_s=costs.head_overhead_s, param_bytes=costs.param_bytes)
+        head_overhead_s=costs.head_overhead_s, param_bytes=costs.param_bytes,
+        wire_factor=costs.wire_factor)

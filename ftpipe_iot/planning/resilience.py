@@ -98,11 +98,11 @@ def resilience_cost(stages: Sequence[StageAssignment], costs: LayerCosts, input_
         holders = len(stage.members)
         watching = resiliency >= 1 and holders > 1
         fan_out = holders if watching else 1
-        inputs = input_bytes if index == 0 else costs.activation_bytes[stage.start - 1]
+        inputs = input_bytes if index == 0 else costs.cut_bytes(stage.start - 1)
         sent += m * (inputs + MESSAGE_OVERHEAD_BYTES)
         delivered += m * fan_out * (inputs + MESSAGE_OVERHEAD_BYTES)
         if index + 1 < len(stages):  # the gradient of this stage's output, from the next one
-            grad = costs.activation_bytes[stage.end - 1] + MESSAGE_OVERHEAD_BYTES
+            grad = costs.cut_bytes(stage.end - 1) + MESSAGE_OVERHEAD_BYTES
             sent += m * grad
             delivered += m * fan_out * grad
         if holders > 1:  # contributions reach every holder, the sender's echo included
