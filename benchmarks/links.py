@@ -57,10 +57,10 @@ PORT = 1883
 # The jobs train MobileNetV2 at width 1.0: the CLI has no width option (heterogeneity.py's
 # WIDTH = 0.25 only reaches its own cost profile). The predictions here use the model that runs.
 WIDTH = 1.0
-# A replica upload over a 10 Mbit/s link takes seconds, and heartbeats queue behind it on the
-# same connection: the default detectors (5 s heartbeat, 30 s stall) would declare a healthy
-# device dead. Both kinds of run get the same, longer ones.
-DETECTORS = ["--heartbeat-timeout", "60", "--stall-timeout", "120"]
+# The default detectors (5 s heartbeat, 30 s stall): a replica upload over a 10 Mbit/s link
+# takes seconds, but heartbeats no longer queue behind it (the bulk outbox, docs/design.md §4)
+# and every replica chunk is a sign of life (§6). Longer detectors were needed before that.
+DETECTORS: list[str] = []
 # Replicas only at plan changes (outside the measuring window): the solver's link model counts
 # activations and gradients, and the window measures what it models. What one replication
 # costs on each link is reported on its own (``replication``).

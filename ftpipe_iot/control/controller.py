@@ -93,6 +93,9 @@ class Controller:
         self.metrics = ControllerMetrics(registry)
         self.messenger = Messenger(transport, "controller", job, self.metrics, logger=log,
                                    credentials=credentials)
+        # Any verified frame from a device is a sign of life, not only its heartbeats: a
+        # device uploading a replica over a slow link is busy, not dead (docs/design.md §6).
+        self.messenger.heard = self._heard
         self.out = JobOutbox(self.messenger, self.topics)
         self.clock = clock
         self.tracer = RunTracer(TraceStore(config.trace_dir) if config.trace_dir else None)
@@ -272,6 +275,9 @@ class Controller:
                 self._on_failure(Failure(frozenset({device}), FailureCause.LAST_WILL,
                                          self.liveness.silence(device, now)))
         self.recorder.devices_online(len(self.roster.online))
+
+    def _heard(self, sender: str) -> None:
+        self.liveness.seen(sender, self.clock())
 
     def _on_heartbeat(self, device: str, beat: Heartbeat) -> None:
         self.liveness.seen(device, self.clock())

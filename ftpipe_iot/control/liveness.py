@@ -1,4 +1,8 @@
-"""Failure detection from values: Last Will / offline status, missing heartbeats, a stalled step.
+"""Failure detection from values: Last Will / offline status, silence, a stalled step.
+
+Silence is the time since a device's last sign of life, and any verified frame from it is one
+(heartbeats, results, each chunk of a replica still arriving): a device busy uploading over a
+slow link is not a dead one (docs/design.md §6).
 
 Pure: the controller feeds it observations and the time, and asks which watched devices look
 dead. Nothing here touches the network or the clock on its own.
@@ -32,6 +36,7 @@ class LivenessTracker:
     last_progress: float = 0.0
 
     def seen(self, device: str, now: float) -> None:
+        """A sign of life from ``device`` at ``now`` (any verified frame from it)."""
         self.last_seen[device] = now
 
     def progressed(self, now: float) -> None:

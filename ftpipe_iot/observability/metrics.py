@@ -10,13 +10,17 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ftpipe_iot.protocol.vocab import DropReason, FailureCause
+from ftpipe_iot.transport.base import Traffic
+
+if TYPE_CHECKING:
+    from ftpipe_iot.transport.bulk import BulkStats
 
 _TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                  10.0)
@@ -45,6 +49,28 @@ class MessagingMetrics:
         self.queue_depth = Gauge("ftpipe_inbox_queue_depth",
                                  "Messages waiting in the inbox for the worker thread",
                                  registry=registry)
+        self.outbox_queued_bytes = Gauge(
+            "ftpipe_outbox_queued_bytes", "Bulk bytes waiting in the outbox, by traffic class",
+            ["traffic"], registry=registry)
+        self.outbox_in_flight_bytes = Gauge(
+            "ftpipe_outbox_in_flight_bytes",
+            "Bulk bytes handed to the connection and not yet acknowledged", registry=registry)
+        self.outbox_window_bytes = Gauge(
+            "ftpipe_outbox_window_bytes",
+            "Bulk bytes the outbox lets be unacknowledged at once (drain rate x target delay)",
+            registry=registry)
+        self.outbox_drain_rate = Gauge(
+            "ftpipe_outbox_drain_rate_bytes_per_second",
+            "Measured rate at which bulk bytes are acknowledged", registry=registry)
+
+    def watch_outbox(self, stats: Callable[[], BulkStats]) -> None:
+        """Read the outbox's gauges from ``stats`` at every scrape (nothing on the hot path)."""
+        for traffic in (Traffic.STAGE_DATA, Traffic.REPLICA):
+            self.outbox_queued_bytes.labels(traffic=traffic.value).set_function(
+                lambda t=traffic: stats().queued_bytes.get(t, 0))
+        self.outbox_in_flight_bytes.set_function(lambda: stats().in_flight_bytes)
+        self.outbox_window_bytes.set_function(lambda: stats().window_bytes)
+        self.outbox_drain_rate.set_function(lambda: stats().drain_bytes_per_s)
 
 
 class DeviceMetrics(MessagingMetrics):

@@ -436,6 +436,10 @@ class ReplayGuard:
         self._sessions: dict[str, int] = {}
         self._last: dict[tuple[str, str], tuple[int, int]] = {}
 
+    def current(self, sender: str, session: int) -> bool:
+        """Whether ``session`` is not older than the newest taken from ``sender``."""
+        return session >= self._sessions.get(sender, 0)
+
     def check(self, sender: str, topic: str, session: int, seq: int, retained: bool,
               will: bool) -> str | None:
         """None when the message may be used (and remember it), else why it is a replay."""

@@ -7,7 +7,11 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from enum import Enum
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ftpipe_iot.transport.bulk import BulkStats
 
 # Put on the inbox by a transport after it reconnected, so the worker can re-announce itself.
 RECONNECTED_TOPIC = "$local/reconnected"
@@ -23,6 +27,17 @@ class Incoming:
     payload: bytes
     retained: bool = False
     received_at: float = 0.0
+
+
+class Traffic(str, Enum):
+    """What a publish carries, for the order it leaves in (docs/design.md §4): control traffic
+    (heartbeats, statuses, plans, commands, states, results, probes, events, the roster, trace
+    batches) is sent at once and never waits behind bulk traffic; of the bulk, stage data
+    (activations, gradients, group partials) goes before replicas."""
+
+    CONTROL = "control"
+    STAGE_DATA = "stage_data"
+    REPLICA = "replica"
 
 
 @dataclass(frozen=True)
@@ -49,8 +64,17 @@ class Transport(Protocol):
     def connect(self, timeout_s: float = 10.0) -> None:
         """Connect (and keep reconnecting in the background); raise TransportError on refusal."""
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
-        """Queue a message for sending."""
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                traffic: Traffic = Traffic.CONTROL) -> None:
+        """Queue a message for sending; bulk ``traffic`` may leave after control traffic
+        published later."""
+
+    def flush(self, timeout_s: float = 3.0) -> int:
+        """Wait while queued bulk traffic is still being delivered (giving up after
+        ``timeout_s`` without progress); returns the messages not delivered (0: all were)."""
+
+    def bulk_stats(self) -> BulkStats:
+        """What waits in the bulk outbox and how fast it drains."""
 
     def subscribe(self, topic: str, qos: int = 1) -> None:
         """Subscribe; subscriptions survive reconnects."""
@@ -59,7 +83,8 @@ class Transport(Protocol):
         """Drop a subscription."""
 
     def close(self) -> None:
-        """Disconnect cleanly (the Last Will is not sent)."""
+        """Deliver what is queued (as ``flush``; what could not be is logged), then disconnect
+        cleanly (the Last Will is not sent)."""
 
 
 def topic_matches(pattern: str, topic: str) -> bool:

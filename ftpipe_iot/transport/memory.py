@@ -6,7 +6,8 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from ftpipe_iot.transport.base import Incoming, Will, topic_matches
+from ftpipe_iot.transport.base import Incoming, Traffic, Will, topic_matches
+from ftpipe_iot.transport.bulk import BulkStats
 
 
 @dataclass
@@ -55,8 +56,17 @@ class MemoryTransport:
         if self not in self.broker.clients:
             self.broker.clients.append(self)
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                traffic: Traffic = Traffic.CONTROL) -> None:
+        # Delivered at once whatever its traffic class: the single-threaded tests that pump
+        # these transports stay deterministic, and nothing here is slow enough to reorder.
         self.broker.route(topic, payload, retain)
+
+    def flush(self, timeout_s: float = 3.0) -> int:
+        return 0  # nothing is ever queued
+
+    def bulk_stats(self) -> BulkStats:
+        return BulkStats()
 
     def subscribe(self, topic: str, qos: int = 1) -> None:
         self.subscriptions.add(topic)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ftpipe_iot.errors import ConfigError, FtpipeError, WireError
 from ftpipe_iot.observability.metrics import DropLog, MessagingMetrics
@@ -23,7 +23,7 @@ from ftpipe_iot.protocol.signing import Credentials, ReplayGuard
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import DropReason, MessageKind, WireCodec
 from ftpipe_iot.protocol.wire import FrameHeader, Reassembler, WireOptions, encode
-from ftpipe_iot.transport.base import Incoming, Transport, Will
+from ftpipe_iot.transport.base import Incoming, Traffic, Transport, Will
 
 # the stage data, which the job's codec may code; everything else goes exact
 CODED_KINDS = frozenset({MessageKind.ACTIVATION, MessageKind.GRADIENT})
@@ -32,6 +32,17 @@ log = logging.getLogger(__name__)
 
 # Kinds every job's processes may see from devices of other jobs (fleet-wide topics).
 _FLEET_KINDS = (MessageKind.STATUS, MessageKind.HEARTBEAT)
+# The bulk kinds (docs/design.md §4); every other kind is control traffic and leaves at once.
+_BULK_KINDS = {MessageKind.ACTIVATION: Traffic.STAGE_DATA,
+               MessageKind.GRADIENT: Traffic.STAGE_DATA,
+               MessageKind.REDUCE: Traffic.STAGE_DATA,
+               MessageKind.WEIGHTS: Traffic.REPLICA}
+
+
+def traffic_of(kind: MessageKind) -> Traffic:
+    """The traffic class of a message kind: activations, gradients and group partials are
+    stage data, layer replicas are replica traffic, everything else is control."""
+    return _BULK_KINDS.get(kind, Traffic.CONTROL)
 # How often a process looks whether its key or (the controller) its roster file changed.
 _TRUST_CHECK_S = 1.0
 
@@ -63,6 +74,7 @@ class Messenger:
         self.options = options  # compression and codec; the frame size is decided below
         self.job_limit: int | None = None  # the job's message size (from the plan), if any
         self.drops = DropLog(metrics, logger)
+        metrics.watch_outbox(transport.bulk_stats)
         self._log = logger
         self.credentials = credentials or Credentials.unsigned()
         signer = self.credentials.signer
@@ -72,9 +84,13 @@ class Messenger:
         self._next_trust_check = 0.0
         self._trust_problem = ""
         # Max body: generous but bounded (a crafted chunk header cannot ask for unbounded memory).
-        self.reassembler = Reassembler(
-            max_body_bytes=1024 * 1024 * 1024,
-            authenticate=self._authenticate if self.credentials.verifier is not None else None)
+        self.reassembler = Reassembler(max_body_bytes=1024 * 1024 * 1024,
+                                       authenticate=self._authenticate)
+        # Called with the sender of every live frame of this job that passed the wire checks
+        # (and its signature or tag, where this process verifies), each chunk as it comes:
+        # a sign of life, also while a long message is still arriving (docs/design.md §6).
+        self.heard: Callable[[str], None] | None = None
+        self._frame: FrameHeader | None = None
         self._seq = itertools.count(1)
         self.sent_bytes = 0  # totals, reported in heartbeats (what resiliency costs on the wire)
         self.received_bytes = 0
@@ -131,8 +147,9 @@ class Messenger:
     def _publish(self, frames: list[tuple[str, bytes]], kind: MessageKind, qos: int,
                  retain: bool) -> int:
         sent = 0
+        traffic = traffic_of(kind)
         for topic, frame in frames:
-            self.transport.publish(topic, frame, qos=qos, retain=retain)
+            self.transport.publish(topic, frame, qos=qos, retain=retain, traffic=traffic)
             sent += len(frame)
         self.metrics.messages_sent.labels(kind=kind.value).inc()
         self.metrics.bytes_sent.inc(sent)
@@ -161,8 +178,10 @@ class Messenger:
         self.received_bytes += len(incoming.payload)
         if not incoming.payload:
             return None  # a cleared retained topic
+        self._frame = None
         try:
             env = self.reassembler.feed(incoming.payload)
+            self._heard(incoming)
             if env is None:
                 return None
             if env.job != self.job and env.kind not in _FLEET_KINDS:
@@ -191,9 +210,26 @@ class Messenger:
         signer = self.credentials.signer
         return self.verify_s + (signer.busy_s if signer is not None else 0.0)
 
+    def _heard(self, incoming: Incoming) -> None:
+        """Tell ``heard`` who sent the frame just taken, when it is a sign of life: live (a
+        retained copy may be old), of this job, not ours, and (verifying) of the sender's
+        current session."""
+        header, self._frame = self._frame, None
+        if self.heard is None or header is None or incoming.retained:
+            return
+        env = header.env
+        if env.job != self.job or env.sender == self.name:
+            return
+        if self.credentials.verifier is not None and \
+                not self.replays.current(env.sender, env.session):
+            return
+        self.heard(env.sender)
+
     def _authenticate(self, header: FrameHeader) -> None:
+        self._frame = header
         verifier = self.credentials.verifier
-        assert verifier is not None
+        if verifier is None:
+            return  # an unsigned job: nothing to check, only the sender to remember
         started = time.perf_counter()
         try:
             if header.tags is not None and (header.signature is None or

@@ -1,7 +1,8 @@
 """paho-mqtt adapter: MQTT 5 where the broker speaks it, 3.1.1 otherwise; reconnects by itself.
 
 Callbacks run on paho's network thread and only enqueue: a slow callback would starve keepalive
-and make the broker fire the Last Will of a healthy device.
+and make the broker fire the Last Will of a healthy device. Bulk traffic goes through the
+outbox (``transport.bulk``): one connection, control traffic never behind more than its window.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.reasoncodes import ReasonCode
 
 from ftpipe_iot.errors import TransportError
-from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, Will
+from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, Traffic, Will
+from ftpipe_iot.transport.bulk import BulkFrame, BulkSender, BulkStats
 from ftpipe_iot.transport.connection import BrokerConfig, MqttProtocol
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,12 @@ class MqttTransport:
         # settled; a bounded deque keeps publish O(1) at hundreds of chunk frames per second).
         self._unacked: deque[mqtt.MQTTMessageInfo] = deque(maxlen=256)
         self._server_max_packet: int | None = None
+        # One connection per process (the fleet broker ties identity to the client id), so
+        # bulk traffic waits in an outbox instead of in front of heartbeats in paho's queue.
+        self._bulk = self._outbox()
+
+    def _outbox(self) -> BulkSender:
+        return BulkSender(self._hand_over, self._connected.is_set, name=self.client_id)
 
     # -- connection ---------------------------------------------------------------------------
     def _make_client(self, protocol: MqttProtocol) -> mqtt.Client:
@@ -106,6 +114,7 @@ class MqttTransport:
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
+        client.on_publish = self._on_publish
         return client
 
     def connect(self, timeout_s: float = 10.0) -> None:
@@ -129,6 +138,7 @@ class MqttTransport:
             client.loop_start()
             refused_or_up = self._wait(timeout_s)
             if self._connected.is_set():
+                self._bulk.start()
                 return
             client.loop_stop()
             client.disconnect()
@@ -173,6 +183,7 @@ class MqttTransport:
         for topic, qos in subs:
             client.subscribe(topic, qos)
         self._connected.set()
+        self._bulk.wake()
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         if not self._ever_connected and self._refused is None:
@@ -181,6 +192,11 @@ class MqttTransport:
             log.warning("%s lost its broker connection (%s); reconnecting", self.client_id,
                         reason_code)
         self._connected.clear()
+        self._bulk.wake()
+
+    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        # QoS 1: the PUBACK came; QoS 0: the frame was written. Only recorded here.
+        self._bulk.acked(mid)
 
     def _on_message(self, client, userdata, message) -> None:
         self.inbox.put(Incoming(message.topic, bytes(message.payload), bool(message.retain),
@@ -200,14 +216,42 @@ class MqttTransport:
             limit = min(limit, int(self._server_max_packet) - _PUBLISH_HEADROOM)
         return limit
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                traffic: Traffic = Traffic.CONTROL) -> None:
+        """Control traffic goes to paho now; bulk traffic waits in the outbox for its window."""
         if self._client is None:
             raise TransportError("publish before connect")
-        info = self._client.publish(topic, payload, qos=qos, retain=retain)
-        if qos > 0:
-            self._unacked.append(info)
+        if traffic is Traffic.CONTROL:
+            info = self._publish_now(topic, payload, qos, retain)
+            if qos > 0:
+                self._unacked.append(info)
+        else:
+            self._bulk.put(BulkFrame(topic, payload, qos, retain, traffic))
+
+    def _publish_now(self, topic: str, payload: bytes, qos: int,
+                     retain: bool) -> mqtt.MQTTMessageInfo:
+        client = self._client
+        if client is None:
+            raise TransportError("publish after close")
+        info = client.publish(topic, payload, qos=qos, retain=retain)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+        return info
+
+    def _hand_over(self, frame: BulkFrame) -> object:
+        """The outbox's send: a bulk frame to paho; its mid is what ``on_publish`` names."""
+        return self._publish_now(frame.topic, frame.payload, frame.qos, frame.retain).mid
+
+    def bulk_stats(self) -> BulkStats:
+        return self._bulk.stats()
+
+    def flush(self, timeout_s: float = 3.0) -> int:
+        """Wait while the outbox still delivers (any acknowledgement is progress; it gives up
+        after ``timeout_s`` without one, or at once without a connection); returns the bulk
+        frames not delivered."""
+        if self._client is None:
+            return 0
+        return self._bulk.flush(timeout_s if self._connected.is_set() else 0.0)
 
     def subscribe(self, topic: str, qos: int = 1) -> None:
         with self._lock:
@@ -222,9 +266,17 @@ class MqttTransport:
             self._client.unsubscribe(topic)
 
     def close(self, flush_timeout_s: float = 3.0) -> None:
-        """Flush QoS>0 messages still in flight (bounded wait), then disconnect cleanly."""
+        """Deliver the outbox while it makes progress (``flush``), flush the control messages
+        still in flight (bounded wait), then disconnect cleanly. Bulk messages that could not
+        be delivered are logged with their count (``flush`` first to know it)."""
         if self._client is None:
             return
+        left = self.flush(flush_timeout_s)
+        never_sent = len(self._bulk.stop())
+        self._bulk = self._outbox()  # a later connect starts afresh
+        if left or never_sent:
+            log.warning("%s closes with %d bulk messages not delivered (no progress for %.0fs)",
+                        self.client_id, max(left, never_sent), flush_timeout_s)
         deadline = time.monotonic() + flush_timeout_s
         for info in self._unacked:
             if _settled(info):
