@@ -223,11 +223,11 @@ def _reduce_traffic(job: MemoryJob) -> dict[str, int]:
     counted = {"messages": 0, "bytes": 0}
     route = job.broker.route
 
-    def counting(topic: str, payload: bytes, retain: bool) -> None:
+    def counting(topic: str, payload: bytes, retain: bool, sender=None) -> None:
         if topic.endswith("/reduce"):
             counted["messages"] += 1
             counted["bytes"] += len(payload)
-        route(topic, payload, retain)
+        route(topic, payload, retain, sender)
 
     job.broker.route = counting  # type: ignore[method-assign]
     return counted
@@ -257,3 +257,70 @@ def test_partial_sums_on_mobilenet_equal_one_process_in_half_the_bytes():
     per_micro_batch = train.micro_batches * 4 * params  # what one gradient per micro-batch sends
     published = traffic["bytes"] / train.max_steps
     assert published < per_micro_batch / 1.8, (published, per_micro_batch)
+
+
+def _no_local_delivery(make_transport) -> tuple[list[str], list[str]]:
+    """What a publisher with a no-local subscription and a plain subscriber receive of a
+    contribution, each up to a marker on another topic (the broker handles one client's
+    packets in order, so once the first marker is back every subscription is in force)."""
+    import queue
+
+    publisher, listener = make_transport("pub"), make_transport("sub")
+    topic, marker = "ftpipe/t/stage/0/reduce", "ftpipe/t/marker"
+    listener.subscribe(topic)
+    listener.subscribe(marker)
+    publisher.subscribe(topic, no_local=True)
+    publisher.subscribe(marker)
+
+    def until_marker(transport) -> list[str]:
+        got = []
+        while True:
+            try:
+                incoming = transport.inbox.get(timeout=5.0)
+            except queue.Empty:
+                raise AssertionError(f"no marker came back, got {got}") from None
+            if incoming.topic == marker:
+                return got
+            got.append(incoming.topic)
+
+    publisher.publish(marker, b"ready")
+    until_marker(publisher)
+    until_marker(listener)
+    publisher.publish(topic, b"contribution")
+    publisher.publish(marker, b"done")
+    return until_marker(publisher), until_marker(listener)
+
+
+def test_a_member_does_not_hear_its_own_contributions_in_memory():
+    from ftpipe_iot.transport.memory import MemoryBroker
+
+    broker = MemoryBroker()
+
+    def connect(name: str):
+        transport = broker.transport(name)
+        transport.connect()
+        return transport
+
+    own, other = _no_local_delivery(connect)
+    assert own == [] and other == ["ftpipe/t/stage/0/reduce"]
+
+
+@pytest.mark.broker
+def test_a_member_does_not_hear_its_own_contributions_over_mqtt5(mosquitto):
+    from ftpipe_iot.transport.connection import BrokerConfig
+    from ftpipe_iot.transport.mqtt import MqttTransport
+
+    made = []
+
+    def connect(name: str) -> MqttTransport:
+        transport = MqttTransport(BrokerConfig(port=mosquitto.port), f"echo-{name}")
+        transport.connect()
+        made.append(transport)
+        return transport
+
+    try:
+        own, other = _no_local_delivery(connect)
+    finally:
+        for transport in made:
+            transport.close()
+    assert own == [] and other == ["ftpipe/t/stage/0/reduce"]

@@ -389,8 +389,9 @@ class DeviceAgent:
                             link=self._emulate_link, computing=self._computing),
                 clock=self.clock)
             self._subscribed = self.runner.topics_to_follow
+            echoless = self.runner.echoless_topics
             for topic in self._subscribed:
-                self.transport.subscribe(topic)
+                self.transport.subscribe(topic, no_local=topic in echoless)
 
     def _on_command(self, inbound: Inbound, command: Command) -> None:
         if command.op is CommandOp.SHUTDOWN:

@@ -84,6 +84,12 @@ class StageRunner:
     def topics_to_follow(self) -> list[str]:
         return self.role.topics_to_follow()
 
+    @property
+    def echoless_topics(self) -> frozenset[str]:
+        """Topics this holder publishes on and need not hear itself on: the group's exchange
+        (its own contribution is counted when it is made)."""
+        return frozenset({self.topics.stage_reduce(self.stage.index)})
+
     # -- in -------------------------------------------------------------------------------------
     def on_message(self, inbound: Inbound, message: StageMessage) -> None:
         """One message of the stage's topics (raises StageInputError for what it cannot use)."""

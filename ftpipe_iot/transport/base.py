@@ -76,8 +76,9 @@ class Transport(Protocol):
     def bulk_stats(self) -> BulkStats:
         """What waits in the bulk outbox and how fast it drains."""
 
-    def subscribe(self, topic: str, qos: int = 1) -> None:
-        """Subscribe; subscriptions survive reconnects."""
+    def subscribe(self, topic: str, qos: int = 1, no_local: bool = False) -> None:
+        """Subscribe; subscriptions survive reconnects. ``no_local``: this client's own
+        publishes on the topic are not delivered back (where the protocol can say so)."""
 
     def unsubscribe(self, topic: str) -> None:
         """Drop a subscription."""

@@ -19,7 +19,8 @@ class MemoryBroker:
     published: list[tuple[str, bytes]] = field(default_factory=list)
     max_payload: int | None = None  # larger messages are dropped silently, as brokers do
 
-    def route(self, topic: str, payload: bytes, retain: bool) -> None:
+    def route(self, topic: str, payload: bytes, retain: bool,
+              sender: MemoryTransport | None = None) -> None:
         if self.max_payload is not None and len(payload) > self.max_payload:
             return
         self.published.append((topic, payload))
@@ -29,7 +30,9 @@ class MemoryBroker:
             else:
                 self.retained.pop(topic, None)
         for client in list(self.clients):
-            if client.connected and any(topic_matches(p, topic) for p in client.subscriptions):
+            patterns = client.subscriptions - client.no_local if client is sender \
+                else client.subscriptions
+            if client.connected and any(topic_matches(p, topic) for p in patterns):
                 client.inbox.put(Incoming(topic, payload, False, time.time()))
 
     def transport(self, client_id: str, will: Will | None = None,
@@ -49,6 +52,7 @@ class MemoryTransport:
         self.will = will
         self.inbox: queue.Queue[Incoming] = queue.Queue()
         self.subscriptions: set[str] = set()
+        self.no_local: set[str] = set()  # subscriptions that do not deliver our own publishes
         self.connected = False
 
     def connect(self, timeout_s: float = 10.0) -> None:
@@ -60,7 +64,7 @@ class MemoryTransport:
                 traffic: Traffic = Traffic.CONTROL) -> None:
         # Delivered at once whatever its traffic class: the single-threaded tests that pump
         # these transports stay deterministic, and nothing here is slow enough to reorder.
-        self.broker.route(topic, payload, retain)
+        self.broker.route(topic, payload, retain, self)
 
     def flush(self, timeout_s: float = 3.0) -> int:
         return 0  # nothing is ever queued
@@ -68,14 +72,17 @@ class MemoryTransport:
     def bulk_stats(self) -> BulkStats:
         return BulkStats()
 
-    def subscribe(self, topic: str, qos: int = 1) -> None:
+    def subscribe(self, topic: str, qos: int = 1, no_local: bool = False) -> None:
         self.subscriptions.add(topic)
+        if no_local:
+            self.no_local.add(topic)
         for retained_topic, payload in self.broker.retained.items():
             if topic_matches(topic, retained_topic):
                 self.inbox.put(Incoming(retained_topic, payload, True, time.time()))
 
     def unsubscribe(self, topic: str) -> None:
         self.subscriptions.discard(topic)
+        self.no_local.discard(topic)
 
     def close(self) -> None:
         self.connected = False

@@ -17,6 +17,7 @@ from collections import deque
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.reasoncodes import ReasonCode
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from ftpipe_iot.errors import TransportError
 from ftpipe_iot.transport.base import RECONNECTED_TOPIC, Incoming, Traffic, Will
@@ -74,7 +75,7 @@ class MqttTransport:
         self.will = will
         self.inbox: queue.Queue[Incoming] = queue.Queue()
         self.protocol = config.protocol
-        self._subscriptions: dict[str, int] = {}
+        self._subscriptions: dict[str, tuple[int, bool]] = {}  # topic -> (qos, no_local)
         self._lock = threading.Lock()
         self._connected = threading.Event()
         self._refused: str | None = None
@@ -180,8 +181,8 @@ class MqttTransport:
         self._ever_connected = True
         with self._lock:
             subs = list(self._subscriptions.items())
-        for topic, qos in subs:
-            client.subscribe(topic, qos)
+        for topic, (qos, no_local) in subs:
+            self._send_subscribe(client, topic, qos, no_local)
         self._connected.set()
         self._bulk.wake()
 
@@ -253,11 +254,20 @@ class MqttTransport:
             return 0
         return self._bulk.flush(timeout_s if self._connected.is_set() else 0.0)
 
-    def subscribe(self, topic: str, qos: int = 1) -> None:
+    def subscribe(self, topic: str, qos: int = 1, no_local: bool = False) -> None:
         with self._lock:
-            self._subscriptions[topic] = qos
+            self._subscriptions[topic] = (qos, no_local)
         if self._client is not None and self._connected.is_set():
-            self._client.subscribe(topic, qos)
+            self._send_subscribe(self._client, topic, qos, no_local)
+
+    def _send_subscribe(self, client: mqtt.Client, topic: str, qos: int, no_local: bool
+                        ) -> None:
+        """MQTT 5's no-local option keeps this client's own publishes from coming back; MQTT
+        3.1.1 has none (the echoes come, and the receiver drops its own)."""
+        if no_local and self.protocol is MqttProtocol.V5:
+            client.subscribe(topic, options=SubscribeOptions(qos=qos, noLocal=True))
+        else:
+            client.subscribe(topic, qos)
 
     def unsubscribe(self, topic: str) -> None:
         with self._lock:
