@@ -57,7 +57,7 @@ def test_a_dead_member_leaves_its_share_to_its_peers(mosquitto, processes, tmp_p
     from ftpipe_iot.observability.watch import JobWatcher
     from ftpipe_iot.transport.connection import BrokerConfig
 
-    steps = 24 if schedule is ScheduleName.SYNC else 16
+    steps = 24 if schedule is ScheduleName.SYNC else 12
     watcher = JobWatcher(BrokerConfig(port=mosquitto.port), "kill").start()
     try:
         for i in range(3):

@@ -322,11 +322,12 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
     how = GradientExchange(exchange) if exchange is not None else exchange_for(0)
     by_name = {d.name: d for d in devices}
     auto: MicroBatching | None = None
-    if auto_m or auto_b:
+    def choose(stages: list[tuple[int, int]], holders: list) -> None:
+        """``--micro-batches/--micro-batch-size auto`` for these stages and holders; the
+        costs (and the partition on them) follow a new micro-batch size."""
+        nonlocal auto, micro_batches, micro_batch_size, costs, partition
         problem = MicroBatchingProblem(
-            costs, [(s.start, s.end) for s in partition.stages],
-            [by_name[s.device] for s in partition.stages],
-            schedule=schedule_for(ScheduleName(schedule)),
+            costs, stages, holders, schedule=schedule_for(ScheduleName(schedule)),
             drain_every=drain_every, max_in_flight=max_in_flight, exchange=how)
         auto = choose_micro_batching(problem, None if auto_m else int(micro_batches),
                                      None if auto_b else micro_batch_size)
@@ -335,6 +336,10 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
             costs = _rescaled(costs, model, auto.micro_batch_size)
             micro_batch_size = auto.micro_batch_size
             partition = solve_partition(costs, devices)
+
+    if auto_m or auto_b:
+        choose([(s.start, s.end) for s in partition.stages],
+               [by_name[s.device] for s in partition.stages])
     assert isinstance(micro_batches, int) and isinstance(micro_batch_size, int)
     chosen = solve_groups(costs, devices, micro_batches, micro_batch_size, exchange=how)
     grouped = auto is not None and chosen.largest_group > 1 and \
@@ -345,19 +350,8 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         # The printed plan has groups: choose again for its stages and members (the pipeline's
         # choice ignores that a group needs M >= its members and exchanges gradients), then
         # evaluate that same layout at the new choice.
-        assert auto is not None
-        problem = MicroBatchingProblem(
-            costs, [(s.start, s.end) for s in chosen.stages],
-            [tuple(by_name[name] for name in s.devices) for s in chosen.stages],
-            schedule=schedule_for(ScheduleName(schedule)),
-            drain_every=drain_every, max_in_flight=max_in_flight, exchange=how)
-        auto = choose_micro_batching(problem, None if auto_m else micro_batches,
-                                     None if auto_b else micro_batch_size)
-        micro_batches = auto.micro_batches
-        if auto.micro_batch_size != micro_batch_size:
-            costs = _rescaled(costs, model, auto.micro_batch_size)
-            micro_batch_size = auto.micro_batch_size
-            partition = solve_partition(costs, devices)
+        choose([(s.start, s.end) for s in chosen.stages],
+               [tuple(by_name[name] for name in s.devices) for s in chosen.stages])
         chosen = evaluate_groups(chosen, costs, devices, micro_batches, micro_batch_size)
     unused = [d.name for d in devices if d.name not in partition.devices]
     chosen_unused = [d.name for d in devices if d.name not in chosen.devices]
