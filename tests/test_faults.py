@@ -53,8 +53,8 @@ class FaultJob:
         self.steps = steps
         self.watcher = JobWatcher(BrokerConfig(port=broker.port), job).start()
 
-    def device(self, name: str) -> None:
-        self.processes.device(name, self.job, self.broker.url, "--keepalive", "2")
+    def device(self, name: str, *extra: str) -> None:
+        self.processes.device(name, self.job, self.broker.url, "--keepalive", "2", *extra)
 
     def controller(self, devices: int, *extra: str, name: str = "controller") -> None:
         self.processes.start(
@@ -113,6 +113,48 @@ def test_kill_9_of_one_device_mid_run(fault_job):
     resumed = [e["resume_step"] for e in summary["events"] if e["type"] == "recovery_done"]
     assert resumed and all(step % REPLICATE_EVERY == 0 for step in resumed)
     assert 0 <= summary["recomputed_steps"] <= REPLICATE_EVERY * summary["recoveries"]
+
+
+def test_replication_paced_to_a_slow_link_bounds_the_rewind(fault_job, tmp_path):
+    """The devices declare a 4 MB/s link (their profile) and run on loopback (--real-link): the
+    controller paces replication to the declared link (a stage's ~0.15 MB replica takes ~0.04
+    s, beyond the default 10 % budget of 2 steps), the devices follow the interval, and a
+    kill rewinds at most the interval in force, exactly. The plan is pinned: the declared link
+    would otherwise put every layer on one device."""
+    profile = tmp_path / "slow-uplink.json"
+    profile.write_text(json.dumps({"name": "slow-uplink", "bandwidth_bytes_per_s": 4_000_000}))
+    for i in range(3):
+        fault_job.device(f"dev{i}", "--profile", str(profile), "--real-link")
+    checkpoints = tmp_path / "checkpoints"
+    fault_job.steps = 48  # room for a point of the new interval before the kill
+    fault_job.controller(3, "--replicate-every", "2", "--checkpoint-dir", str(checkpoints),
+                         "--assignment", "dev0:0-5,dev1:5-9,dev2:9-12")
+    assert fault_job.watcher.wait_for(
+        lambda w: w.events_of(EventType.REPLICATION_PACED), 120), \
+        fault_job.processes.log("controller")[-3000:]
+    paced = fault_job.watcher.events_of(EventType.REPLICATION_PACED)[0].event
+    every, since = paced.steps, paced.at_step
+    assert every > 2 and every % 2 == 0 and (every // 2) & (every // 2 - 1) == 0
+    # past the next point of the new interval, then a kill
+    fault_job.wait_step(min(since + every + 3, fault_job.steps - 6))
+    fault_job.signal("dev1", signal.SIGKILL)
+    summary = fault_job.finish()
+    events = summary["events"]
+    failure = next(i for i, e in enumerate(events) if e["type"] == "failure_detected"
+                   and e["cause"] != "not_ready")
+    paced_before = [e["steps"] for e in events[:failure] if e["type"] == "replication_paced"]
+    in_force = paced_before[-1]
+    resumed = [e["resume_step"] for e in summary["events"] if e["type"] == "recovery_done"]
+    assert resumed and resumed[0] % in_force == 0
+    assert summary["recomputed_steps"] <= in_force * summary["recoveries"]
+    # every stage replicated the same versions: complete ones at the points of the paced
+    # intervals (each a multiple of the shortest), none between (before the first change,
+    # every 2 steps)
+    versions = sorted(int(p.stem.split("-")[1]) for p in checkpoints.glob("step-*.pt"))
+    before_kill = [v for v in versions if since + 2 < v <= resumed[0]]
+    assert before_kill and all(v % min(paced_before) == 0 for v in before_kill), \
+        (versions, events)
+    assert summary["replication"]["every"] >= 2
 
 
 def test_two_adjacent_devices_killed_at_once(fault_job):

@@ -25,11 +25,18 @@ from ftpipe_iot.planning.micro import (
     scaled_costs,
 )
 from ftpipe_iot.planning.profiles import fleet_device_specs, load_profile
+from ftpipe_iot.planning.replication import (
+    DEFAULT_BUDGET,
+    ReplicationChoice,
+    choose_interval,
+    planned_costs,
+    replica_copies,
+)
 from ftpipe_iot.planning.resilience import ResilienceOption, resilience_options
 from ftpipe_iot.planning.solver import DeviceSpec, LayerCosts, Partition, solve_partition
 from ftpipe_iot.planning.stability import StabilityBounds
 from ftpipe_iot.protocol.codecs import bytes_per_value
-from ftpipe_iot.protocol.vocab import DelayCompensation, ScheduleName, WireCodec
+from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName, ScheduleName, WireCodec
 from ftpipe_iot.schedules import JobOptions, PlanShape, schedule_for
 
 _DEFAULT_MODEL_MICRO_BATCH = 32
@@ -98,6 +105,20 @@ def _resilience_table(options: list[ResilienceOption], source: str, micro_batche
                              f"[{stage.start}, {stage.end}): {', '.join(computing)}{standby}")
         if option.warning:
             lines.append(f"  r={option.cost.resiliency}: {option.warning}")
+    return "\n".join(lines)
+
+
+def _replication_text(choice: ReplicationChoice, sizes_known: bool) -> str:
+    if not sizes_known:
+        return (f"replication: every {choice.every} steps (the costs carry no param_bytes: "
+                "replica sizes not known)")
+    lines = [choice.describe()]
+    for cost in choice.costs:
+        rate = cost.upload_bytes_per_s
+        link = "an uncapped link" if rate <= 0 or math.isinf(rate) else f"{rate / 1e6:.2f} MB/s"
+        lines.append(f"  {cost.device}: replica {cost.replica_bytes / 1e6:.2f} MB, upload "
+                     f"{cost.upload_s:.2f} s on {link}, {100 * choice.overhead(cost):.1f} % of "
+                     f"the time between replications")
     return "\n".join(lines)
 
 
@@ -216,8 +237,17 @@ def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, objec
 @click.option("--delay-compensation", type=click.Choice([c.value for c in DelayCompensation]),
               default="predict", show_default=True,
               help="with --schedule async: the compensation the job will run with")
-@click.option("--drain-every", type=click.IntRange(min=1), default=10, show_default=True,
-              help="async: steps between drains (the training's --replicate-every)")
+@click.option("--replicate-every", "--drain-every", "drain_every", type=click.IntRange(min=1),
+              default=10, show_default=True,
+              help="the training's --replicate-every: the shortest replication interval, and "
+                   "with --schedule async the steps between drains")
+@click.option("--replication-budget", type=click.FloatRange(0, 1, max_open=True),
+              default=DEFAULT_BUDGET, show_default=True,
+              help="the controller's --replication-budget: print the replication interval "
+                   "that keeps every replica upload within this share of the step time")
+@click.option("--optimizer", type=click.Choice([o.value for o in OptimizerName]),
+              default="sgd", show_default=True,
+              help="what a replica holds besides the weights (SGD's momentum, Adam's moments)")
 @click.option("--max-in-flight", type=click.IntRange(min=1), default=8, show_default=True,
               help="micro-batches in flight (their activations are held for backward)")
 @click.option("--wire-codec", type=click.Choice([c.value for c in WireCodec]), default="none",
@@ -261,7 +291,8 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
          aggregate_every: int, split_point: int | None, dp: bool, resiliency: int | None,
          input_bytes: float | None, schedule: str = "sync", drain_every: int = 10,
          max_in_flight: int = 8, lr: float = 0.05, momentum: float = 0.9,
-         delay_compensation: str = "predict", wire_codec: str = "none") -> None:
+         delay_compensation: str = "predict", wire_codec: str = "none",
+         replication_budget: float = DEFAULT_BUDGET, optimizer: str = "sgd") -> None:
     """Plan stages for a model over devices given by profiles (ftpipe-iot plan --costs c.json
     --profiles a.json b.json): the number of stages, their layers, the group of devices of each
     stage and every member's share of the micro-batches, minimising the time per sample.
@@ -357,6 +388,11 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
     chosen_unused = [d.name for d in devices if d.name not in chosen.devices]
     baselines = (_baselines(costs, devices, micro_batches, micro_batch_size, how) if compare
                  else {})
+    replication = choose_interval(
+        drain_every, replication_budget, chosen.step_s,
+        planned_costs([(s.members[0].device, s.param_bytes) for s in chosen.stages],
+                      {d.name: d.bandwidth_bytes_per_s for d in devices},
+                      replica_copies(optimizer, momentum)))
     if as_json:
         report = {
             "source": source,
@@ -380,6 +416,7 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
                                         "auto": [n for n, on in (("micro_batches", auto_m),
                                                                  ("micro_batch_size", auto_b))
                                                  if on]}
+        report["replication"] = replication.to_dict()
         if schedule == ScheduleName.ASYNC.value:
             report["stability"] = {**StabilityBounds.at(lr, momentum).to_dict(),
                                    "delay_compensation": delay_compensation}
@@ -390,6 +427,7 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         click.echo(json.dumps(report, indent=2))
     else:
         click.echo(_table(chosen, source, chosen_unused, costs, baselines))
+        click.echo(_replication_text(replication, bool(costs.param_bytes)))
         if auto is not None:
             click.echo(f"micro-batching ({schedule}, auto): {auto.micro_batches} micro-batches "
                        f"of {auto.micro_batch_size}, predicted {auto.samples_per_s:.2f} "

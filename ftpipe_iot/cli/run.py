@@ -27,6 +27,7 @@ from ftpipe_iot.cli.options import (
     training_options,
 )
 from ftpipe_iot.planning.layouts import Layout
+from ftpipe_iot.planning.replication import DEFAULT_BUDGET
 from ftpipe_iot.protocol.plan import StageAssignment, TrainConfig
 from ftpipe_iot.protocol.signing import Credentials
 
@@ -121,7 +122,7 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 # them. One table for `controller` and `demo` (each has a part of them).
 _PIPELINE_ONLY = ("resume", "standby", "standby_controller", "assignment", "checkpoint_dir",
                   "device_names", "freeze_layers", "resiliency", "layout", "trace_dir",
-                  "write_trace", "wire_codec")
+                  "write_trace", "wire_codec", "replication_budget")
 
 
 @command()
@@ -144,6 +145,11 @@ _PIPELINE_ONLY = ("resume", "standby", "standby_controller", "assignment", "chec
               help="back up the job's controller: wait until its Last Will says it is gone, "
                    "then take over with a newer term and resume from the retained plan, state "
                    "and weights (start it with the leader's options, on another host)")
+@click.option("--replication-budget", type=click.FloatRange(0, 1, max_open=True),
+              default=DEFAULT_BUDGET, show_default=True,
+              help="the share of training time replica uploads may take: the interval "
+                   "grows from --replicate-every by powers of two (up to 32x) until the "
+                   "slowest device's upload fits (0: always --replicate-every)")
 @click.option("--repartition/--no-repartition", default=True, show_default=True,
               help="move layers between devices when that pays off")
 @click.option("--repartition-threshold", type=click.FloatRange(0, 1, max_open=True),
@@ -186,7 +192,7 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                checkpoint_dir: str | None, resume: bool, standby: bool, repartition: bool,
                repartition_threshold: float, repartition_cooldown: int, assignment: str | None,
                layout: str, init_from: str | None, save_model: str | None, save_weights: str | None,
-               summary_json: str | None, trace_dir: str | None,
+               summary_json: str | None, trace_dir: str | None, replication_budget: float,
                stop_devices: bool,
                as_json: bool, train_file: str | None, broker_url: str, config_file: str | None,
                mqtt_protocol: str, max_message_bytes: int, keepalive: int,
@@ -242,7 +248,8 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
         save_weights=Path(save_weights) if save_weights else None,
         save_model=Path(save_model) if save_model else None,
         init_from=Path(init_from) if init_from else None, stop_devices=stop_devices,
-        trace_dir=Path(trace_dir) if trace_dir else None)
+        trace_dir=Path(trace_dir) if trace_dir else None,
+        replication_budget=replication_budget)
     process = ProcessOptions(metrics_port, threads, log_level)
     summary_path = Path(summary_json) if summary_json else None
     if standby:
@@ -298,6 +305,10 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
               show_default=True,
               help="the controller's --layout: auto uses stage groups when the fleet planner "
                    "predicts them faster than one device per stage")
+@click.option("--replication-budget", type=click.FloatRange(0, 1, max_open=True),
+              default=DEFAULT_BUDGET, show_default=True,
+              help="the controller's --replication-budget: the share of training time "
+                   "replica uploads may take (0: always --replicate-every)")
 @click.option("--json", "as_json", is_flag=True,
               help="print the summary as one JSON object on the last line of stdout")
 @click.option("--trace", "write_trace", is_flag=True,
@@ -322,7 +333,7 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
          init_from: str | None,
          save_model: str | None, layout: str, as_json: bool, write_trace: bool, partition: str,
          device_profile: str | None, server_profile: str | None, insecure_unsigned: bool,
-         **training: Any) -> None:
+         replication_budget: float, **training: Any) -> None:
     """Train the CNN on digits with a broker, a controller and N device processes (with --mode
     collaborative or fedavg: N data devices, each with its share of the digits)."""
     from ftpipe_iot.cli.stops import end_failed, end_interrupted
@@ -373,8 +384,10 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
                           save_model=Path(save_model) if save_model else None,
                           layout=Layout(layout), signed=not insecure_unsigned,
                           write_trace=write_trace,
-                          controller_args=["--init-from", str(Path(init_from).resolve())]
-                          if init_from else [])
+                          controller_args=[
+                              *(["--init-from", str(Path(init_from).resolve())]
+                                if init_from else []),
+                              "--replication-budget", str(replication_budget)])
     try:
         summary = Demo(options).run()
     except KeyboardInterrupt as exc:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ftpipe_iot.errors import ConfigError
 from ftpipe_iot.planning.layouts import Layout
+from ftpipe_iot.planning.replication import DEFAULT_BUDGET
 from ftpipe_iot.protocol.messages import ControllerState
 from ftpipe_iot.protocol.plan import StageAssignment, TrainConfig
 from ftpipe_iot.protocol.signing import Credentials
@@ -46,6 +47,9 @@ class ControllerConfig:
     layout: Layout = Layout.PIPELINE
     # where the run's timeline goes (observability/trace.py); None: devices send no spans
     trace_dir: Path | None = None
+    # the share of training time replica uploads may take: the interval grows from
+    # train.replicate_every by powers of two until they fit (planning/replication.py); 0: never
+    replication_budget: float = DEFAULT_BUDGET
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -54,6 +58,9 @@ class ControllerConfig:
             raise ConfigError("device_names must name exactly `devices` devices")
         if self.heartbeat_timeout_s <= 0 or self.stall_timeout_s <= 0:
             raise ConfigError("timeouts must be > 0")
+        if not 0 <= self.replication_budget < 1:
+            raise ConfigError(f"replication_budget must be in [0, 1), got "
+                              f"{self.replication_budget}")
         computing = self.devices // (self.train.resiliency + 1)  # the others stand by
         if self.layout is Layout.DATA and computing > self.train.micro_batches:
             raise ConfigError(f"layout data puts {computing} devices in one group, which "

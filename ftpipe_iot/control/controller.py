@@ -25,6 +25,7 @@ from ftpipe_iot.control.job import JobModel, prepare_job
 from ftpipe_iot.control.lease import fenced
 from ftpipe_iot.control.liveness import Failure, LivenessTracker
 from ftpipe_iot.control.outbox import JobOutbox
+from ftpipe_iot.control.pacer import ReplicationPacer
 from ftpipe_iot.control.plan_stages import LayoutInputs, check_grouping, choose_stages
 from ftpipe_iot.control.recorder import Recorder
 from ftpipe_iot.control.replan import Replanner, ReplanReason, changed_work, next_plan
@@ -120,6 +121,7 @@ class Controller:
         # devices of the plan whose failure peers covered: not watched until the next plan
         self.excluded: set[str] = set()
         self.train: TrainConfig = config.train
+        self.pacer = ReplicationPacer(config.train.replicate_every, config.replication_budget)
         self.model: JobModel | None = None
         if not config.resume:
             self._setup(config.train)
@@ -131,6 +133,7 @@ class Controller:
     def _setup(self, train: TrainConfig) -> None:
         """Derive the job's fixed facts (data, reference costs, steps) from a training config."""
         self.train = train
+        self.pacer = ReplicationPacer(train.replicate_every, self.config.replication_budget)
         # the feed goes exact: a codec codes what crosses a cut between stages
         self.messenger.options = WireOptions(compress=train.compress)
         self.model = prepare_job(train, self._given_data)
@@ -284,6 +287,9 @@ class Controller:
         if self.roster.woke_up(device):
             self._maybe_take_in(device)
         self.recorder.heartbeat(device, beat)
+        declared = self.roster.capabilities.get(device)
+        self.pacer.heard(device, beat.upload_bytes_per_s,
+                         declared.bandwidth_bytes_per_s if declared else None)
 
     def _on_reconnected(self) -> None:
         # Messages may have been lost while we were away: restart from the last complete version.
@@ -296,6 +302,7 @@ class Controller:
         self.liveness.seen(inbound.sender, self.clock())
         if isinstance(body, Replicated):
             self.recorder.replicated(inbound.sender, body.bytes, body.drops)
+            self.pacer.replicated(inbound.sender, body.bytes)
             return
         if self.plan is None or inbound.plan_version != self.plan.version:
             self.messenger.drops.drop(DropReason.STALE_PLAN,
@@ -443,6 +450,9 @@ class Controller:
             self.recorder.training_started(self.model.total_steps)
         self.recorder.throughput.resume(now)
         self.liveness.progressed(now)
+        self.pacer.rewound()
+        if self.pacer.every != self.train.replicate_every:
+            self._send_replication_interval()  # the new plan's devices start from its own
         if self.training.finished:
             self.replanner.request(ReplanReason.FINAL)
             self._begin_replication()
@@ -538,7 +548,26 @@ class Controller:
     def _step_completed(self, step: int) -> None:
         self.tracer.step_done(step)
         self.replanner.step_done(step, self.clock())
+        self._pace_replication(step)
         self._publish_state(ControllerStatus.TRAINING)
+
+    # -- replication interval -------------------------------------------------------------------
+    def _pace_replication(self, step: int) -> None:
+        """Fit the replication interval to the links (``planning.replication``)."""
+        assert self.training is not None
+        replicating = [d for s in self.training.stages for d in s.devices]
+        changed = self.pacer.step_done(step, self.clock(), replicating)
+        self.recorder.replication_paced(step, self.pacer.choice, changed is not None)
+        if changed is not None:
+            self._send_replication_interval()
+
+    def _send_replication_interval(self) -> None:
+        assert self.training is not None
+        command = Command(CommandOp.REPLICATE_EVERY, every=self.pacer.every)
+        for stage in self.training.stages:
+            for device in stage.devices:
+                if device not in self.excluded:
+                    self.out.command(device, command)
 
     def _at_boundary(self, step: int) -> None:
         """Between steps: finish, re-plan, or keep feeding."""

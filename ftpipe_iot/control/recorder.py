@@ -14,6 +14,7 @@ from ftpipe_iot.control.summary import RunSummary, ThroughputMeter
 from ftpipe_iot.core.feed import StepSummary
 from ftpipe_iot.observability.metrics import ControllerMetrics
 from ftpipe_iot.observability.progress import ProgressReporter
+from ftpipe_iot.planning.replication import ReplicationChoice
 from ftpipe_iot.protocol.messages import Event, Heartbeat
 from ftpipe_iot.protocol.plan import Plan, StageAssignment
 from ftpipe_iot.protocol.vocab import DropReason, EventType
@@ -233,6 +234,18 @@ class Recorder:
     def replicated(self, device: str, n_bytes: int, drops: dict[str, int]) -> None:
         self.summary.replicated_bytes += n_bytes
         self.summary.device_dropped[device] = dict(drops)
+
+    def replication_paced(self, step: int, choice: ReplicationChoice,
+                          changed: bool) -> None:
+        """The replication interval and its cost per device; ``changed``: a new interval
+        takes effect after ``step`` (said once per change)."""
+        self.summary.replication = choice.to_dict()
+        self.metrics.replication_interval.set(choice.every)
+        self.metrics.replication_overhead.set(choice.worst_overhead)
+        if changed:
+            self._event(Event(EventType.REPLICATION_PACED, at_step=step, steps=choice.every,
+                              reason=choice.describe()))
+            self.progress.message(f"step {step}: {choice.describe()}")
 
     # -- end ------------------------------------------------------------------------------------
     def close(self, dropped: dict[str, int]) -> RunSummary:

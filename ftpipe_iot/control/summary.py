@@ -39,6 +39,9 @@ class RunSummary:
     device_traffic: dict[str, dict[str, float]] = field(default_factory=dict)
     crypto_s: float = 0.0  # the controller's seconds spent signing and verifying
     replicated_bytes: int = 0
+    # the replication interval in force and what it costs each device (planning/replication.py;
+    # every change is a replication_paced event)
+    replication: dict = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)
     device_dropped: dict[str, dict[str, int]] = field(default_factory=dict)
     device_layer_seconds: dict[str, dict[int, list[float]]] = field(default_factory=dict)

@@ -31,6 +31,7 @@ from ftpipe_iot.errors import ModelError, StageInputError
 from ftpipe_iot.observability.metrics import DeviceMetrics
 from ftpipe_iot.observability.timeline import ClockProbe, Timeline
 from ftpipe_iot.planning.profiles import DeviceProfile
+from ftpipe_iot.planning.replication import is_interval_of
 from ftpipe_iot.protocol.messages import (
     Activation,
     Capabilities,
@@ -151,6 +152,8 @@ class DeviceAgent:
         self._worker_inbox: DeferredInbox | None = None
         self._loader_since = 0.0
         self._current_step = 0  # step of the data being computed (profiles schedule by step)
+        # steps between replications: the plan's, until the controller paces them to the link
+        self._replicate_every = 0
         self._stalled_at = -1  # the last step a profile's stall was served
         self.metrics.stage.set(-1)
 
@@ -300,6 +303,7 @@ class DeviceAgent:
         local = self.copies.local(plan.resume_step, self.stage)
         self.gate.taken(plan)
         self.plan = plan
+        self._replicate_every = plan.train.replicate_every
         self.timeline.enabled = plan.trace
         self._drop_stage()
         self._prepared = prepared
@@ -400,15 +404,31 @@ class DeviceAgent:
             self.stopped.set()
         elif command.op is CommandOp.TAKE_OVER and self.runner is not None:
             self.runner.holders_lost(command.devices)
-        elif command.op is CommandOp.REPLICATE:
+        elif command.op in (CommandOp.REPLICATE, CommandOp.REPLICATE_EVERY):
             if self.plan is None or inbound.plan_version != self.plan.version:
                 self.messenger.drops.drop(DropReason.STALE_PLAN,
-                                          f"replicate for plan {inbound.plan_version}")
+                                          f"{command.op.value} for plan {inbound.plan_version}")
                 return
-            if command.layers is not None and command.version is not None:
+            if command.op is CommandOp.REPLICATE_EVERY:
+                self._pace_replication(command.every)
+            elif command.layers is not None and command.version is not None:
                 self._resend_layers(command.version, command.layers)
             else:
                 self._replicate()
+
+    def _pace_replication(self, every: int | None) -> None:
+        """Replicate every ``every`` steps from now on: one of the intervals the rule nests
+        (``planning.replication``), else every stage would not replicate the same versions."""
+        assert self.plan is not None
+        base = self.plan.train.replicate_every
+        if every is None or not is_interval_of(every, base):
+            self.messenger.drops.drop(DropReason.BAD_BODY,
+                                      f"replication interval {every} is not the plan's "
+                                      f"{base} times a power of two")
+            return
+        if every != self._replicate_every:
+            log.info("device %s: replicating every %d steps", self.name, every)
+        self._replicate_every = every
 
     def _replicate(self) -> None:
         """Publish every held layer at the current version (retained, chunked)."""
@@ -493,7 +513,7 @@ class DeviceAgent:
         self._report(StageStepDone(self.stage.index, output.forward_s, output.backward_s,
                                    output.layer_times, output.typical_s, output.micro_batches),
                      output.step)
-        every = self.plan.train.replicate_every
+        every = self._replicate_every
         # After the reduction every member holds the same state: the leader replicates it.
         if every and (output.step + 1) % every == 0 and self.stage.member == 0:
             self._replicate()
@@ -534,6 +554,7 @@ class DeviceAgent:
             layer_times=done.layer_times if done else (),
             queue_depth=self.transport.inbox.qsize(), drops=self.messenger.drops.counts,
             link_bytes_per_s=self.link.bytes_per_s, link_latency_s=self.link.latency_s,
+            upload_bytes_per_s=self.transport.bulk_stats().peak_bytes_per_s,
             sent_bytes=self.messenger.sent_bytes, received_bytes=self.messenger.received_bytes,
             takeovers=self.takeovers, crypto_s=self.messenger.crypto_s,
             clock_sent=probe_sent, clock_received=probe_received)

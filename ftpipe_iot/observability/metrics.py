@@ -143,6 +143,13 @@ class ControllerMetrics(MessagingMetrics):
                                           "Seconds from detection to training resumed",
                                           buckets=(0.5, 1, 2, 5, 10, 20, 30, 60),
                                           registry=registry)
+        self.replication_interval = Gauge(
+            "ftpipe_replication_interval_steps",
+            "Steps between replications, as paced to the devices' links", registry=registry)
+        self.replication_overhead = Gauge(
+            "ftpipe_replication_overhead_ratio",
+            "The largest share of training time a device's replica upload takes at the "
+            "interval in force", registry=registry)
         self.repartitions = Counter("ftpipe_repartitions_total",
                                     "Plan changes made to rebalance the pipeline",
                                     registry=registry)

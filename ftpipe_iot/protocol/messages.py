@@ -58,13 +58,19 @@ class PlanMessage:
 @dataclass(frozen=True)
 class Command:
     """A command to one device; ``layers``/``version`` ask a REPLICATE of just those layers,
-    ``devices`` name the failed holders a TAKE_OVER is about."""
+    ``devices`` name the failed holders a TAKE_OVER is about, ``every`` is the steps between
+    replications a REPLICATE_EVERY sets (``planning.replication``)."""
 
     KIND: ClassVar[MessageKind] = MessageKind.COMMAND
     op: CommandOp
     version: int | None = None
     layers: tuple[int, ...] | None = None
     devices: tuple[str, ...] = ()
+    every: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.op is CommandOp.REPLICATE_EVERY and self.every is None:
+            raise BadBody("a replicate_every command needs its interval (every)")
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"op": self.op.value}
@@ -72,6 +78,8 @@ class Command:
             body.update(version=self.version, layers=list(self.layers))
         if self.devices:
             body["devices"] = list(self.devices)
+        if self.every is not None:
+            body["every"] = self.every
         return body
 
     @classmethod
@@ -79,7 +87,7 @@ class Command:
         f = BodyReader(raw, "command")
         layers = f.int_list("layers") if f.raw.get("layers") is not None else None
         return cls(f.enum("op", CommandOp), f.optional_int("version", low=0) if layers else None,
-                   layers, f.str_list("devices", default=()))
+                   layers, f.str_list("devices", default=()), f.optional_int("every", low=0))
 
 
 @dataclass(frozen=True)
@@ -395,6 +403,9 @@ class Heartbeat:
     drops: dict[str, int] = field(default_factory=dict)
     link_bytes_per_s: float = 0.0
     link_latency_s: float = 0.0
+    # the device's upload capacity as its outbox measured it (the peak of recent delivery
+    # rates, bytes/s; 0: not measured): what its replicas go out at (``planning.replication``)
+    upload_bytes_per_s: float = 0.0
     # totals since the device started: what resiliency costs and buys (``plan --resiliency``)
     sent_bytes: int = 0
     received_bytes: int = 0
@@ -416,6 +427,7 @@ class Heartbeat:
                 "layer_times": [list(t) for t in self.layer_times],
                 "queue_depth": self.queue_depth, "drops": dict(self.drops),
                 "link_bytes_per_s": self.link_bytes_per_s, "link_latency_s": self.link_latency_s,
+                "upload_bytes_per_s": self.upload_bytes_per_s,
                 "sent_bytes": self.sent_bytes, "received_bytes": self.received_bytes,
                 "takeovers": self.takeovers, "crypto_s": self.crypto_s,
                 "clock_sent": self.clock_sent, "clock_received": self.clock_received}
@@ -427,6 +439,7 @@ class Heartbeat:
                    f.float("forward_s", 0.0, low=0), f.float("backward_s", 0.0, low=0),
                    f.pairs("layer_times"), f.int("queue_depth", 0, low=0), f.counts("drops"),
                    f.float("link_bytes_per_s", 0.0, low=0), f.float("link_latency_s", 0.0, low=0),
+                   f.float("upload_bytes_per_s", 0.0, low=0),
                    f.int("sent_bytes", 0, low=0), f.int("received_bytes", 0, low=0),
                    f.int("takeovers", 0, low=0), f.float("crypto_s", 0.0, low=0),
                    f.float("clock_sent", 0.0, low=0), f.float("clock_received", 0.0, low=0))

@@ -133,6 +133,7 @@ class CommandOp(str, Enum):
     REPLICATE = "replicate"
     SHUTDOWN = "shutdown"
     TAKE_OVER = "take_over"  # the named holders of your stage are gone: compute theirs now
+    REPLICATE_EVERY = "replicate_every"  # replicate at this interval from now on
 
 
 class ResultType(str, Enum):
@@ -159,6 +160,7 @@ class EventType(str, Enum):
     FAILURE_COVERED = "failure_covered"  # peers took over: no rollback
     REPARTITIONED = "repartitioned"
     SHARES_CHANGED = "shares_changed"
+    REPLICATION_PACED = "replication_paced"  # a new interval (steps) from at_step on
     JOB_DONE = "job_done"
     JOB_FAILED = "job_failed"
     ROUND_COMPLETED = "round_completed"

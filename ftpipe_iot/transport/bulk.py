@@ -50,6 +50,9 @@ class WindowSettings:
     max_frames: int = 64
     smoothing: float = 0.25
     rtt_samples: int = 32
+    # the peak rate is the largest of this many recent delivery samples (BBR's max filter):
+    # what the link gave when something filled it, not what a trickle of small frames measures
+    peak_samples: int = 64
     # Frames handed over and never acknowledged (paho lost them with the connection) stop
     # counting after this long, or four times what the window should take to drain.
     stale_s: float = 30.0
@@ -81,6 +84,7 @@ class BulkStats:
     window_bytes: int = 0
     drain_bytes_per_s: float = 0.0
     delivered_bytes: int = 0
+    peak_bytes_per_s: float = 0.0  # the link's capacity as far as measured (DrainWindow)
 
 
 class DrainWindow:
@@ -90,6 +94,13 @@ class DrainWindow:
         self.settings = settings
         self.rate_bytes_per_s = 0.0
         self._rtts: deque[float] = deque(maxlen=settings.rtt_samples)
+        self._rates: deque[float] = deque(maxlen=settings.peak_samples)
+
+    @property
+    def peak_rate_bytes_per_s(self) -> float:
+        """The largest recent delivery rate (0 before any sample): a lower bound on the link's
+        capacity that reaches it whenever a burst (a replica, a large activation) fills it."""
+        return max(self._rates) if self._rates else 0.0
 
     @property
     def base_rtt_s(self) -> float:
@@ -103,6 +114,7 @@ class DrainWindow:
         (``app_limited``) measures the sender, not the link: it may raise the rate, never
         lower it."""
         rate = delivered_bytes / max(interval_s, 1e-4)
+        self._rates.append(rate)
         if self.rate_bytes_per_s == 0.0:
             self.rate_bytes_per_s = rate
         elif not (app_limited and rate < self.rate_bytes_per_s):
@@ -232,7 +244,8 @@ class BulkQueue:
     def stats(self) -> BulkStats:
         return BulkStats(dict(self._queued_bytes), self.queued_frames, self.in_flight_bytes,
                          len(self._in_flight), self.window.window_bytes,
-                         self.window.rate_bytes_per_s, self.delivered_bytes)
+                         self.window.rate_bytes_per_s, self.delivered_bytes,
+                         self.window.peak_rate_bytes_per_s)
 
 
 # What hands a frame to the connection: returns its handle (paho's mid); raises on a refusal.
