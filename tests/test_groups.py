@@ -4,7 +4,9 @@ update. Fleet training stays equal (allclose) to single-process training."""
 
 from __future__ import annotations
 
+import queue
 import random
+from collections.abc import Callable
 
 import pytest
 from helpers import MemoryJob, max_weight_diff
@@ -329,3 +331,48 @@ def test_a_member_does_not_hear_its_own_contributions_over_mqtt5(mosquitto):
         for transport in made:
             transport.close()
     assert own == [] and other == ["ftpipe/t/stage/0/reduce"]
+
+
+class _CommandsFirst(queue.Queue):
+    """An inbox that holds back the group's partial sums until the next command has come in,
+    then hands the command over first: the order a control frame (sent at once) can overtake
+    a peer's partial sum (bulk, paced) in over a real link."""
+
+    def __init__(self, reduce_topic: str, cmd_topic: str, holding: Callable[[], bool]) -> None:
+        super().__init__()
+        self.reduce_topic, self.cmd_topic, self.holding = reduce_topic, cmd_topic, holding
+        self.held: list = []
+        self.overtaken = 0
+
+    def put(self, item, block=True, timeout=None):  # noqa: ANN001 - queue.Queue's signature
+        if item.topic == self.reduce_topic and self.holding():
+            self.held.append(item)
+            return
+        super().put(item, block, timeout)
+        if item.topic == self.cmd_topic and self.held:
+            self.overtaken += 1
+            for held in self.held:
+                super().put(held, block, timeout)
+            self.held = []
+
+
+def test_a_replicate_command_that_overtakes_the_step_it_follows_waits_for_it():
+    # The controller's step ends with the first member of a group to report, and its
+    # replicate command reaches the other member before that member's last partial sum: the
+    # member replicates once its stage reaches the version asked (it used to fail the job)
+    steps = 4
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=4, micro_batch_size=8,
+                        max_steps=steps, lr=0.05, replicate_every=2)
+    stages = (StageAssignment(0, 0, 6, (Member("d0", 0.5), Member("d1", 0.5))),)
+    job = MemoryJob(ControllerConfig(train=train, devices=2, assignment=stages,
+                                     repartition=False), devices=2)
+    topics = job.controller.topics
+    # the last step's partials are held
+    inbox = _CommandsFirst(topics.stage_reduce(0), topics.cmd("d0"),
+                           lambda: job.controller.summary.steps >= steps - 1)
+    job.devices[0].transport.inbox = inbox
+    job.start()
+    assert job.run() is ControllerPhase.DONE, job.controller.summary.error
+    assert inbox.overtaken >= 1  # the final replication was asked before d0 had its partials
+    gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
+    assert max_weight_diff(gathered, train_reference(train, job.controller.data, steps)) < 1e-5

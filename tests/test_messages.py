@@ -66,6 +66,7 @@ MESSAGES = [
     PlanMessage(_plan()),
     Command(CommandOp.SHUTDOWN),
     Command(CommandOp.REPLICATE, version=4, layers=(1, 3)),
+    Command(CommandOp.REPLICATE, version=4),
     Command(CommandOp.TAKE_OVER, devices=("a", "b")),
     ControllerState(ControllerStatus.TRAINING, "j", ControllerPhase.TRAINING, 10, {"a": 1.5}),
     ControllerState(ControllerStatus.OFFLINE, "j"),

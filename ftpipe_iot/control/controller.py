@@ -520,7 +520,8 @@ class Controller:
             return
         for stage in self.plan.stages:  # holders are identical after each step: one suffices
             live = [d for d in stage.devices if d not in self.excluded]
-            self.out.command(live[0] if live else stage.leader, Command(CommandOp.REPLICATE))
+            self.out.command(live[0] if live else stage.leader,
+                             Command(CommandOp.REPLICATE, version=version))
 
     def _on_replicated(self, version: int) -> None:
         replan = self.replanner.take()

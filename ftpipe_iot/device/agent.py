@@ -154,6 +154,8 @@ class DeviceAgent:
         self._current_step = 0  # step of the data being computed (profiles schedule by step)
         # steps between replications: the plan's, until the controller paces them to the link
         self._replicate_every = 0
+        # a replication the controller asked for before the stage reached its version
+        self._replicate_when_at: int | None = None
         self._stalled_at = -1  # the last step a profile's stall was served
         self.metrics.stage.set(-1)
 
@@ -376,6 +378,7 @@ class DeviceAgent:
         self._set_stage(None)
 
     def _set_stage(self, stage: Stage | None) -> None:
+        self._replicate_when_at = None
         for topic in self._subscribed:
             self.transport.unsubscribe(topic)
         self._subscribed = []
@@ -414,7 +417,7 @@ class DeviceAgent:
             elif command.layers is not None and command.version is not None:
                 self._resend_layers(command.version, command.layers)
             else:
-                self._replicate()
+                self._replicate_at_version(command.version)
 
     def _pace_replication(self, every: int | None) -> None:
         """Replicate every ``every`` steps from now on: one of the intervals the rule nests
@@ -429,6 +432,22 @@ class DeviceAgent:
         if every != self._replicate_every:
             log.info("device %s: replicating every %d steps", self.name, every)
         self._replicate_every = every
+
+    def _replicate_at_version(self, version: int | None) -> None:
+        """The controller asks for the replicas of ``version`` (None: the current one). The
+        step before it may still be finishing here: the controller's step ends with the first
+        member of a group to report, and its command (control traffic) can overtake a peer's
+        partial sum or its own last input (bulk traffic). Then the replicas go out once the
+        stage reaches ``version``."""
+        if self.stage is None:
+            return
+        if version is None or (version == self.stage.version and self.stage.at_step_boundary):
+            self._replicate()
+        elif version >= self.stage.version:
+            self._replicate_when_at = version
+        else:
+            self._report(DeviceError(f"replicas of version {version} asked after the stage "
+                                     f"reached {self.stage.version}"))
 
     def _replicate(self) -> None:
         """Publish every held layer at the current version (retained, chunked)."""
@@ -514,8 +533,11 @@ class DeviceAgent:
                                    output.layer_times, output.typical_s, output.micro_batches),
                      output.step)
         every = self._replicate_every
+        asked = self._replicate_when_at == self.stage.version
+        if asked:
+            self._replicate_when_at = None
         # After the reduction every member holds the same state: the leader replicates it.
-        if every and (output.step + 1) % every == 0 and self.stage.member == 0:
+        if (every and (output.step + 1) % every == 0 and self.stage.member == 0) or asked:
             self._replicate()
 
     def _report(self, body: ResultBody, step: int = -1, micro_batch: int = -1,

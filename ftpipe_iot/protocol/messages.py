@@ -57,7 +57,8 @@ class PlanMessage:
 
 @dataclass(frozen=True)
 class Command:
-    """A command to one device; ``layers``/``version`` ask a REPLICATE of just those layers,
+    """A command to one device; ``version`` is the replica version a REPLICATE asks for (the
+    device replicates once its stage reaches it), with ``layers`` just those layers again,
     ``devices`` name the failed holders a TAKE_OVER is about, ``every`` is the steps between
     replications a REPLICATE_EVERY sets (``planning.replication``)."""
 
@@ -71,11 +72,15 @@ class Command:
     def __post_init__(self) -> None:
         if self.op is CommandOp.REPLICATE_EVERY and self.every is None:
             raise BadBody("a replicate_every command needs its interval (every)")
+        if self.layers is not None and self.version is None:
+            raise BadBody("a replicate command naming layers needs their version")
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"op": self.op.value}
+        if self.version is not None:
+            body["version"] = self.version
         if self.layers is not None:
-            body.update(version=self.version, layers=list(self.layers))
+            body["layers"] = list(self.layers)
         if self.devices:
             body["devices"] = list(self.devices)
         if self.every is not None:
@@ -86,8 +91,8 @@ class Command:
     def from_body(cls, raw: object) -> Command:
         f = BodyReader(raw, "command")
         layers = f.int_list("layers") if f.raw.get("layers") is not None else None
-        return cls(f.enum("op", CommandOp), f.optional_int("version", low=0) if layers else None,
-                   layers, f.str_list("devices", default=()), f.optional_int("every", low=0))
+        return cls(f.enum("op", CommandOp), f.optional_int("version", low=0), layers,
+                   f.str_list("devices", default=()), f.optional_int("every", low=0))
 
 
 @dataclass(frozen=True)
