@@ -275,41 +275,6 @@ def test_the_sender_thread_delivers_everything_and_flush_waits_for_it():
     assert sender.stats().delivered_bytes == 30 * 128 * KIB
 
 
-def test_what_the_window_lets_go_is_handed_over_on_the_callers_thread_in_queue_order():
-    # no thread switch on the pipeline's critical path: an open window hands the frame to
-    # paho on the publishing thread; under concurrent publishers and the outbox thread, every
-    # topic's frames still reach paho in the order they were queued
-    conn = FakeConnection(rate=1e9)
-    callers: list[str] = []
-    send = conn.send
-
-    def recording_send(f: BulkFrame) -> int:
-        callers.append(threading.current_thread().name)
-        return send(f)
-
-    sender = BulkSender(recording_send, lambda: conn.connected, name="t")
-    conn.sender = sender
-    sender.start()
-    sender.put(frame(Traffic.STAGE_DATA, size=KIB, tag="first"))
-    assert callers == [threading.current_thread().name]
-
-    def publish(worker: int) -> None:
-        for i in range(200):
-            sender.put(frame(Traffic.STAGE_DATA, size=64 * KIB, tag=f"{worker}/{i}"))
-
-    workers = [threading.Thread(target=publish, args=(w,)) for w in range(3)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    assert sender.flush(5.0) == 0
-    sender.stop()
-    for w in range(3):
-        sent = [int(t.rsplit("/", 1)[1]) for t, _ in conn.written
-                if t.startswith(f"t/stage_data/{w}/")]
-        assert sent == list(range(200))
-
-
 def test_nothing_goes_while_disconnected_and_stop_returns_what_never_went():
     conn = FakeConnection(rate=50e6)
     conn.connected = False

@@ -266,10 +266,6 @@ class BulkSender:
         self._clock = clock
         self._queue = BulkQueue(settings)
         self._lock = threading.Lock()
-        # Held from taking frames off the queue until paho has them: frames reach paho in
-        # queue order whichever thread hands them over (receivers drop a frame older than one
-        # they took on its topic as a replay).
-        self._hand_over_lock = threading.Lock()
         self._wake = threading.Event()
         self._acks: deque[tuple[object, float]] = deque()
         self._stopping = False
@@ -281,17 +277,10 @@ class BulkSender:
             self._thread.start()
 
     def put(self, frame: BulkFrame) -> None:
-        """Queue a bulk frame for sending. What the window lets go now is handed to paho on the
-        caller's thread: waking the outbox's thread for it would add a thread switch to every
-        message of the pipeline's critical path (on 2 cores busy with compute, milliseconds)."""
-        with self._hand_over_lock:
-            with self._lock:
-                self._queue.put(frame)
-            self._hand_over_ready()
+        """Queue a bulk frame for sending (never blocks)."""
         with self._lock:
-            waiting = self._queue.queued_frames > 0
-        if waiting:
-            self._wake.set()
+            self._queue.put(frame)
+        self._wake.set()
 
     def acked(self, handle: object) -> None:
         """A publish was acknowledged (any publish: control handles are ignored)."""
@@ -327,14 +316,13 @@ class BulkSender:
                 return None
             return self._queue.next_frame()
 
-    def _hand_over_ready(self) -> int:
-        """Hand paho every frame the window lets go now (call under ``_hand_over_lock``);
-        returns how many went."""
-        handed = 0
-        while True:
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
             frame = self._next()
             if frame is None:
-                return handed
+                self._wake.wait(0.2)
+                continue
             try:
                 handle = self._send(frame)  # outside the lock: paho takes its own locks
             except Exception as exc:  # a refused frame must not stop the sender
@@ -343,15 +331,6 @@ class BulkSender:
                 continue
             with self._lock:
                 self._queue.sent(handle, frame, self._clock())
-            handed += 1
-
-    def _run(self) -> None:
-        while not self._stopping:
-            self._wake.clear()
-            with self._hand_over_lock:
-                handed = self._hand_over_ready()
-            if not handed:
-                self._wake.wait(0.2)
 
     def flush(self, idle_timeout_s: float) -> int:
         """Wait until every queued frame is handed over and acknowledged, for as long as that
