@@ -176,6 +176,30 @@ def test_a_rebalance_whose_gain_does_not_show_up_backs_off():
     assert replanner.failed_moves == 0
 
 
+def test_a_layer_move_that_measures_slower_is_taken_back_once():
+    previous = (StageAssignment.single(0, "a", 0, 2), StageAssignment.single(1, "b", 2, 4))
+    replanner = Replanner(RepartitionPolicy(threshold=0.1, cooldown_steps=10))
+    for step in range(10):
+        replanner.step_done(step, now=float(step))  # 1 s per step
+    replanner.moved(10, Rebalance([("a", 0, 4)], current_s=1.0, proposed_s=0.6), previous)
+    for step in range(10, 15):
+        replanner.step_done(step, now=10.0 + (step - 10) * 1.02)  # 2 % slower: within noise
+    assert replanner.revert is None
+    for step in range(15, 20):
+        replanner.step_done(step, now=10.0 + (step - 10) * 1.02)
+    assert replanner.revert is None and replanner.failed_moves == 1  # judged: kept
+    replanner.moved(20, Rebalance([("a", 0, 4)], current_s=1.0, proposed_s=0.6), previous)
+    for step in range(20, 27):
+        replanner.step_done(step, now=19.18 + (step - 19) * 1.3)  # 30 % slower
+    assert replanner.revert is not None and replanner.revert.stages == previous
+    assert replanner.revert.after_s == pytest.approx(1.3)
+    assert replanner.failed_moves == 2
+    # no other move is considered before the slower one is undone; the move back is not judged
+    assert replanner.consider(27, None, None, [], None, {}) is None  # type: ignore[arg-type]
+    replanner.moved(28, None, ())
+    assert replanner.revert is None and replanner._check is None
+
+
 def test_user_model_errors_are_one_line(tmp_path, monkeypatch):
     (tmp_path / "typo_model.py").write_text("def build(:\n")
     (tmp_path / "raising_model.py").write_text("def build():\n    raise ValueError('boom')\n")

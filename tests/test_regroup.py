@@ -22,7 +22,7 @@ from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
 from ftpipe_iot.planning.group_search import solve_groups
 from ftpipe_iot.planning.partition import RepartitionPolicy
 from ftpipe_iot.planning.profiles import parse_profile
-from ftpipe_iot.planning.rebalance import RebalanceInputs
+from ftpipe_iot.planning.rebalance import Rebalance, RebalanceInputs
 from ftpipe_iot.planning.regroup import Regroup, plan_stages, propose_regroup
 from ftpipe_iot.protocol.messages import Capabilities
 from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
@@ -216,3 +216,35 @@ def test_a_plan_change_to_another_group_layout_loads_its_weights_and_stays_exact
     gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     assert max_weight_diff(gathered, train_reference(train, job.controller.data, steps)) < 1e-5
     assert max_weight_diff(gathered, train_reference(train, job.controller.data, 4)) > 1e-4
+
+
+def test_a_layer_move_that_measures_slower_is_taken_back_and_training_stays_exact():
+    # the A/B guard of layer moves: a move (forced here, onto a device 40x slower) is judged
+    # against the steps before it, measures slower, and the layout it replaced comes back
+    steps = 22
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=4, micro_batch_size=8,
+                        max_steps=steps, lr=0.05)
+    before = (StageAssignment.single(0, "d0", 0, 3), StageAssignment.single(1, "d1", 3, 6))
+    worse = (StageAssignment.single(0, "d2", 0, 6),)
+    job = MemoryJob(ControllerConfig(train=train, devices=3, assignment=before), devices=3)
+    slow = parse_profile({"version": 1, "name": "slow", "factor": 40})
+    job.devices[2] = DeviceAgent("d2", "t", job.broker.transport("d2", device_will("d2", "t")),
+                                 CollectorRegistry(), profile=slow)
+    replanner = job.controller.replanner
+
+    def consider(step, *args, **kwargs):
+        if step == 8:
+            replanner.request(ReplanReason.REBALANCE, worse,
+                              Rebalance([("d2", 0, 6)], current_s=0.02, proposed_s=0.01))
+        return None
+
+    replanner.consider = consider
+    job.start()
+    assert job.run() is ControllerPhase.DONE
+    summary = job.controller.summary
+    moves = [e for e in summary.events if e["type"] == "repartitioned"]
+    assert summary.layout_reverts == 1 and len(moves) == 2, summary.events
+    assert moves[1]["stages"] == [s.to_dict() for s in before]
+    assert moves[1]["at_step"] >= 8 + 1 + 5  # judged on the steps after the move
+    gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
+    assert max_weight_diff(gathered, train_reference(train, job.controller.data, steps)) < 1e-5

@@ -529,8 +529,8 @@ class Controller:
             self._finish(version)
         elif replan.reason is ReplanReason.REBALANCE and replan.target:
             self.recorder.repartitioned(version, replan.target)
-            if replan.rebalance is not None:
-                self.replanner.moved(version, replan.rebalance)
+            self.replanner.moved(version, replan.rebalance,
+                                 self.training.stages if self.training is not None else ())
             if self.training is not None and \
                     any(len(s.members) > 1 for s in (*self.training.stages, *replan.target)):
                 # a member's time per micro-batch moves with its share too, not only with its
@@ -581,6 +581,7 @@ class Controller:
             # Layers first: a group plan's layout move is judged against the best shares of
             # the layout in force, so when one is due a retune now would be wasted (and would
             # restart the measurements the move was decided on).
+            self._take_back_a_slower_move(step)
             better = self.replanner.consider(step, self.model, self.plan,
                                              sorted(self.roster.alive), self.capacity,
                                              self.roster.capabilities, self.training.stages,
@@ -601,6 +602,18 @@ class Controller:
             self._begin_replication()
         else:
             self.training.pump()
+
+    def _take_back_a_slower_move(self, step: int) -> None:
+        """The A/B guard of layer moves (``Replanner.step_done``): a move that measured slower
+        than the layout it replaced goes back to that layout, when all its devices are alive."""
+        revert = self.replanner.revert
+        if revert is None or self.replanner.pending is not None:
+            return
+        self.replanner.revert = None
+        if not {d for s in revert.stages for d in s.devices} <= self.roster.alive:
+            return  # a device of the old layout is gone: the planner decides afresh
+        self.recorder.layout_reverted(step, revert.before_s, revert.after_s, revert.stages)
+        self.replanner.request(ReplanReason.REBALANCE, revert.stages)
 
     def _predict(self, stages: Sequence[StageAssignment], from_step: int) -> None:
         """Tell the recorder the cost model's step time for ``stages`` (to measure it against)."""

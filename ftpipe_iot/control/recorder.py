@@ -188,6 +188,15 @@ class Recorder:
         self.progress.message(f"rebalancing at step {step}: predicted {what} "
                               f"{current_s * 1e3:.1f} ms -> {proposed_s * 1e3:.1f} ms per {per}")
 
+    def layout_reverted(self, step: int, before_s: float, after_s: float,
+                        stages: tuple[StageAssignment, ...]) -> None:
+        """A layer move measured ``after_s`` a step against ``before_s`` before it: the layout
+        it replaced comes back at the next boundary."""
+        self.summary.layout_reverts += 1
+        self.progress.message(
+            f"layers taken back at step {step}: the move measured {after_s:.4f} s a step "
+            f"against {before_s:.4f} s before: {describe_stages(stages)}")
+
     def repartitioned(self, at_step: int, stages: tuple[StageAssignment, ...]) -> None:
         self.metrics.repartitions.inc()
         self.summary.repartitions += 1

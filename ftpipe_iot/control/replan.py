@@ -53,17 +53,30 @@ class PendingReplan:
 
 @dataclass(frozen=True)
 class MoveCheck:
-    """A rebalance to judge: the step it took effect at, the step time before it, and the gain
-    the planner predicted."""
+    """A rebalance to judge: the step it took effect at, the step time before it, the gain
+    the planner predicted, and the layout it replaced (to go back to)."""
 
     at_step: int
     before_s: float
     predicted_gain: float
+    previous: tuple[StageAssignment, ...] = ()
+
+
+@dataclass(frozen=True)
+class MoveRevert:
+    """A layer move that measured slower than the layout it replaced: that layout again."""
+
+    stages: tuple[StageAssignment, ...]
+    before_s: float
+    after_s: float
 
 
 # Steps measured on each side of a rebalance to judge it (the first step after a change refills
 # the pipeline and is left out).
 _JUDGE_STEPS = 5
+#: A move is taken back when it measures this much slower than the layout it replaced (the
+#: share guard's margin: ``control.share_trial``).
+REVERT_MARGIN = 0.05
 
 
 @dataclass
@@ -83,6 +96,8 @@ class Replanner:
     _candidate: tuple[object, int] | None = None
     _check: MoveCheck | None = None
     _step_times: StepTimes = field(default_factory=lambda: StepTimes(4 * _JUDGE_STEPS + 1))
+    # a move that measured slower, to be taken back at the next boundary
+    revert: MoveRevert | None = None
 
     @property
     def effective_policy(self) -> RepartitionPolicy:
@@ -102,7 +117,9 @@ class Replanner:
                                          rebalance=rebalance)
 
     def step_done(self, step: int, now: float) -> None:
-        """A training step completed at ``now``: judge a rebalance once enough steps ran."""
+        """A training step completed at ``now``: judge a rebalance once enough steps ran (the
+        A/B guard of layer moves: a move that measures more than ``REVERT_MARGIN`` slower than
+        the layout it replaced is to be taken back, ``revert``, and counts as failed)."""
         self._step_times.record(step, now)
         check = self._check
         if check is None or step < check.at_step + 1 + _JUDGE_STEPS:
@@ -113,13 +130,21 @@ class Replanner:
             return
         realized = 1.0 - after / check.before_s
         self.failed_moves = 0 if realized >= check.predicted_gain / 2 else self.failed_moves + 1
+        if after > check.before_s * (1 + REVERT_MARGIN) and check.previous:
+            self.revert = MoveRevert(check.previous, check.before_s, after)
 
-    def moved(self, at_step: int, rebalance: Move) -> None:
-        """A rebalance takes effect at ``at_step``: judge it against the steps before."""
+    def moved(self, at_step: int, rebalance: Move | None,
+              previous: Sequence[StageAssignment] = ()) -> None:
+        """A layer move takes effect at ``at_step``, replacing the ``previous`` layout: judge
+        it against the steps before (``rebalance`` None: a move back, not judged again)."""
+        self.revert = None
+        if rebalance is None:
+            return
         before = self._step_times.mean_step_s(at_step - 1 - _JUDGE_STEPS, at_step - 1)
         if before is not None and rebalance.current_s > 0:
             self._check = MoveCheck(at_step, before,
-                                    1.0 - rebalance.proposed_s / rebalance.current_s)
+                                    1.0 - rebalance.proposed_s / rebalance.current_s,
+                                    tuple(previous))
 
     def replicating(self, version: int, now: float) -> PendingReplan:
         """Every stage replicates ``version`` for the pending change."""
@@ -154,6 +179,8 @@ class Replanner:
         plan's)."""
         if not self.rebalance or self.pending is not None:
             return None
+        if self.revert is not None:
+            return None  # the move that measured slower goes back first (the controller asks)
         running = tuple(stages) if stages is not None else plan.stages
         at = RebalanceInputs(step, self.last_change_step, model.total_steps - step,
                              plan.train.micro_batches, self.cost_s)

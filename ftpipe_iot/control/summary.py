@@ -27,6 +27,7 @@ class RunSummary:
     recoveries: int = 0
     repartitions: int = 0
     share_reverts: int = 0  # retunes taken back because they measured slower
+    layout_reverts: int = 0  # layer moves taken back because they measured slower
     detect_s: list[float] = field(default_factory=list)
     recover_s: list[float] = field(default_factory=list)
     recomputed_steps: int = 0
