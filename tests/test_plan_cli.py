@@ -175,3 +175,36 @@ def test_resiliency_prints_the_trade_off_with_standbys_and_their_traffic(tmp_pat
     table = run("--costs", str(costs), "--profiles", fleet[0], "--resiliency", "1")
     assert table.exit_code == 0, table.output
     assert "standbys" in table.output and "fewer than 1 other holders" in table.output
+
+
+def test_the_plan_is_played_out_with_the_message_cost_a_run_fitted(costs_file, tmp_path):
+    from helpers import MemoryJob
+
+    from ftpipe_iot.control.config import ControllerConfig
+    from ftpipe_iot.protocol.plan import TrainConfig
+    from ftpipe_iot.protocol.specs import ModelSpec
+
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=4, micro_batch_size=8,
+                        max_steps=14, lr=0.05)
+    job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
+    job.start()
+    job.run()
+    (fit,) = job.controller.summary.calibrations
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(job.controller.summary.to_json())
+    args = ["--costs", str(costs_file), "--profiles", profile("rpi4"), profile("jetson-nano")]
+    plain = run(*args)
+    assert plain.exit_code == 0 and "not calibrated" in plain.output
+    calibrated = run(*args, "--calibration", str(run_dir))
+    assert calibrated.exit_code == 0, calibrated.output
+    assert f"{fit['message_cost_s'] * 1e3:.2f} ms a message" in calibrated.output
+    assert "off before the fit" in calibrated.output
+    report = json.loads(run(*args, "--calibration", str(run_dir / "summary.json"),
+                            "--json").output)
+    model = report["step_model"]
+    assert model["calibration"]["message_cost_s"] == pytest.approx(fit["message_cost_s"])
+    assert model["step_s"] > model["closed_form_step_s"]  # every message now costs something
+    (tmp_path / "empty.json").write_text(json.dumps({"calibrations": []}))
+    refused = run(*args, "--calibration", str(tmp_path / "empty.json"))
+    assert refused.exit_code == 2 and "no fitted step model" in refused.output

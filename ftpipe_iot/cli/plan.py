@@ -12,6 +12,7 @@ import click
 
 from ftpipe_iot.cli.options import AUTO, COUNT_OR_AUTO, command
 from ftpipe_iot.errors import PartitionError
+from ftpipe_iot.planning.calibration import Calibration, StepModel, last_calibration
 from ftpipe_iot.planning.group_search import (
     best_single_pipeline,
     data_parallel_plan,
@@ -106,6 +107,42 @@ def _resilience_table(options: list[ResilienceOption], source: str, micro_batche
         if option.warning:
             lines.append(f"  r={option.cost.resiliency}: {option.warning}")
     return "\n".join(lines)
+
+
+def _calibration(path: Path | None) -> Calibration | None:
+    """The step model fitted in a run (its summary.json, or its run directory)."""
+    if path is None:
+        return None
+    file = path / "summary.json" if path.is_dir() else path
+    try:
+        summary = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise click.UsageError(f"--calibration: cannot read a run summary from {file}: "
+                               f"{exc}") from exc
+    if not isinstance(summary, dict):
+        raise click.UsageError(f"--calibration: {file} is not a run summary")
+    found = last_calibration(summary)
+    if found is None:
+        raise click.UsageError(f"--calibration: {file} has no fitted step model (no plan of "
+                               "that run ran the 10 steps a fit needs)")
+    return found
+
+
+def _step_model_text(modelled_s: float, closed_s: float, calibration: Calibration | None,
+                     source: Path | None) -> str:
+    """What the step model predicts for the plan, and how far it was off where it was fitted."""
+    text = (f"step model: {modelled_s:.4f} s per step played out (the closed form above: "
+            f"{closed_s:.4f} s)")
+    if calibration is None:
+        return text + "; not calibrated (--calibration RUN_DIR fits it to a run's steps)"
+    before = calibration.uncalibrated_error
+    after = (calibration.measured_step_s / calibration.calibrated_step_s - 1.0
+             if calibration.measured_step_s and calibration.calibrated_step_s else None)
+    return (text + f", calibrated on {source}: {calibration.message_cost_s * 1e3:.2f} ms a "
+            f"message; that run's plan was predicted {before:+.1%} off before the fit, "
+            f"{after:+.1%} after" if before is not None and after is not None
+            else text + f", calibrated on {source}: "
+            f"{calibration.message_cost_s * 1e3:.2f} ms a message")
 
 
 def _replication_text(choice: ReplicationChoice, sizes_known: bool) -> str:
@@ -261,6 +298,11 @@ def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, objec
                    "--resiliency 0) or every micro-batch's gradient (M copies; what a run does "
                    "at --resiliency >= 1, where holders take each other's over). Default: "
                    "what the run would do.")
+@click.option("--calibration", "calibration_from", default=None,
+              type=click.Path(exists=True, path_type=Path),
+              help="A run's summary.json (or its run directory): play the plan's step out "
+                   "with the per-message cost that run fitted, and print that run's prediction "
+                   "error before and after the fit.")
 @click.option("--compare", is_flag=True,
               help="Also show the best single pipeline and pure data parallelism.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
@@ -292,7 +334,8 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
          input_bytes: float | None, schedule: str = "sync", drain_every: int = 10,
          max_in_flight: int = 8, lr: float = 0.05, momentum: float = 0.9,
          delay_compensation: str = "predict", wire_codec: str = "none",
-         replication_budget: float = DEFAULT_BUDGET, optimizer: str = "sgd") -> None:
+         replication_budget: float = DEFAULT_BUDGET, optimizer: str = "sgd",
+         calibration_from: Path | None = None) -> None:
     """Plan stages for a model over devices given by profiles (ftpipe-iot plan --costs c.json
     --profiles a.json b.json): the number of stages, their layers, the group of devices of each
     stage and every member's share of the micro-batches, minimising the time per sample.
@@ -388,6 +431,9 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
     chosen_unused = [d.name for d in devices if d.name not in chosen.devices]
     baselines = (_baselines(costs, devices, micro_batches, micro_batch_size, how) if compare
                  else {})
+    calibration = _calibration(calibration_from)
+    step_model = StepModel(calibration or Calibration(), max_in_flight)
+    modelled_s = step_model.step_s(chosen, costs, devices)
     replication = choose_interval(
         drain_every, replication_budget, chosen.step_s,
         planned_costs([(s.members[0].device, s.param_bytes) for s in chosen.stages],
@@ -417,6 +463,8 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
                                                                  ("micro_batch_size", auto_b))
                                                  if on]}
         report["replication"] = replication.to_dict()
+        report["step_model"] = {"step_s": modelled_s, "closed_form_step_s": chosen.step_s,
+                                "calibration": calibration.to_dict() if calibration else None}
         if schedule == ScheduleName.ASYNC.value:
             report["stability"] = {**StabilityBounds.at(lr, momentum).to_dict(),
                                    "delay_compensation": delay_compensation}
@@ -427,6 +475,7 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         click.echo(json.dumps(report, indent=2))
     else:
         click.echo(_table(chosen, source, chosen_unused, costs, baselines))
+        click.echo(_step_model_text(modelled_s, chosen.step_s, calibration, calibration_from))
         click.echo(_replication_text(replication, bool(costs.param_bytes)))
         if auto is not None:
             click.echo(f"micro-batching ({schedule}, auto): {auto.micro_batches} micro-batches "

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from ftpipe_iot.control.central import CentralReplicas
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.failures import FailureAction, FailureFacts, respond_to_failure
-from ftpipe_iot.control.forecast import predicted_step_s
+from ftpipe_iot.control.forecast import predict
 from ftpipe_iot.control.job import JobModel, prepare_job
 from ftpipe_iot.control.lease import fenced
 from ftpipe_iot.control.liveness import Failure, LivenessTracker
@@ -34,10 +34,11 @@ from ftpipe_iot.control.share_trial import TrialVerdict
 from ftpipe_iot.control.summary import RunSummary
 from ftpipe_iot.control.training import PlanTraining
 from ftpipe_iot.core.data import Dataset
-from ftpipe_iot.errors import TrainingDiverged
+from ftpipe_iot.errors import PartitionError, TrainingDiverged
 from ftpipe_iot.observability.metrics import ControllerMetrics
 from ftpipe_iot.observability.progress import ProgressReporter, SilentProgress
 from ftpipe_iot.observability.trace import RunTracer, TraceStore
+from ftpipe_iot.planning.calibration import StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.partition import RepartitionPolicy
 from ftpipe_iot.protocol.messages import (
@@ -122,6 +123,8 @@ class Controller:
         self.excluded: set[str] = set()
         self.train: TrainConfig = config.train
         self.pacer = ReplicationPacer(config.train.replicate_every, config.replication_budget)
+        # what a step of a plan takes, fitted to the plans measured (``planning.calibration``)
+        self.step_model = StepModel(max_in_flight=config.train.max_in_flight)
         self.model: JobModel | None = None
         if not config.resume:
             self._setup(config.train)
@@ -411,7 +414,7 @@ class Controller:
                 devices, self.plan, self.config.assignment, self.model.cost_model,
                 self.capacity, self.roster.capabilities, self.train.resiliency,
                 self.config.layout, self.train.micro_batches, self.config.repartition_threshold,
-                self.train.schedule, self.model.grouping_refusal))
+                self.train.schedule, self.model.grouping_refusal, self.step_model))
             for warning in warnings:
                 self.recorder.message(warning)
         init_weights = self.central.started_from_file or bool(self.plan and self.plan.init_weights)
@@ -549,6 +552,7 @@ class Controller:
     def _step_completed(self, step: int) -> None:
         self.tracer.step_done(step)
         self.replanner.step_done(step, self.clock())
+        self._calibrate()
         self._pace_replication(step)
         self._publish_state(ControllerStatus.TRAINING)
 
@@ -585,7 +589,7 @@ class Controller:
             better = self.replanner.consider(step, self.model, self.plan,
                                              sorted(self.roster.alive), self.capacity,
                                              self.roster.capabilities, self.training.stages,
-                                             self.training.counts)
+                                             self.training.counts, self.step_model)
             if better is not None:
                 self.recorder.rebalancing(step, better.current_s, better.proposed_s,
                                           better.per)
@@ -616,11 +620,29 @@ class Controller:
         self.replanner.request(ReplanReason.REBALANCE, revert.stages)
 
     def _predict(self, stages: Sequence[StageAssignment], from_step: int) -> None:
-        """Tell the recorder the cost model's step time for ``stages`` (to measure it against)."""
+        """Tell the recorder the step model's time for ``stages`` (to measure it against)."""
         assert self.model is not None and self.plan is not None
-        self.recorder.predicted(self.plan.version, from_step, predicted_step_s(
+        self.recorder.predicted(self.plan.version, from_step, predict(
             stages, self.model.cost_model, self.capacity, self.roster.capabilities,
-            self.train.micro_batches, self.train.micro_batch_size))
+            self.train.micro_batches, self.train.micro_batch_size, self.step_model),
+            self.step_model.calibration.message_cost_s)
+
+    def _calibrate(self) -> None:
+        """Fit the step model to the plan in force once it has been measured: later plans,
+        layout choices and moves are predicted with it (``planning.calibration``)."""
+        ready = self.recorder.forecast.ready_to_fit()
+        if ready is None or self.model is None or self.plan is None:
+            return
+        prediction, measured = ready
+        try:
+            self.step_model = self.step_model.fitted(
+                self.plan.version, prediction.plan, self.model.cost_model,
+                prediction.devices, measured)
+        except PartitionError as exc:
+            log.warning("the step model could not be fitted to plan %d: %s",
+                        self.plan.version, exc)
+            return
+        self.recorder.calibrated(self.step_model.calibration)
 
     # -- end of job -----------------------------------------------------------------------------
     def _finish(self, version: int) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ftpipe_iot.control.replan import without
 from ftpipe_iot.errors import ConfigError
+from ftpipe_iot.planning.calibration import StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.costs import LayerCosts
 from ftpipe_iot.planning.groups import exchange_for
@@ -39,6 +40,8 @@ class LayoutInputs:
     # why the model's layers cannot be held by a group (``core.grouping``): auto then keeps a
     # single pipeline (``check_grouping`` refused the rest before the job started)
     grouping_refusal: str | None = None
+    # the step model fitted to the plans measured so far (``planning.calibration``)
+    step_model: StepModel | None = None
 
 
 def check_grouping(refusal: str | None, layout: Layout, resiliency: int,
@@ -92,7 +95,7 @@ def choose_stages(inputs: LayoutInputs) -> tuple[tuple[StageAssignment, ...], li
             specs = comparable_specs(specs, inputs.capacity)
         choice = choose_layout(inputs.costs, specs, inputs.micro_batches, layout,
                                inputs.min_gain, schedule_for(inputs.schedule),
-                               exchange_for(inputs.resiliency))
+                               exchange_for(inputs.resiliency), inputs.step_model)
         if choice.warning:
             warnings.append(choice.warning)
         if layout is not Layout.PIPELINE:

@@ -8,12 +8,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ftpipe_iot.control.forecast import ForecastCheck
+from ftpipe_iot.control.forecast import ForecastCheck, Prediction
 from ftpipe_iot.control.liveness import Failure
 from ftpipe_iot.control.summary import RunSummary, ThroughputMeter
 from ftpipe_iot.core.feed import StepSummary
 from ftpipe_iot.observability.metrics import ControllerMetrics
 from ftpipe_iot.observability.progress import ProgressReporter
+from ftpipe_iot.planning.calibration import Calibration
 from ftpipe_iot.planning.replication import ReplicationChoice
 from ftpipe_iot.protocol.messages import Event, Heartbeat
 from ftpipe_iot.protocol.plan import Plan, StageAssignment
@@ -129,12 +130,25 @@ class Recorder:
         self.progress.step(step.step + 1, step.loss, rate)
         return rate
 
-    def predicted(self, plan_version: int, from_step: int, step_s: float | None) -> None:
-        """The cost model's step time for what runs from ``from_step`` on (a new plan or new
+    def predicted(self, plan_version: int, from_step: int, prediction: Prediction | None,
+                  message_cost_s: float = 0.0) -> None:
+        """The step model's time for what runs from ``from_step`` on (a new plan or new
         shares): measured against the steps that follow."""
-        self.forecast.predicted(plan_version, from_step, step_s)
-        if step_s:
-            self.metrics.predicted_step_seconds.set(step_s)
+        self.forecast.predicted(plan_version, from_step, prediction, message_cost_s)
+        if prediction is not None and prediction.step_s > 0:
+            self.metrics.predicted_step_seconds.set(prediction.step_s)
+
+    def calibrated(self, calibration: Calibration) -> None:
+        """The step model was fitted to the plan in force (``planning.calibration``)."""
+        self.summary.calibrations.append(calibration.to_dict())
+        self.metrics.message_cost_seconds.set(calibration.message_cost_s)
+        before = calibration.uncalibrated_error
+        self.progress.message(
+            f"planner calibrated on plan {calibration.fitted_on_plan}: "
+            f"{calibration.message_cost_s * 1e3:.2f} ms a message; the step is predicted at "
+            f"{calibration.calibrated_step_s or 0:.4f} s (measured "
+            f"{calibration.measured_step_s or 0:.4f} s"
+            + (f", {before:+.0%} off without it)" if before is not None else ")"))
 
     def epoch_evaluated(self, result: EpochResult) -> None:
         self.summary.test_accuracy, self.summary.test_loss = result.accuracy, result.loss

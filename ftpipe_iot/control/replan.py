@@ -12,6 +12,7 @@ from enum import Enum
 from ftpipe_iot.control.job import JobModel
 from ftpipe_iot.control.step_times import StepTimes
 from ftpipe_iot.core.routing import Counts, plan_counts
+from ftpipe_iot.planning.calibration import StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.groups import apportion
 from ftpipe_iot.planning.partition import RepartitionPolicy
@@ -171,8 +172,8 @@ class Replanner:
 
     def consider(self, step: int, model: JobModel, plan: Plan, candidates: Sequence[str],
                  capacity: CapacityEstimator, capabilities: Mapping[str, Capabilities],
-                 stages: Sequence[StageAssignment] | None = None, counts: Counts | None = None
-                 ) -> Move | None:
+                 stages: Sequence[StageAssignment] | None = None, counts: Counts | None = None,
+                 step_model: StepModel | None = None) -> Move | None:
         """At a step boundary: a better partition (a pipeline) or layout (a group plan) that
         pays off, and is now pending, or None. ``stages`` and ``counts`` are the shares in
         force (a group plan's may have been retuned since it was published; default: the
@@ -190,7 +191,7 @@ class Replanner:
             if plan.train.resiliency > 0:
                 return None  # holders beyond the first are the layout's point: it is kept
             better, seen = self._regroup(model, running, counts, candidates, capacity,
-                                         capabilities, at)
+                                         capabilities, at, step_model)
         else:
             current = [(s.leader, s.start, s.end) for s in running]
             better = propose_rebalance(model.cost_model, current, candidates, capacity,
@@ -214,7 +215,8 @@ class Replanner:
     def _regroup(self, model: JobModel, running: tuple[StageAssignment, ...],
                  counts: Counts | None, candidates: Sequence[str],
                  capacity: CapacityEstimator, capabilities: Mapping[str, Capabilities],
-                 at: RebalanceInputs) -> tuple[Regroup | None, int]:
+                 at: RebalanceInputs, step_model: StepModel | None = None
+                 ) -> tuple[Regroup | None, int]:
         """A group plan's layout move and the boundaries in a row it was proposed at: the
         move held from the last boundary when it still pays (the planner is not asked again:
         among devices equal but for noise its choice flips between layouts of the same time),
@@ -223,7 +225,7 @@ class Replanner:
 
         def propose(layout: Sequence[StageAssignment] | None) -> Regroup | None:
             return propose_regroup(model.cost_model, running, counts, candidates, capacity,
-                                   capabilities, self.effective_policy, at, layout)
+                                   capabilities, self.effective_policy, at, layout, step_model)
 
         held = self._candidate
         if held is not None and isinstance(held[0], Regroup):

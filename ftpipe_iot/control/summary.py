@@ -28,6 +28,8 @@ class RunSummary:
     repartitions: int = 0
     share_reverts: int = 0  # retunes taken back because they measured slower
     layout_reverts: int = 0  # layer moves taken back because they measured slower
+    # the step model fitted to measured plans (``planning.calibration``), in order
+    calibrations: list[dict] = field(default_factory=list)
     detect_s: list[float] = field(default_factory=list)
     recover_s: list[float] = field(default_factory=list)
     recomputed_steps: int = 0

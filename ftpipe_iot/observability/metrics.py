@@ -118,11 +118,15 @@ class ControllerMetrics(MessagingMetrics):
                                   registry=registry)
         self.predicted_step_seconds = Gauge(
             "ftpipe_plan_predicted_step_seconds",
-            "The cost model's step time for the plan and shares in force", registry=registry)
+            "The step model's time for the plan and shares in force", registry=registry)
         self.prediction_error = Gauge(
             "ftpipe_plan_prediction_error_ratio",
             "Measured over predicted step time of the plan in force, minus 1 (median step "
             "after the warm-up)", registry=registry)
+        self.message_cost_seconds = Gauge(
+            "ftpipe_plan_message_cost_seconds",
+            "The per-message cost the step model was fitted to (planning/calibration.py)",
+            registry=registry)
         self.stages = Gauge("ftpipe_plan_stages", "Number of stages in the current plan",
                             registry=registry)
         self.devices_online = Gauge("ftpipe_devices_online", "Devices whose status is online",

@@ -137,12 +137,19 @@ class LayerCosts:
 @dataclass(frozen=True)
 class DeviceSpec:
     """One device as the solver sees it: capacity factor, link bandwidth (bytes/s, inf when
-    unknown/uncapped) and memory budget (bytes, inf when none)."""
+    unknown/uncapped) and memory budget (bytes, inf when none).
+
+    ``host`` names the machine the device runs on when known (devices on one host share its
+    cores: ``planning.step_simulation``) and ``cpu_share`` is the part of its compute time
+    that is CPU work (1 for a real device; ``1 / factor`` for one whose profile emulates a
+    slow-down by sleeping)."""
 
     name: str
     factor: float = 1.0
     bandwidth_bytes_per_s: float = math.inf
     memory_bytes: float = math.inf
+    host: str | None = None
+    cpu_share: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -157,3 +164,7 @@ class DeviceSpec:
                 raise PartitionError(f"{field_name} of {self.name} must be > 0, got {value}")
             object.__setattr__(self, field_name, value)
         object.__setattr__(self, "factor", factor)
+        share = _check_number(self.cpu_share, f"cpu_share of {self.name}")
+        if not 0 < share <= 1:
+            raise PartitionError(f"cpu_share of {self.name} must be in (0, 1], got {share}")
+        object.__setattr__(self, "cpu_share", share)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ftpipe_iot.errors import PartitionError
+from ftpipe_iot.planning.calibration import StepModel
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
 from ftpipe_iot.planning.group_search import data_parallel_plan, solve_groups
 from ftpipe_iot.planning.groups import GradientExchange, GroupPlan, evaluate_groups
@@ -88,7 +89,8 @@ def _refusal(schedule: Schedule,
 
 def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches: int,
                   layout: Layout, min_gain: float = 0.10, schedule: Schedule | None = None,
-                  exchange: GradientExchange = GradientExchange.SUMS) -> LayoutChoice:
+                  exchange: GradientExchange = GradientExchange.SUMS,
+                  step_model: StepModel | None = None) -> LayoutChoice:
     """The stages of a new plan over ``specs`` (in the controller's order) for ``layout``,
     never a plan ``schedule`` (default: sync) refuses.
 
@@ -99,7 +101,9 @@ def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches:
     ``auto`` takes :func:`solve_groups`' plan when it predicts a step at least ``min_gain``
     shorter than the single pipeline's and the schedule supports it, else the single pipeline
     (with a warning naming the plan the schedule refused). ``exchange``: what the run's groups
-    will exchange (``groups.exchange_for`` its resiliency), which prices them.
+    will exchange (``groups.exchange_for`` its resiliency), which prices them. ``step_model``:
+    the two candidates found by the closed form are compared by playing their steps out with
+    the per-message cost fitted so far (``planning.calibration``), when one is given.
     """
     if not 0 <= min_gain < 1:
         raise PartitionError(f"min_gain must be in [0, 1), got {min_gain}")
@@ -132,21 +136,25 @@ def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches:
         return LayoutChoice(single, "pipeline", warning=warning)
     pipeline = evaluate_groups([(lo, hi, members) for lo, hi, members, _ in single], costs,
                                specs, micro_batches, exchange=exchange)
+
+    def step_s(plan: GroupPlan) -> float:
+        return plan.step_s if step_model is None else step_model.step_s(plan, costs, specs)
+
     try:
         planned = solve_groups(costs, specs, micro_batches, exchange=exchange)
     except PartitionError as exc:
-        return LayoutChoice(single, "pipeline", _finite(pipeline.step_s), None,
+        return LayoutChoice(single, "pipeline", _finite(step_s(pipeline)), None,
                             f"fleet planner: {exc}; a single pipeline instead")
-    if planned.step_s < pipeline.step_s * (1 - min_gain):
+    pipeline_s, planned_s = step_s(pipeline), step_s(planned)
+    if planned_s < pipeline_s * (1 - min_gain):
         refusal = _refusal(schedule, _stages(planned))
         if refusal is None:
-            return LayoutChoice(_stages(planned), _kind(planned), _finite(pipeline.step_s),
-                                _finite(planned.step_s))
+            return LayoutChoice(_stages(planned), _kind(planned), _finite(pipeline_s),
+                                _finite(planned_s))
         # the best plan the schedule supports: the single pipeline, and the log says why
         set_aside = (f"layout auto: the fleet planner's {_kind(planned)} plan (predicted "
-                     f"{planned.step_s:.4f} s per step against {pipeline.step_s:.4f} s for a "
+                     f"{planned_s:.4f} s per step against {pipeline_s:.4f} s for a "
                      f"single pipeline) is set aside, {refusal.reason}; a single pipeline "
                      "instead")
         warning = f"{warning}; {set_aside}" if warning else set_aside
-    return LayoutChoice(single, "pipeline", _finite(pipeline.step_s), _finite(planned.step_s),
-                        warning)
+    return LayoutChoice(single, "pipeline", _finite(pipeline_s), _finite(planned_s), warning)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ftpipe_iot.errors import PartitionError
+from ftpipe_iot.planning.calibration import StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
 from ftpipe_iot.planning.group_search import solve_groups
@@ -72,7 +73,8 @@ def propose_regroup(costs: LayerCosts, stages: Sequence[StageAssignment],
                     counts: Sequence[Sequence[int]], candidates: Sequence[str],
                     capacity: CapacityEstimator, capabilities: Mapping[str, Capabilities],
                     policy: RepartitionPolicy, at: RebalanceInputs,
-                    layout: Sequence[StageAssignment] | None = None) -> Regroup | None:
+                    layout: Sequence[StageAssignment] | None = None,
+                    step_model: StepModel | None = None) -> Regroup | None:
     """The fleet planner's layout over ``candidates`` for a running group plan (``stages``
     with ``counts`` micro-batches per member in force), or None.
 
@@ -86,6 +88,8 @@ def propose_regroup(costs: LayerCosts, stages: Sequence[StageAssignment],
     planner finds the current layout again (better shares are ``retuned``'s, no weights move),
     when nothing fits the memory budgets, and unless the proposal at the slow end beats the
     current layout's best shares at the fast end by the pay-off rule (``pays_off``).
+    ``step_model``: the step times judged are played out with the per-message cost fitted so
+    far (``planning.calibration``) instead of the closed form, when one is given.
     """
     devices = [d for s in stages for d in s.devices]
     if not capacity.settled(devices) or policy.cooling_down(at.step, at.last_change_step):
@@ -111,11 +115,15 @@ def propose_regroup(costs: LayerCosts, stages: Sequence[StageAssignment],
             return None
         fast = _specs(pool, capacity, capabilities, 0)
         slow = _specs(pool, capacity, capabilities, 1)
+
+        def step_s(plan: GroupPlan, specs: Sequence[DeviceSpec]) -> float:
+            return plan.step_s if step_model is None else step_model.step_s(plan, costs, specs)
+
         # the layout in force at its best shares: a move must beat what a retune could do
-        current_s = min(evaluate_groups(running, costs, fast, m, counts=counts).step_s,
-                        evaluate_groups(running, costs, fast, m).step_s)
-        proposed_s = evaluate_groups(planned, costs, slow, m,
-                                     counts=planned.micro_batch_counts).step_s
+        current_s = min(step_s(evaluate_groups(running, costs, fast, m, counts=counts), fast),
+                        step_s(evaluate_groups(running, costs, fast, m), fast))
+        proposed_s = step_s(evaluate_groups(planned, costs, slow, m,
+                                            counts=planned.micro_batch_counts), slow)
     except PartitionError:
         return None
     if not pays_off(current_s, proposed_s, policy, at):
