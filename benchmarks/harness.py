@@ -58,6 +58,9 @@ class JobSpec:
     devices: list[tuple[str, Path | None]]
     controller_args: list[str] = field(default_factory=list)
     timeout_s: float = 300.0
+    # a second controller with the same options and --standby (``procs["standby"]``), which
+    # takes the job over when the leader's Last Will says it is gone
+    standby_controller: bool = False
 
 
 def run_job(spec: JobSpec, broker: BrokerProcess,
@@ -78,23 +81,29 @@ def run_job(spec: JobSpec, broker: BrokerProcess,
                         place.device_urls.get(name, place.controller_url), *extra,
                         *place.device_args, netns=place.device_netns.get(name))
         summary_path = work / "summary.json"
-        group.start("controller", "controller", "--job", spec.job, "--broker",
-                    place.controller_url, "--devices", str(len(spec.devices)),
-                    "--stop-devices", "--summary-json", str(summary_path), "--log-level",
-                    "WARNING", *spec.controller_args, netns=place.controller_netns)
+        controllers = ["controller", *(["standby"] if spec.standby_controller else [])]
+        for name in controllers:
+            group.start(name, "controller", "--job", spec.job, "--broker",
+                        place.controller_url, "--devices", str(len(spec.devices)),
+                        "--stop-devices", "--summary-json", str(summary_path), "--log-level",
+                        "WARNING", *spec.controller_args,
+                        *(["--standby"] if name == "standby" else []),
+                        netns=place.controller_netns)
         started = time.monotonic()
         last_report = 0.0
         if during is not None:
             during(watcher, procs)
-        while procs["controller"].poll() is None:
+        while any(procs[name].poll() is None for name in controllers):
             if time.monotonic() - started > spec.timeout_s:
                 raise TimeoutError(f"{spec.job} did not finish in {spec.timeout_s}s; see {work}")
             if time.monotonic() - last_report > 5:
                 last_report = time.monotonic()
                 say(f"{spec.job}: step {watcher.job.step}")
             time.sleep(0.2)
-        if procs["controller"].returncode != 0:
-            raise RuntimeError(f"{spec.job}: controller failed; see {work}/controller.log")
+        # the controller that ended the job (the standby, when the leader was killed)
+        last = max(controllers, key=lambda name: procs[name].returncode == 0)
+        if procs[last].returncode != 0:
+            raise RuntimeError(f"{spec.job}: controller failed; see {work}/{last}.log")
         summary = json.loads(summary_path.read_text())
         summary["watch_events"] = [e.to_dict() for e in watcher.job.events]
         summary["watch_progress"] = list(watcher.job.progress)

@@ -5,7 +5,12 @@
   samples/s with r = 0, with r = 1 (warm standbys) and with r = 1 over groups of two (peers
   re-issue), each next to the same layout without the straggler;
 - failure: SIGKILL of a stage-1 device at step 25 with r = 0 (checkpoint rollback) and r = 1:
-  seconds from the kill to the next completed step, recomputed steps, rollbacks;
+  seconds from the kill to the next completed step, next to the median step before the kill
+  (the kill comes as a step starts, so a whole step is the least it can take) and what the
+  kill added to the step under way; recomputed steps, rollbacks;
+- controller fail-over: a standby controller (``controller --standby``) takes over from a
+  leader that is SIGKILLed or hung (SIGSTOP) at step 15: seconds from the fault to the next
+  completed step, against twice the controllers' keepalive (``--keepalive``, 2 s here);
 - trade-off: bytes on the wire per step and samples/s for r = 0, 1, 2, next to the prediction of
   ``ftpipe-iot plan --resiliency`` (``planning.resilience.resilience_cost``).
 
@@ -21,6 +26,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -98,6 +104,24 @@ def _run(broker: BrokerProcess, name: str, layout: str, resiliency: int, steps: 
             "_summary": summary}
 
 
+def _around(progress: list, at: float) -> dict:
+    """Step completions (``(step, t)`` as the watcher saw them) around a fault at ``at``: the
+    median step before it, the step that was under way (from the completion before the fault
+    to the first after it) and what the fault added to it."""
+    times = sorted(t for _, t in progress)
+    before = [t for t in times if t <= at]
+    after = [t for t in times if t > at]
+    intervals = [b - a for a, b in zip(before[-11:], before[-10:])]
+    step_s = statistics.median(intervals) if intervals else None
+    out = {"step_s_before": round(step_s, 3) if step_s else None,
+           "kill_to_next_step_s": round(after[0] - at, 3) if after else None}
+    if before and after and step_s:
+        disrupted = after[0] - before[-1]
+        out.update(disrupted_step_s=round(disrupted, 3),
+                   added_by_the_fault_s=round(disrupted - step_s, 3))
+    return out
+
+
 def _kill_run(broker: BrokerProcess, layout: str, resiliency: int, steps: int) -> dict:
     killed: dict[str, float] = {}
     at = min(25, steps - 10)  # between two replications (every 10): r = 0 recomputes steps
@@ -109,12 +133,37 @@ def _kill_run(broker: BrokerProcess, layout: str, resiliency: int, steps: int) -
         os.killpg(procs["s1a"].pid, signal.SIGKILL)
 
     result = _run(broker, f"kill-r{resiliency}", layout, resiliency, steps, during=inject)
-    progress = result["_summary"]["watch_progress"]
-    before = max((step for step, t in progress if t <= killed["at"]), default=0)
-    after = [t for step, t in progress if t > killed["at"] and step > before]
     result["killed_at_step"] = at
-    result["kill_to_next_step_s"] = round(min(after) - killed["at"], 3) if after else None
+    result.update(_around(result["_summary"]["watch_progress"], killed["at"]))
     return result
+
+
+def _failover_run(broker: BrokerProcess, how: str, steps: int, keepalive_s: int) -> dict:
+    """A standby controller takes the job over from a leader that is killed (SIGKILL: the
+    broker sees the connection close and fires its Last Will at once) or hangs (SIGSTOP: the
+    Will fires 1.5 keepalives later): seconds from the fault to the first step the new leader
+    completes, against twice the keepalive."""
+    at = min(15, steps - 10)
+    fault: dict[str, float] = {}
+
+    def inject(watcher, procs) -> None:
+        if not watcher.wait_step(at, 600):
+            raise TimeoutError(f"the job never reached step {at}")
+        fault["at"] = time.time()
+        os.killpg(procs["controller"].pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+    assignment = _assignment("pipeline")
+    summary = run_job(JobSpec(f"failover-{how}", _devices(assignment, None),
+                              [*TRAINING, "--max-steps", str(steps), "--assignment", assignment,
+                               "--keepalive", str(keepalive_s)],
+                              timeout_s=900, standby_controller=True), broker, during=inject)
+    after = [t for _, t in summary["watch_progress"] if t > fault["at"]]
+    failover = round(after[0] - fault["at"], 3) if after else None
+    return {"run": f"failover-{how}", "fault": "SIGKILL" if how == "kill" else "SIGSTOP",
+            "keepalive_s": keepalive_s, "fault_at_step": at, "steps": summary["steps"],
+            "fault_to_next_step_s": failover,
+            "within_2x_keepalive": failover is not None and failover < 2 * keepalive_s,
+            "recomputed_steps": summary["recomputed_steps"]}
 
 
 def _costs():
@@ -177,6 +226,8 @@ def _plot(results: dict):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--keepalive", type=int, default=2,
+                        help="the controllers' MQTT keepalive in the fail-over runs (seconds)")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "resilience.json")
     args = parser.parse_args()
@@ -192,6 +243,9 @@ def main() -> None:
         say("failure: SIGKILL of s1a mid-run, r=0 and r=1")
         kills = [_kill_run(broker, "pipeline", 0, args.steps),
                  _kill_run(broker, "standbys", 1, args.steps)]
+        say("controller fail-over: the leader killed, then hung, a standby takes over")
+        failovers = [_failover_run(broker, how, args.steps, args.keepalive)
+                     for how in ("kill", "hang")]
         say("trade-off: r=2")
         two = _run(broker, "calm-standbys2-r2", "standbys2", 2, args.steps)
         trade = [without[0], without[1], two]
@@ -207,7 +261,8 @@ def main() -> None:
                       "r1_vs_calm": [round(w["samples_per_s"] / c["samples_per_s"], 3)
                                      if c["samples_per_s"] else None
                                      for w, c in zip(with_stall, without)]},
-        "failure": kills, "trade_off": trade, "loadavg": os.getloadavg()}
+        "failure": kills, "controller_failover": failovers, "trade_off": trade,
+        "loadavg": os.getloadavg()}
     write_results(results, args.out, _plot(results))
 
 

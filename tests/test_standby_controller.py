@@ -52,8 +52,12 @@ def _controller_args(url: str, tmp_path, name: str, steps: int) -> list[str]:
 def test_a_standby_finishes_the_job_of_a_hung_leader_which_is_fenced_when_it_wakes(
         mosquitto, processes, tmp_path):
     steps = 60
+    # slowed devices: the standby takes over within a second, and the rest of the job must
+    # outlast the old leader's restart below (a tiny model on fast devices would not)
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps({"name": "slow", "factor": 40}))
     for i in range(2):
-        processes.device(f"dev{i}", JOB, mosquitto.url)
+        processes.device(f"dev{i}", JOB, mosquitto.url, "--profile", str(slow))
     processes.start("leader", *_controller_args(mosquitto.url, tmp_path, "leader", steps))
     processes.start("standby", *_controller_args(mosquitto.url, tmp_path, "standby", steps),
                     "--standby")
@@ -61,6 +65,7 @@ def test_a_standby_finishes_the_job_of_a_hung_leader_which_is_fenced_when_it_wak
     try:
         assert watcher.wait_step(15, 120), processes.log("leader")[-3000:]
         leader = processes.procs["leader"]
+        layout = [stage.to_dict() for stage in watcher.job.stages]
         os.killpg(leader.pid, signal.SIGSTOP)  # hung: its keepalive lapses, the Will fires
         deadline = time.monotonic() + 60
         while "taking over with term" not in processes.log("standby"):
@@ -79,8 +84,17 @@ def test_a_standby_finishes_the_job_of_a_hung_leader_which_is_fenced_when_it_wak
     assert "waits as its standby" in processes.log("restarted")
     summary = json.loads((tmp_path / "standby.json").read_text())
     assert summary["steps"] == steps and summary["error"] is None
+    # every holder of the leader's plan was there: the standby kept its layout (no layer moved)
+    first = next(e for e in summary["events"] if e["type"] == "plan_changed")
+    assert first["stages"] == layout
     reference = train_reference(TrainConfig(model=ModelSpec("mlp")),
                                 load_dataset(DataSpec("digits")), steps)
     assert max_weight_diff(load_weights(tmp_path / "standby.npz"), reference) < 1e-5
     assert not (tmp_path / "leader.npz").exists()
+    # the job is done: a controller resuming it has nothing to do (it does not lead it again)
+    processes.start("late", *_controller_args(mosquitto.url, tmp_path, "late", steps),
+                    "--resume")
+    assert processes.wait("late", 60) == 0, processes.log("late")[-3000:]
+    assert "had nothing to do" in processes.log("late")
+    assert not (tmp_path / "late.npz").exists()
 

@@ -87,7 +87,8 @@ class Controller:
     def __init__(self, job: str, config: ControllerConfig, transport: Transport,
                  registry: CollectorRegistry, progress: ProgressReporter | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 data: Dataset | None = None, credentials: Credentials | None = None) -> None:
+                 data: Dataset | None = None, credentials: Credentials | None = None,
+                 prepared: JobModel | None = None) -> None:
         self.job = job
         self.config = config
         self.topics = Topics(job)
@@ -114,6 +115,10 @@ class Controller:
                                                      config.repartition_cooldown_steps),
                                    config.repartition)
         self._given_data = data
+        # the job's facts prepared in advance (a standby does it while the leader runs): used
+        # when the retained plan trains with the same config, so a take-over skips the seconds
+        # of loading the data and profiling the model
+        self._prepared = prepared
         self._recovering_since: float | None = None
         self._failures_in_a_row = 0
         self._resume_settle: float | None = None
@@ -139,7 +144,9 @@ class Controller:
         self.pacer = ReplicationPacer(train.replicate_every, self.config.replication_budget)
         # the feed goes exact: a codec codes what crosses a cut between stages
         self.messenger.options = WireOptions(compress=train.compress)
-        self.model = prepare_job(train, self._given_data)
+        prepared, self._prepared = self._prepared, None
+        self.model = prepared if prepared is not None and prepared.train == train else \
+            prepare_job(train, self._given_data)
         check_grouping(self.model.grouping_refusal, self.config.layout, train.resiliency,
                        self.config.assignment)
         self.central = CentralReplicas(self.model, self.config.checkpoint_dir)
@@ -397,13 +404,20 @@ class Controller:
                 self.fail("cannot resume: no retained plan for this job on the broker")
             return
         assert self._resume_settle is not None
-        if now - self._resume_settle < 1.0:
+        # The broker sends the retained weights in one burst when we subscribe: a moment
+        # without more once every layer is in, a second while some layer is still missing.
+        settle = 0.25 if self.central.latest_complete() is not None else 1.0
+        if now - self._resume_settle < settle:
             return  # retained weights are still arriving
         self._resume_settle = None
         self.phase = Phase.WAITING_DEVICES
         self._recovering_since = now
-        self.recorder.message(f"resume from step {self.central.latest_complete() or 0} "
-                              "(latest complete checkpoint)")
+        version = self.central.latest_complete() or 0
+        self.recorder.message(f"resume from step {version} (latest complete checkpoint)")
+        if set(self.plan.devices) <= self.roster.alive:
+            # Every holder of the retained plan is here: the same layout again, so no layer
+            # moves (each device still holds its layers at the resume version).
+            self._deploy(list(self.plan.devices), version, self.plan.stages)
 
     # -- plans ----------------------------------------------------------------------------------
     def _deploy(self, devices: list[str], resume_step: int,

@@ -32,7 +32,8 @@ class LeaseVerdict(str, Enum):
 @dataclass(frozen=True)
 class LeaseDecision:
     verdict: LeaseVerdict
-    term: int = 0  # the term to lead with when taking over
+    term: int = 0  # the term to lead with (taking over, or resuming an ended job)
+    done: bool = False  # JOB_ENDED: the job finished (not failed): nothing to resume either
 
 
 @dataclass
@@ -60,7 +61,8 @@ class LeaseWatch:
         if status is ControllerStatus.OFFLINE:
             return LeaseDecision(LeaseVerdict.TAKE_OVER, self.next_term())
         if status in (ControllerStatus.DONE, ControllerStatus.FAILED):
-            return LeaseDecision(LeaseVerdict.JOB_ENDED)
+            return LeaseDecision(LeaseVerdict.JOB_ENDED, self.next_term(),
+                                 done=status is ControllerStatus.DONE)
         return LeaseDecision(LeaseVerdict.WAIT)
 
 

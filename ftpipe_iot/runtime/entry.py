@@ -18,10 +18,11 @@ from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.control.config import ControllerConfig, controller_will
 from ftpipe_iot.control.controller import Controller
+from ftpipe_iot.control.job import JobModel, prepare_job
 from ftpipe_iot.control.lease import LeaseDecision, LeaseVerdict, LeaseWatch
 from ftpipe_iot.control.summary import RunSummary
 from ftpipe_iot.device.agent import DeviceAgent, DeviceOptions, device_will
-from ftpipe_iot.errors import ConfigError
+from ftpipe_iot.errors import ConfigError, FtpipeError
 from ftpipe_iot.observability.metrics import MessagingMetrics, serve_metrics
 from ftpipe_iot.observability.progress import ProgressReporter
 from ftpipe_iot.planning.profiles import DeviceProfile
@@ -134,7 +135,8 @@ def run_controller(job: str, broker: BrokerConfig, config: ControllerConfig,
     a term newer than the one the broker's retained state holds (control/lease.py). While
     another controller leads the job, a ``resume`` one waits as its standby (a restarted old
     leader does not take the lease back: None when the job then ends under the other), and a
-    new one is refused."""
+    new one is refused. A ``resume`` of a job whose retained state says it is done has nothing
+    to do (None); one that failed is resumed."""
     check_name("job", job)
     setup_process(options)
     registry = CollectorRegistry()
@@ -153,6 +155,9 @@ def run_controller(job: str, broker: BrokerConfig, config: ControllerConfig,
                     job, watch.term)
         return _stand_by(job, broker, config, progress, registry, name, summary_path,
                          lambda: credentials, watch)
+    if config.resume and lease.verdict is LeaseVerdict.JOB_ENDED and lease.done:
+        log.info("job %s is done (its retained state says so): nothing to resume", job)
+        return None
     return _lead(controller, lease.term, credentials, summary_path)
 
 
@@ -179,6 +184,7 @@ def _stand_by(job: str, broker: BrokerConfig, config: ControllerConfig,
               watch: LeaseWatch) -> RunSummary | None:
     stop = threading.Event()
     _on_signals(stop.set)
+    prepared = _prepare_in_advance(config)
     log.info("standby controller for job %s: waiting for the leader's lease to lapse", job)
     decision = watch_lease(broker, job, watch, f"{name}-standby", credentials(), stop=stop)
     if decision.verdict is not LeaseVerdict.TAKE_OVER:
@@ -190,8 +196,20 @@ def _stand_by(job: str, broker: BrokerConfig, config: ControllerConfig,
     keys = credentials()
     transport = MqttTransport(broker, client_id=name)
     controller = Controller(job, replace(config, resume=True), transport, registry, progress,
-                            credentials=keys)
+                            credentials=keys, prepared=prepared)
     return _lead(controller, decision.term, keys, summary_path)
+
+
+def _prepare_in_advance(config: ControllerConfig) -> JobModel | None:
+    """The job's data and reference costs, prepared while the leader runs (the standby has its
+    options): a take-over then starts from the retained plan and weights at once. None when
+    it cannot be prepared here (the take-over prepares from the retained plan instead)."""
+    try:
+        return prepare_job(config.train)
+    except FtpipeError as exc:
+        log.warning("the standby could not prepare the job in advance (%s); it will when it "
+                    "takes over", exc)
+        return None
 
 
 def _lead(controller: Controller, term: int, credentials: Credentials | None,
