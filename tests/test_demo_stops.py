@@ -89,6 +89,8 @@ def test_ctrl_c_prints_the_summary_of_what_was_done_and_exits_130(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-3000:]
     assert "interrupted after " in err and "Traceback" not in err
+    # a stop the user asked for is not said as an error or a failure
+    assert "ERROR" not in err and "FAILED" not in err and "Error:" not in err, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["interrupted"] is True and summary["steps"] > 0
     assert _processes_of(job, tmp_path) == {}

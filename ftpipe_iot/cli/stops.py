@@ -9,12 +9,11 @@ from typing import NoReturn
 
 import click
 
+from ftpipe_iot.control.summary import INTERRUPTED
 from ftpipe_iot.runtime.demo import JobFailed
 
 # The shell's exit code for a process stopped by SIGINT (128 + 2).
 INTERRUPTED_EXIT = 130
-# The error a controller or coordinator stopped by SIGINT/SIGTERM records (runtime/entry.py).
-INTERRUPTED = "interrupted"
 
 
 def interrupted_text(summary: dict) -> str:

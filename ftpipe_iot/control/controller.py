@@ -31,7 +31,7 @@ from ftpipe_iot.control.recorder import Recorder
 from ftpipe_iot.control.replan import Replanner, ReplanReason, changed_work, next_plan
 from ftpipe_iot.control.roster import Roster
 from ftpipe_iot.control.share_trial import TrialVerdict
-from ftpipe_iot.control.summary import RunSummary
+from ftpipe_iot.control.summary import INTERRUPTED, RunSummary
 from ftpipe_iot.control.training import PlanTraining
 from ftpipe_iot.core.data import Dataset
 from ftpipe_iot.errors import PartitionError, TrainingDiverged
@@ -228,6 +228,15 @@ class Controller:
             return
         log.error("job %s failed: %s", self.job, reason)
         self.recorder.job_failed(reason, self.messenger.drops.counts)
+        self.phase = Phase.FAILED
+
+    def interrupt(self) -> None:
+        """Stop the job because its user asked (Ctrl-C, SIGTERM): recorded as the error
+        ``interrupted``, said as what it is, not as a failure."""
+        if self.phase in (Phase.DONE, Phase.FAILED):
+            return
+        log.info("job %s interrupted at step %d", self.job, self.summary.steps)
+        self.recorder.job_failed(INTERRUPTED, self.messenger.drops.counts, interrupted=True)
         self.phase = Phase.FAILED
 
     # -- inbound --------------------------------------------------------------------------------

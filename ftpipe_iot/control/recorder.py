@@ -296,8 +296,12 @@ class Recorder:
         self._event(Event(EventType.JOB_DONE, steps=self.summary.steps,
                           test_accuracy=self.summary.test_accuracy))
 
-    def job_failed(self, reason: str, dropped: dict[str, int]) -> None:
-        self.progress.message(f"FAILED: {reason}")
+    def job_failed(self, reason: str, dropped: dict[str, int], interrupted: bool = False
+                   ) -> None:
+        """The job stopped for ``reason``; ``interrupted``: its user stopped it (the demo or
+        the CLI says so with the summary, once)."""
+        if not interrupted:
+            self.progress.message(f"FAILED: {reason}")
         self.summary.error = reason
         self._event(Event(EventType.JOB_FAILED, reason=reason))
         self.close(dropped)

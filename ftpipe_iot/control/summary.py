@@ -7,6 +7,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+#: The error a run summary records when its user stopped the job (Ctrl-C, SIGTERM).
+INTERRUPTED = "interrupted"
+
 
 @dataclass
 class RunSummary:

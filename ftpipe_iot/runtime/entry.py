@@ -223,7 +223,7 @@ def _lead(controller: Controller, term: int, credentials: Credentials | None,
 
     def interrupt() -> None:
         stop.set()
-        controller.fail("interrupted")
+        controller.interrupt()
 
     _on_signals(interrupt)
     try:

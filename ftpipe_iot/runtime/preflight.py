@@ -7,13 +7,31 @@ demo's; here it is one ``FtpipeError`` before anything runs.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ftpipe_iot.core.data import Dataset, load_dataset
+from ftpipe_iot.errors import ModelError
 from ftpipe_iot.protocol.plan import TrainConfig
+
+
+def _find_user_module(model: str) -> None:
+    """A user model (``module:function``) whose module cannot be found, said as its import
+    would say it (``core.models``), without importing anything (nor torch first)."""
+    if ":" not in model:
+        return
+    module = model.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:  # a missing parent package, an empty name
+        raise ModelError(f"cannot import user model module {module!r}: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    if found is None:
+        raise ModelError(f"cannot import user model module {module!r}: ModuleNotFoundError: "
+                         f"No module named {module!r}")
 
 
 @contextmanager
@@ -37,8 +55,11 @@ def check_job(train: TrainConfig, split_point: int | None = None,
     the pinned ``split_point`` (and that the model can be split at all). Returns the data set
     (the collaborative demo splits it among its devices). Raises ``DataError``, ``ModelError``
     or ``CollabError``."""
+    with _children_import_path():
+        _find_user_module(train.model.name)  # before the data: loading it imports libraries
     data = load_dataset(train.data)
-    # torch only now: a bad data file is said without waiting for its import (seconds).
+    # torch only now: a bad data file or a missing module is said without waiting for its
+    # import (seconds).
     from ftpipe_iot.core.models import build_layers, cut_shapes
 
     with _children_import_path():
