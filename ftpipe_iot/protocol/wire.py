@@ -35,7 +35,7 @@ from ftpipe_iot.errors import (
     WireError,
 )
 from ftpipe_iot.protocol.codecs import decode_array, encode_array, is_coded
-from ftpipe_iot.protocol.signing import Sealer, signed_content, tag_content
+from ftpipe_iot.protocol.signing import Sealer, TagContent, signed_content, tag_content
 from ftpipe_iot.protocol.vocab import MessageKind, WireCodec
 
 PROTOCOL_VERSION = 1
@@ -240,8 +240,8 @@ class FrameHeader:
         """The bytes the frame's signature covers."""
         return signed_content(self.signed_fields, self.payload)
 
-    def tag_content(self) -> bytes:
-        """The bytes the frame's per-receiver tags cover."""
+    def tag_content(self) -> TagContent:
+        """What the frame's per-receiver tags cover."""
         return tag_content(self.signed_fields, self.payload)
 
 
