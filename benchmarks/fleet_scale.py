@@ -24,13 +24,24 @@ devices over one Mosquitto.
    steps until the measured rate (2-step mean) stays within 10% of the planner's prediction for
    the new speeds (scaled by the measured/predicted ratio before the slow-down), and the shares
    and rate per step (the PNG).
-3. Scale: the planner's decision time (solve_groups) for F16 and F32 (F16 twice), the
+3. Predictions (issue: a planner whose error is measured): each layout's samples/s as the
+   closed form predicts it (with the compute factor fitted above), as the step model plays a
+   step out on the raw profile with every device sharing this host's cores (an emulated
+   factor is CPU work then a sleep: a device's CPU share is one over its factor), and as the
+   step model does once its per-message cost is fitted to the first pipeline run
+   (``planning.calibration``), each next to its measurement; and what the calibrated model
+   would choose between the single pipeline and the fleet planner's plan, and why.
+   ``--factor-scale 2.5`` multiplies every class's slow-down so that F16 asks for about 1.4
+   of this 2-core host's cores (as shipped it asks for 3.6: the devices are then not the
+   independent processors the closed form assumes).
+4. Scale: the planner's decision time (solve_groups) for F16 and F32 (F16 twice), the
    controller's measured decision time per step boundary, and the broker's messages/s from
    Mosquitto's $SYS counters (``sys_interval 1``) during each run, including a short run of all
    32 devices under ``--layout auto`` (the controller plans with unmeasured speeds, then
    rebalances its pipeline on measured ones).
 
     python benchmarks/fleet_scale.py [--out benchmarks/results/fleet_scale.json] [--no-32]
+                                     [--factor-scale 2.5]
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ from benchmarks.harness import (  # noqa: E402
     write_results,
 )
 from ftpipe_iot.control.job import prepare_job  # noqa: E402
+from ftpipe_iot.planning.calibration import StepModel  # noqa: E402
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts  # noqa: E402
 from ftpipe_iot.planning.group_search import (  # noqa: E402
     best_single_pipeline,
@@ -63,8 +75,10 @@ from ftpipe_iot.planning.group_search import (  # noqa: E402
     solve_groups,
 )
 from ftpipe_iot.planning.groups import GroupPlan, evaluate_groups  # noqa: E402
+from ftpipe_iot.planning.layouts import Layout, choose_layout  # noqa: E402
 from ftpipe_iot.planning.profiles import load_profile  # noqa: E402
 from ftpipe_iot.planning.solver import solve_partition  # noqa: E402
+from ftpipe_iot.planning.step_simulation import HostShare  # noqa: E402
 from ftpipe_iot.protocol.plan import TrainConfig  # noqa: E402
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec  # noqa: E402
 from ftpipe_iot.runtime.broker import BrokerProcess, render_config  # noqa: E402
@@ -79,25 +93,48 @@ TRAINING = [*MODEL, "--micro-batches", str(M),
             "--replicate-every", "0", "--heartbeat-timeout", "20", "--stall-timeout", "120",
             "--wait-devices", "900"]
 CLASSES = (("rpi-zero", "zero", 8), ("rpi4", "pi", 6), ("jetson-nano", "jet", 2))
+HOST = "this-host"  # every emulated device runs here: the step model shares its cores
 SLOWDOWN = 4.0
 
 
-def fleet(copies: int) -> list[tuple[str, Path]]:
-    """Device names and profile files: F16 once per copy."""
+def fleet(copies: int, profiles: dict[str, Path] | None = None) -> list[tuple[str, Path]]:
+    """Device names and profile files: F16 once per copy (``profiles``: the class -> file
+    to use, default the shipped ones)."""
     devices = []
     for profile, prefix, count in CLASSES:
         for i in range(count * copies):
-            devices.append((f"{prefix}{i}", PROFILES / f"{profile}.json"))
+            path = (profiles or {}).get(profile, PROFILES / f"{profile}.json")
+            devices.append((f"{prefix}{i}", path))
     return devices
 
 
-def specs(devices: list[tuple[str, Path]], slowed: dict[str, float] | None = None
-          ) -> list[DeviceSpec]:
+def specs(devices: list[tuple[str, Path]], slowed: dict[str, float] | None = None,
+          host: str | None = None) -> list[DeviceSpec]:
+    """The declared devices as the planner sees them; ``host``: they all run on this machine
+    (the step model shares its cores among them: an emulated factor is CPU work, then a
+    sleep, so a device's CPU share is one over its factor)."""
     out = []
     for name, path in devices:
         spec = load_profile(path).device_spec(name=name)
         factor = spec.factor * (slowed or {}).get(name, 1.0)
-        out.append(DeviceSpec(name, factor, spec.bandwidth_bytes_per_s, spec.memory_bytes))
+        out.append(DeviceSpec(name, factor, spec.bandwidth_bytes_per_s, spec.memory_bytes,
+                              host=host, cpu_share=min(1.0, 1.0 / factor)))
+    return out
+
+
+def scaled_profiles(folder: Path, scale: float) -> dict[str, Path]:
+    """F16's device classes with every slow-down factor times ``scale`` (links and memory as
+    shipped), written to ``folder``; the shipped profiles when ``scale`` is 1."""
+    if scale == 1.0:
+        return {profile: PROFILES / f"{profile}.json" for profile, _, _ in CLASSES}
+    out = {}
+    for profile, _, _ in CLASSES:
+        data = load_profile(PROFILES / f"{profile}.json").to_dict()
+        data["factor"] = data["factor"] * scale
+        data["name"] = f"{profile}-x{scale:g}"
+        path = folder / f"{profile}-x{scale:g}.json"
+        path.write_text(json.dumps(data))
+        out[profile] = path
     return out
 
 
@@ -285,10 +322,50 @@ def device_budget(summary: dict, devices: dict[str, Path]) -> dict:
     return out
 
 
+def layout_predictions(plans: dict[str, GroupPlan], costs: LayerCosts,
+                       shared: list[DeviceSpec], cores: float, first: GroupPlan,
+                       first_rate: float, measured: dict[str, float]) -> dict:
+    """Each layout's samples/s as the closed form predicted it (with the compute factor fitted
+    on the first pipeline run), as the step model plays it out on the raw profile with the
+    devices sharing this host's ``cores``, and as the step model does once its message cost
+    is fitted to the first pipeline run (``planning.calibration``): next to the measured rate,
+    with each prediction's error. Also what the calibrated model would choose between the
+    single pipeline and the fleet planner's plan (``choose_layout``), and why."""
+    hosts = {HOST: HostShare(cores)}
+    model = StepModel(max_in_flight=M, hosts=hosts)
+    fitted = model.fitted(0, evaluate_groups(first, costs, shared, M, MB), costs, shared,
+                          BATCH / first_rate)
+
+    def rate(step_model: StepModel, plan: GroupPlan) -> float:
+        replay = evaluate_groups(plan.assignment, costs, shared, M, MB,
+                                 counts=plan.micro_batch_counts)
+        return BATCH / step_model.step_s(replay, costs, shared)
+
+    table = {}
+    for name, plan in plans.items():
+        row = {"closed_form": plan.throughput_samples_per_s, "step_model": rate(model, plan),
+               "calibrated": rate(fitted, plan), "measured": measured.get(name)}
+        if row["measured"]:
+            for kind in ("closed_form", "step_model", "calibrated"):
+                row[f"{kind}_error"] = round(row["measured"] / row[kind] - 1.0, 3)
+        table[name] = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+    choice = choose_layout(costs, shared, M, Layout.AUTO, step_model=fitted)
+    chosen = "pipeline" if choice.kind == "pipeline" else "planner"
+    gain = (choice.pipeline_step_s / choice.planner_step_s) if choice.planner_step_s else None
+    why = (f"the calibrated model predicts the fleet planner's {choice.kind} plan at "
+           f"{choice.planner_step_s:.3f} s a step against {choice.pipeline_step_s:.3f} s for "
+           f"the single pipeline ({gain:.2f}x)" if gain else "no plan of the fleet planner")
+    return {"per_layout": table, "message_cost_s": fitted.calibration.message_cost_s,
+            "host_cores": cores,
+            "calibrated_choice": {"kind": choice.kind, "takes": chosen, "why": why,
+                                  "stages": [[lo, hi, list(members), list(counts)]
+                                             for lo, hi, members, counts in choice.stages]}}
+
+
 def planner_times(costs: LayerCosts) -> dict:
     out = {}
     for copies in (1, 2):
-        fleet_specs = specs(fleet(copies))
+        fleet_specs = specs(fleet(copies))  # the decision's cost: the shipped profiles
         times, cpu = [], []
         for _ in range(3):
             t, c = time.perf_counter(), time.process_time()
@@ -319,6 +396,9 @@ def main() -> None:
     parser.add_argument("--slow-at", type=int, default=14,
                         help="step of the hybrid run's 4x slow-down")
     parser.add_argument("--no-32", action="store_true", help="skip the 32-device run")
+    parser.add_argument("--factor-scale", type=float, default=1.0,
+                        help="multiply every device class's slow-down factor (2.5: the F16 "
+                             "fleet asks for about 1.4 of this host's cores instead of 3.6)")
     args = parser.parse_args()
     started = time.monotonic()
     results: dict = {"fleet": {c[0]: c[2] for c in CLASSES},
@@ -330,8 +410,13 @@ def main() -> None:
         model=ModelSpec("mobilenetv2", width=WIDTH),
         data=DataSpec("synthetic", shape=(3, 32, 32), samples=8192),
         micro_batches=M, micro_batch_size=MB)).cost_model
-    devices16 = dict(fleet(1))
+    profiles_dir = Path(tempfile.mkdtemp(prefix="fleet-profiles-"))
+    profiles = scaled_profiles(profiles_dir, args.factor_scale)
+    results["factor_scale"] = args.factor_scale
+    devices16 = dict(fleet(1, profiles))
     declared = specs(list(devices16.items()))
+    shared = specs(list(devices16.items()), host=HOST)
+    results["cores_asked"] = round(sum(1.0 / d.factor for d in declared), 2)
     results["planner_decision"] = planner_times(profiled)
     raw, f16 = profiled, declared
     window = (4, args.slow_at - 1)  # past the fill and the first retuning, before the slow-down
@@ -401,12 +486,16 @@ def main() -> None:
         results["hybrid_per_device_per_step"] = device_budget(summary, devices16)
         results["hybrid_predicted_step_s"] = round(hybrid.step_s, 3)
         results["hybrid_measured_step_s"] = round(BATCH / measured["hybrid"], 3)
+        results["predictions"] = layout_predictions(
+            plans, raw, shared, float(os.cpu_count() or 1), first,
+            measured["pipeline"] if assignment_text(plans["pipeline"]) == assignment_text(first)
+            else rate, measured)
 
         # 3. all 32 devices, the controller planning with --layout auto
         if not args.no_32:
             say("F32: 32 devices, --layout auto")
             box: dict = {}
-            spec = JobSpec("fleet-f32", fleet(2), [*TRAINING, "--max-steps", "12",
+            spec = JobSpec("fleet-f32", fleet(2, profiles), [*TRAINING, "--max-steps", "12",
                                                    "--layout", "auto"], timeout_s=1500)
             summary = run_job(spec, broker, training_window(2, 11, box))
             broker_rates["F32-auto"] = monitor.rates(box.get("start", 0.0), box.get("end", 0.0))
