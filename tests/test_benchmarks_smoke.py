@@ -90,7 +90,7 @@ def test_cpu_profile_wraps_the_cli(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["fleet_scale.py", "heterogeneity.py", "recovery.py",
-                                    "resilience.py", "speed.py", "links.py"])
+                                    "resilience.py", "speed.py", "links.py", "links_l8.py"])
 def test_a_heavy_benchmark_parses_its_arguments(script):
     assert "usage:" in _run(script, "--help", timeout=120).stdout
 

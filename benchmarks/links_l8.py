@@ -1,0 +1,312 @@
+"""Fleet L8 on real capped links (prints JSON, writes it and a PNG): time to a target test
+accuracy for the fastest device alone, ftpipe-iot with each wire codec, and federated
+averaging over the same links.
+
+Fleet L8: 8 devices, each in its own network namespace behind a ``tbf`` cap each way
+(ftpipe_iot/runtime/netns.py), the broker and the controller in the hub: 2 at slow-down 3
+behind 40 Mbit/s, 4 at 8 behind 20 Mbit/s, 2 at 20 behind 10 Mbit/s. Their compute demand (the
+sum of 1/factor) is about 1.3 cores, so they fit this 2-core host with room for the broker and
+the controller, and their compute bound is about 3.8x the fastest device alone. The devices
+run with ``--real-link``: their profiles declare the caps and nobody sleeps for them.
+
+Model and data: full-width MobileNetV2 on the scikit-learn digits upscaled to 3 x 32 x 32 (real
+labels; ``benchmarks/speed.py``'s ``upscaled_digits``), micro-batches of 8, 4 per step, SGD at
+lr 0.05 with momentum 0.9, evaluated after every epoch. Configurations, one after another:
+
+* ``alone``: the fastest device (slow-down 3, 40 Mbit/s) holds the whole model;
+* ``ftpipe-<codec>``: all 8 devices, ``--layout auto``, ``--wire-codec <codec>`` for every
+  codec of ``--codecs`` (default none, fp16, int8, auto);
+* ``fedavg``: every device trains the whole model on its eighth of the training set (IID) and
+  the coordinator averages every ``--aggregate-every`` iterations (``--mode fedavg``).
+
+Per configuration: seconds of training until the test accuracy first reaches ``--target``, the
+accuracy per epoch with its time, the final accuracy, bytes on the wire per step, failures
+detected (default liveness settings: every one on these links is a false one), and for the
+pipeline runs the replication interval the controller paced to the links and the share of
+the training time replication took (the steps at which a replica went out against the median
+step). Targets (issue "real IoT links"): the best ftpipe-iot configuration reaches the target
+at least 2x sooner than the fastest device alone; int8 cuts activation bytes at least 3.5x with
+its final accuracy within 0.5 points of none's; no false failure; replication at most 10 % of
+the time at 10 Mbit/s. Needs root (CAP_NET_ADMIN); says so and stops without it.
+
+    python benchmarks/links_l8.py [--epochs 4] [--target 0.9] [--codecs none,fp16,int8,auto]
+                                  [--out benchmarks/results/links_l8.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import (  # noqa: E402
+    JobSpec,
+    Placement,
+    run_job,
+    save_figure,
+    say,
+    write_results,
+)
+from benchmarks.speed import upscaled_digits  # noqa: E402
+from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess  # noqa: E402
+from ftpipe_iot.runtime.netns import NetLab, unavailable  # noqa: E402
+from ftpipe_iot.runtime.supervise import ProcessGroup  # noqa: E402
+from ftpipe_iot.transport.connection import BrokerConfig  # noqa: E402
+
+PORT = 1883
+# (name, slow-down factor, link cap in Mbit/s each way): fleet L8
+FLEET = [("l8-a0", 3, 40), ("l8-a1", 3, 40),
+         ("l8-b0", 8, 20), ("l8-b1", 8, 20), ("l8-b2", 8, 20), ("l8-b3", 8, 20),
+         ("l8-c0", 20, 10), ("l8-c1", 20, 10)]
+MB, M = 8, 4
+BATCH = MB * M
+
+
+def write_profiles(folder: Path) -> dict[str, Path]:
+    """Each device's profile: its slow-down and the cap its link declares (bytes/s)."""
+    paths = {}
+    for name, factor, mbit in FLEET:
+        path = folder / f"{name}.json"
+        path.write_text(json.dumps({"version": 1, "name": name, "factor": factor,
+                                    "bandwidth_bytes_per_s": mbit * 1e6 / 8}))
+        paths[name] = path
+    return paths
+
+
+def training_args(data: Path, epochs: int, lr: float) -> list[str]:
+    return ["--model", "mobilenetv2", "--data", f"npz:{data}", "--micro-batches", str(M),
+            "--micro-batch-size", str(MB), "--lr", str(lr), "--momentum", "0.9",
+            "--epochs", str(epochs), "--wait-devices", "600"]
+
+
+def curve(summary: dict, started_at: float) -> list[tuple[float, float]]:
+    """(seconds of training, test accuracy) after every evaluation."""
+    return [(round(e["t"] - started_at, 2), e["test_accuracy"]) for e in summary["evals"]]
+
+
+def training_start(summary: dict) -> float:
+    """When training started on the summary's clock (its first plan's training)."""
+    started = [e["t"] for e in summary["events"] if e["type"] == "training_started"]
+    return started[0] if started else 0.0
+
+
+def replication_share(summary: dict) -> dict:
+    """The replication interval the controller paced to the links and the share of training
+    time replication took: the extra time of the steps at which a replica went out (a step
+    longer than twice the median) over the training time."""
+    times = sorted((h["step"], h["t"]) for h in summary["history"])
+    intervals = [b[1] - a[1] for a, b in zip(times, times[1:]) if b[0] == a[0] + 1]
+    if len(intervals) < 4:
+        return {"paced": summary.get("replication", {}), "share_of_training": None}
+    median = statistics.median(intervals)
+    extra = sum(i - median for i in intervals if i > 2 * median)
+    total = sum(intervals)
+    return {"paced": summary.get("replication", {}),
+            "share_of_training": round(extra / total, 4) if total else None}
+
+
+def result_of(name: str, summary: dict, target: float, extra: dict | None = None) -> dict:
+    start = training_start(summary)
+    points = curve(summary, start)
+    reached = [t for t, accuracy in points if accuracy >= target]
+    out = {"config": name, "time_to_target_s": reached[0] if reached else None,
+           "final_accuracy": summary.get("test_accuracy"), "curve": points,
+           "steps": summary.get("steps"), "failures_detected": summary.get("failures_detected"),
+           "wire_bytes_per_step": summary.get("wire_bytes_per_step"),
+           "train_s": summary.get("train_s")}
+    out.update(extra or {})
+    say(f"{name}: {out['time_to_target_s']} s to {target}, final {out['final_accuracy']}")
+    return out
+
+
+def pipeline_run(lab: NetLab, nodes: dict, work: Path, name: str, devices: list[str],
+                 profiles: dict[str, Path], args: list[str]) -> dict:
+    """An ftpipe-iot job over the lab's links (the broker and controller in the hub)."""
+    with BrokerProcess(kind=BrokerKind.MOSQUITTO, port=PORT, bind="0.0.0.0",
+                       data_dir=work / name, netns=lab.hub) as broker:
+        placement = Placement(f"mqtt://127.0.0.1:{PORT}", BrokerConfig(port=PORT),
+                              controller_netns=lab.hub,
+                              device_urls={d: nodes[d].broker_url(PORT) for d in devices},
+                              device_netns={d: nodes[d].namespace for d in devices},
+                              device_args=["--real-link"])
+        spec = JobSpec(name, [(d, profiles[d]) for d in devices], args, timeout_s=3600)
+        return run_job(spec, broker, placement=placement)
+
+
+def fedavg_run(lab: NetLab, nodes: dict, work: Path, data: Path, profiles: dict[str, Path],
+               epochs: int, lr: float, aggregate_every: int) -> dict:
+    """Federated averaging over the same links: each device its eighth of the data."""
+    import numpy as np
+
+    from ftpipe_iot.collab.data_split import PartitionSpec, split_indices, write_shards
+    from ftpipe_iot.core.data import load_dataset
+    from ftpipe_iot.protocol.specs import DataSpec
+
+    dataset = load_dataset(DataSpec(f"npz:{data}"))
+    parts = split_indices(dataset.y_train, len(FLEET), PartitionSpec.parse("iid"), 0,
+                          min_samples=BATCH)
+    shards = write_shards(np.asarray(dataset.x_train), np.asarray(dataset.y_train), parts,
+                          work / "shards")
+    job = "l8-fedavg"
+    group = ProcessGroup(work / job)
+    summary_path = work / job / "summary.json"
+    with BrokerProcess(kind=BrokerKind.MOSQUITTO, port=PORT, bind="0.0.0.0",
+                       data_dir=work / job / "broker", netns=lab.hub) as _broker:
+        try:
+            for (name, _, _), shard in zip(FLEET, shards):
+                group.start(name, "device", "--name", name, "--job", job, "--broker",
+                            nodes[name].broker_url(PORT), "--data", f"npz:{shard}",
+                            "--profile", str(profiles[name]), "--real-link",
+                            netns=nodes[name].namespace)
+            group.start("controller", "controller", "--job", job, "--broker",
+                        f"mqtt://127.0.0.1:{PORT}", "--mode", "fedavg", "--devices",
+                        str(len(FLEET)), "--aggregate-every", str(aggregate_every),
+                        "--stop-devices", "--summary-json", str(summary_path),
+                        "--log-level", "WARNING", *training_args(data, epochs, lr),
+                        netns=lab.hub)
+            deadline = time.monotonic() + 3600
+            while group.procs["controller"].poll() is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{job} did not finish in an hour; see {work / job}")
+                time.sleep(1.0)
+            if group.procs["controller"].returncode != 0:
+                raise RuntimeError(f"{job}: the coordinator failed; see {work / job}")
+            return json.loads(summary_path.read_text())
+        finally:
+            group.stop_all(grace_s=10.0)
+
+
+def fedavg_result(summary: dict, target: float) -> dict:
+    points = [(round(e["train_s"], 2), e["test_accuracy"]) for e in summary["evals"]]
+    reached = [t for t, accuracy in points if accuracy >= target]
+    out = {"config": "fedavg", "time_to_target_s": reached[0] if reached else None,
+           "final_accuracy": summary.get("test_accuracy"), "curve": points,
+           "iterations": summary.get("steps"), "rounds": summary["collab"]["rounds"],
+           "failures_detected": summary.get("failures_detected"),
+           "train_s": summary.get("train_s")}
+    say(f"fedavg: {out['time_to_target_s']} s to {target}, final {out['final_accuracy']}")
+    return out
+
+
+def verdicts(results: dict, target: float) -> dict:
+    """The issue's targets, as measured."""
+    runs = results["runs"]
+    alone = runs["alone"]["time_to_target_s"]
+    pipeline = {k: v for k, v in runs.items() if k.startswith("ftpipe-")}
+    reached = {k: v["time_to_target_s"] for k, v in pipeline.items()
+               if v["time_to_target_s"] is not None}
+    best = min(reached, key=reached.get) if reached else None
+    none, int8 = pipeline.get("ftpipe-none"), pipeline.get("ftpipe-int8")
+    out: dict = {"target_accuracy": target, "best": best,
+                 "best_speedup_over_alone": round(alone / reached[best], 2)
+                 if best and alone else None,
+                 "false_failures": {k: v.get("failures_detected") for k, v in runs.items()}}
+    if none and int8 and none.get("wire_bytes_per_step") and int8.get("wire_bytes_per_step"):
+        out["int8_wire_bytes_ratio"] = round(none["wire_bytes_per_step"] /
+                                             int8["wire_bytes_per_step"], 2)
+        if none["final_accuracy"] is not None and int8["final_accuracy"] is not None:
+            out["int8_accuracy_points_below_none"] = round(
+                100 * (none["final_accuracy"] - int8["final_accuracy"]), 2)
+    slow_link = [v.get("replication", {}).get("share_of_training") for v in pipeline.values()]
+    out["replication_share_of_training"] = slow_link
+    return out
+
+
+def plot(results: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for name, run in results["runs"].items():
+        points = run["curve"]
+        if points:
+            left.plot([t for t, _ in points], [a for _, a in points], marker="o", label=name)
+    left.axhline(results["target_accuracy"], color="grey", linestyle="--", label="target")
+    left.set_xlabel("seconds of training")
+    left.set_ylabel("test accuracy")
+    left.set_title("Fleet L8 on tbf links: accuracy against time")
+    left.legend(fontsize=7)
+    names = [n for n, r in results["runs"].items() if r.get("time_to_target_s")]
+    right.bar(names, [results["runs"][n]["time_to_target_s"] for n in names])
+    right.set_ylabel(f"seconds to {results['target_accuracy']}")
+    right.set_title("time to the target")
+    right.tick_params(axis="x", labelrotation=30)
+    save_figure(fig, png)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--codecs", default="none,fp16,int8,auto",
+                        help="comma-separated --wire-codec values for the 8-device runs")
+    parser.add_argument("--aggregate-every", type=int, default=5,
+                        help="fedavg: iterations between averages")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated configurations to leave out (alone, fedavg, "
+                             "ftpipe-<codec>)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" /
+                        "links_l8.json")
+    args = parser.parse_args()
+    if args.epochs < 1 or not 0 < args.target <= 1:
+        parser.error("--epochs must be >= 1 and --target in (0, 1]")
+    reason = unavailable()
+    if reason is not None:
+        print(json.dumps({"skipped": f"network namespaces unavailable: {reason}"}))
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the lab is removed
+    skip = {s for s in args.skip.split(",") if s}
+    started, load_before = time.monotonic(), os.getloadavg()
+    runs: dict = {}
+    with tempfile.TemporaryDirectory(prefix="bench-l8-") as tmp:
+        work = Path(tmp)
+        data = upscaled_digits(work)
+        profiles = write_profiles(work)
+        with NetLab(tag="l8") as lab:
+            nodes = {name: lab.add_node(name, mbit * 1e6) for name, _, mbit in FLEET}
+            training = training_args(data, args.epochs, args.lr)
+            if "alone" not in skip:
+                fastest = FLEET[0][0]
+                say(f"alone: {fastest}")
+                summary = pipeline_run(lab, nodes, work, "l8-alone", [fastest], profiles,
+                                       [*training, "--layout", "pipeline"])
+                runs["alone"] = result_of("alone", summary, args.target)
+            for codec in [c for c in args.codecs.split(",") if c]:
+                name = f"ftpipe-{codec}"
+                if name in skip:
+                    continue
+                say(f"{name}: 8 devices, --layout auto")
+                summary = pipeline_run(lab, nodes, work, f"l8-{codec}",
+                                       [d for d, _, _ in FLEET], profiles,
+                                       [*training, "--layout", "auto", "--wire-codec", codec])
+                runs[name] = result_of(name, summary, args.target, {
+                    "stages": summary.get("stages"),
+                    "replication": replication_share(summary)})
+            if "fedavg" not in skip:
+                say("fedavg: 8 devices, each its own data")
+                runs["fedavg"] = fedavg_result(
+                    fedavg_run(lab, nodes, work, data, profiles, args.epochs, args.lr,
+                               args.aggregate_every), args.target)
+    results = {"fleet": [{"device": n, "factor": f, "mbit_each_way": c} for n, f, c in FLEET],
+               "model": "mobilenetv2(width=1.0), digits upscaled to 3x32x32",
+               "micro_batch_size": MB, "micro_batches": M, "lr": args.lr,
+               "epochs": args.epochs, "target_accuracy": args.target, "runs": runs}
+    results["verdicts"] = verdicts(results, args.target) if "alone" in runs else {}
+    results.update(loadavg_before=load_before, loadavg_after=os.getloadavg(),
+                   wall_s=round(time.monotonic() - started, 1))
+    write_results(results, args.out, lambda png: plot(results, png))
+
+
+if __name__ == "__main__":
+    main()
