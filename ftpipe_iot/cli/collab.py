@@ -276,8 +276,11 @@ def print_status(status: dict) -> None:
     """The collaborative part of ``ftpipe-iot status``: round, split, per-device rounds, epsilon
     and idle fraction, the server's idle fraction."""
     idle = status.get("server_idle_fraction")
+    standbys = status.get("standbys") or []
     split = (f"devices [0,{status['split_point']})+[{status['head_start']},..), server "
-             f"{status['server']}, {status['micro_batches']} micro-batches"
+             f"{status['server']}"
+             + (f" (standby {', '.join(standbys)})" if standbys else "")
+             + f", {status['micro_batches']} micro-batches"
              if status["mode"] == CollabMode.COLLABORATIVE.value else "whole model on devices")
     click.echo(f"{status['mode']}: round {status['round']}/{status['rounds']}, iteration "
                f"{status['iteration']}/{status['iterations']}, {split}"
