@@ -27,6 +27,7 @@ from ftpipe_iot.collab.failover import (
     served_round,
     silent_servers,
 )
+from ftpipe_iot.collab.parts import load_states
 from ftpipe_iot.collab.reference import train_collab_reference
 from ftpipe_iot.collab.server import ServerAgent
 from ftpipe_iot.core.data import Dataset, load_dataset
@@ -356,3 +357,47 @@ def test_a_round_of_an_older_term_is_ignored(digits):
     device._on_round(stale)
     assert device.messenger.drops.counts.get("stale_plan", 0) == 1
     assert device.progress_step == 1  # it went on as if nothing came
+
+
+def test_a_redone_round_with_dp_draws_the_same_noise_and_spends_nothing_more(digits):
+    """DP-SGD on the device part: going back to the round's start restores the optimizer
+    state, the noise generator and the accountant, so the redone steps give the same weights
+    (same noise) and the same epsilon as the first attempt."""
+    from ftpipe_iot.collab.parts import DevicePart, ServerReplica, export_states
+    from ftpipe_iot.core.models import build_layers, cut_shapes
+    from ftpipe_iot.core.schedule import SyncSchedule
+    from ftpipe_iot.protocol.collab import PrivacySettings
+
+    x, y = digits.x_train[:160], digits.y_train[:160]
+    layers = build_layers(TRAIN.model, digits.input_shape, 10, TRAIN.seed)
+    shapes = cut_shapes(layers, digits.input_shape, 10)
+    device = DevicePart(layers, 3, 11, shapes, 10, TRAIN, PrivacySettings(1.0, 1.0, 1e-5),
+                        len(y), "d0")
+    server = ServerReplica(layers[3:11], 3, shapes[3], TRAIN)
+    schedule = SyncSchedule(len(y), 2, 8, TRAIN.seed)
+
+    def iterations(first: int, count: int) -> dict:
+        for it in range(first, first + count):
+            batches = schedule.micro_batches_of(it)
+            smashed = [device.forward(it, mb.index, x[mb.sample_indices]) for mb in batches]
+            for mb, a1 in zip(batches, smashed):
+                g2, _, _ = device.loss(it, mb.index, server.forward(it, mb.index, a1),
+                                       y[mb.sample_indices])
+                device.backward(it, mb.index, server.backward(it, mb.index, g2)[0])
+        return {**export_states(device.layers), **export_states(server.layers)}
+
+    iterations(0, 2)  # a first round: momentum and privacy spent to carry over
+    weights = {**export_states(device.layers), **export_states(server.layers)}
+    starts = device.round_start(1), server.round_start(1)
+    first = iterations(2, 2)
+    epsilon = device.epsilon
+    device.forward(4, 0, x[:8])  # the attempt is cut off mid-iteration
+    device.go_back(starts[0])
+    server.go_back(starts[1])
+    load_states(device.layers, weights)
+    load_states(server.layers, weights)
+    again = iterations(2, 2)
+    assert device.epsilon == epsilon
+    for layer, state in first.items():
+        for name, value in state.items():
+            np.testing.assert_array_equal(again[layer][name], value, err_msg=f"{layer} {name}")
