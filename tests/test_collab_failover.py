@@ -24,11 +24,12 @@ from ftpipe_iot.collab.failover import (
     ServerChangeKind,
     ServerRoster,
     resume_point,
-    served_round,
+    round_message,
     silent_servers,
 )
 from ftpipe_iot.collab.parts import load_states
 from ftpipe_iot.collab.reference import train_collab_reference
+from ftpipe_iot.collab.rounds import RoundSpan
 from ftpipe_iot.collab.server import ServerAgent
 from ftpipe_iot.core.data import Dataset, load_dataset
 from ftpipe_iot.device.agent import device_will
@@ -89,12 +90,16 @@ def test_a_server_counts_as_gone_after_the_heartbeat_timeout_of_silence():
 
 def test_after_a_promotion_the_round_goes_on_with_the_new_server():
     roster = ServerRoster.of_plan(_plan())
-    rnd = Round(3, 6, 2, ("d0", "d1"), "a", ("b", "c"), term=7)
+    span = RoundSpan(3, 6, 2)
+    before = round_message(span, ("d0", "d1"), roster, term=7)
     roster.lose("a")
-    after = served_round(rnd, roster)
+    after = round_message(span, ("d0", "d1"), roster, term=7)
     assert (after.round, after.first_iteration, after.iterations, after.participants,
-            after.term) == (3, 6, 2, ("d0", "d1"), 7)
+            after.term) == (before.round, before.first_iteration, before.iterations,
+                            before.participants, before.term) == (3, 6, 2, ("d0", "d1"), 7)
+    assert (before.server, before.standbys) == ("a", ("b", "c"))
     assert (after.server, after.standbys) == ("b", ("c",))
+    assert round_message(span, ("d0",), None, 7).server is None  # fedavg
 
 
 def test_plans_and_rounds_refuse_a_server_listed_twice():

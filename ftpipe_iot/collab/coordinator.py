@@ -38,6 +38,7 @@ from ftpipe_iot.collab.failover import (
     ServerChangeKind,
     ServerRoster,
     resume_point,
+    round_message,
     silent_servers,
 )
 from ftpipe_iot.collab.layer_times import model_facts
@@ -628,12 +629,10 @@ class Coordinator:
 
     def _publish_round(self) -> None:
         assert self.plan is not None and self.current is not None
-        span, servers = self.current.span, self.servers
+        span = self.current.span
         self.messenger.send(self.topics.collab_round,
-                            Round(span.index, span.first, span.iterations,
-                                  self.current.remaining,
-                                  servers.serving if servers else None,
-                                  tuple(servers.standbys) if servers else (), self.config.term),
+                            round_message(span, self.current.remaining, self.servers,
+                                          self.config.term),
                             self.plan.version, span.first, retain=True)
         self._publish_status()
 

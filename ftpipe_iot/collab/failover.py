@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ftpipe_iot.collab.rounds import RoundSpan
 from ftpipe_iot.errors import CollabError
 from ftpipe_iot.protocol.collab import CollabPlan, Round
 
@@ -98,11 +99,14 @@ def silent_servers(warm: Iterable[str], last_seen: Mapping[str, float], now: flo
     return tuple(s for s in warm if now - last_seen.get(s, now) > timeout_s)
 
 
-def served_round(rnd: Round, roster: ServerRoster) -> Round:
-    """The round as it goes on after a change of servers: same number, iterations, participants
-    and term; the roster's serving server and standbys."""
-    return Round(rnd.round, rnd.first_iteration, rnd.iterations, rnd.participants,
-                 roster.serving, tuple(roster.standbys), rnd.term)
+def round_message(span: RoundSpan, participants: tuple[str, ...], roster: ServerRoster | None,
+                  term: int) -> Round:
+    """The ``Round`` a coordinator of ``term`` publishes for ``span``: after a change of servers
+    the same number, iterations, participants and term, with the roster's serving server and
+    standbys (none in fedavg mode, ``roster`` None)."""
+    return Round(span.index, span.first, span.iterations, participants,
+                 roster.serving if roster is not None else None,
+                 tuple(roster.standbys) if roster is not None else (), term)
 
 
 # -- resuming a job -----------------------------------------------------------------------------
