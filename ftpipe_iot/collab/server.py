@@ -62,9 +62,9 @@ class ServerAgent(CollabAgent):
         self.global_states: dict[int, dict] | None = None
         self._loaded_round = -1
         self._early: list[tuple[Inbound, Message]] = []
-        # per device: its replica's state at the round's start (to redo the round from), the
-        # replies of the iteration it is in (iteration, {(is a gradient, micro-batch): reply})
-        # and the round-end update not sent yet (a standby's, until it serves)
+        # per device: its replica's state at the round's start (to redo the round from); and,
+        # standing by, the replies of the iteration it is in (iteration, {(is a gradient,
+        # micro-batch): reply}) and the round-end update, both sent if we take over
         self._starts: dict[str, RoundStart] = {}
         self._replies: dict[str, tuple[int, dict[tuple[bool, int], Message]]] = {}
         self._unsent: dict[str, tuple[LocalUpdate, int]] = {}
@@ -146,9 +146,10 @@ class ServerAgent(CollabAgent):
         iteration each is in, the updates of the round's end), then serve."""
         assert self.plan is not None and self.round is not None
         resent = 0
-        for device, (it, replies) in sorted(self._replies.items()):
+        replies, self._replies = self._replies, {}
+        for device, (it, held) in sorted(replies.items()):
             down = self.topics.collab_down(device)
-            for (_, mb), reply in sorted(replies.items(), key=lambda item: item[0]):
+            for (_, mb), reply in sorted(held.items(), key=lambda item: item[0]):
                 self.messenger.send(down, reply, self.plan.version, it, mb, receivers=(device,))
                 resent += 1
         for device in sorted(self._unsent):
@@ -222,16 +223,17 @@ class ServerAgent(CollabAgent):
                     self._send_update(device)
 
     def _reply(self, device: str, it: int, mb: int, reply: Smashed | Gradient) -> None:
-        """Keep the reply (the iteration's only: a device in a later iteration needs no earlier
-        one) and send it when we serve."""
+        """Send the reply when we serve; standing by, keep it for a takeover (the iteration's
+        only: a device in a later iteration needs no earlier one)."""
         assert self.plan is not None
+        if self.active:
+            self.messenger.send(self.topics.collab_down(device), reply, self.plan.version, it,
+                                mb, receivers=(device,))
+            return
         held = self._replies.get(device)
         if held is None or held[0] != it:
             held = self._replies[device] = (it, {})
         held[1][(isinstance(reply, Gradient), mb)] = reply
-        if self.active:
-            self.messenger.send(self.topics.collab_down(device), reply, self.plan.version, it,
-                                mb, receivers=(device,))
 
     def _send_update(self, device: str) -> None:
         assert self.plan is not None
