@@ -141,7 +141,9 @@ _PIPELINE_ONLY = ("assignment", "checkpoint_dir", "device_names", "freeze_layers
               help="also write every complete checkpoint version here (step-N.pt, the "
                    "--save-model format)")
 @click.option("--resume", is_flag=True,
-              help="continue the job from the retained plan, state and weights on the broker")
+              help="continue the job from the retained plan, state and weights on the broker "
+                   "(collaborative/fedavg: its job, plan, round and global model; the round "
+                   "in progress is redone from its start)")
 @click.option("--standby", is_flag=True,
               help="back up the job's controller: wait until its Last Will says it is gone, "
                    "then take over with a newer term and resume from the retained plan, state "
