@@ -111,3 +111,41 @@ def test_fault_specs_parse():
 def test_pipeline_only_options_are_refused_in_the_collaborative_modes(args):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "apply to --mode pipeline only" in result.output
+
+
+def test_collaborative_fault_specs_parse_and_each_demo_refuses_the_others():
+    from ftpipe_iot.collab.demo import collab_faults
+    from ftpipe_iot.protocol.vocab import CollabMode
+    from ftpipe_iot.runtime.faults import FaultUnit, fault_schedule
+
+    fault = parse_fault("server-kill@round=2")
+    assert (fault.action, fault.unit, fault.step) == (FaultAction.SERVER_KILL, FaultUnit.ROUND, 2)
+    assert str(fault) == "server-kill@round=2"
+    faults = collab_faults(["controller-kill@step=9", "server-kill@round=1"], 3,
+                           CollabMode.COLLABORATIVE, 1)
+    assert [str(f) for f in faults] == ["server-kill@round=1", "controller-kill@step=9"]
+    for texts, message in [(["server-kill@step=3"], "is for the collaborative demo"),
+                           (["kill:1@round=3"], "the pipeline has no rounds")]:
+        with pytest.raises(FaultSpecError, match=message):
+            fault_schedule(texts, 3)
+    for text, message in [("join@step=3", "is for the pipeline demo"),
+                          ("broker-restart@round=1", "is for the pipeline demo")]:
+        with pytest.raises(FaultSpecError, match=message):
+            collab_faults([text], 3, CollabMode.COLLABORATIVE)
+    with pytest.raises(FaultSpecError, match="fedavg has no server"):
+        collab_faults(["server-kill@round=1"], 3, CollabMode.FEDAVG)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["demo", "--mode", "fedavg", "--standby-server"], "--standby-server needs --mode "
+                                                       "collaborative"),
+    (["demo", "--standby-server"], "--standby-server needs --mode collaborative"),
+    (["controller", "--standby-servers", "1"], "--standby-servers need --mode collaborative"),
+    (["controller", "--mode", "fedavg", "--standby-servers", "1", "--broker",
+      "mqtt://127.0.0.1:1", "--insecure-unsigned"], "fedavg has no server"),
+    (["demo", "--mode", "fedavg", "--fault", "server-kill@round=1"], "fedavg has no server"),
+    (["demo", "--fault", "server-kill@step=3"], "is for the collaborative demo"),
+])
+def test_standby_servers_and_server_faults_are_refused_where_there_is_no_server(args, message):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0 and message in result.output, result.output

@@ -49,7 +49,9 @@ def _shards(tmp_path: Path, sizes: list[int]) -> tuple[list[Path], list[tuple]]:
 
 
 class Sniffer:
-    """An MQTT client subscribed to '#': every message any process publishes in the job."""
+    """An MQTT client subscribed to '#': every message any process publishes in the job (but
+    the raw echoes on the probe topic, with which a coordinator learns the broker's retained
+    lease and message size: random bytes, no message)."""
 
     def __init__(self, port: int) -> None:
         self.transport = MqttTransport(BrokerConfig(port=port),
@@ -60,7 +62,9 @@ class Sniffer:
 
     def drain(self) -> list[bytes]:
         while not self.transport.inbox.empty():
-            self.frames.append(self.transport.inbox.get().payload)
+            incoming = self.transport.inbox.get()
+            if not incoming.topic.endswith("/ctrl/probe"):
+                self.frames.append(incoming.payload)
         return self.frames
 
     def close(self) -> None:
@@ -304,3 +308,146 @@ def test_bad_device_data_is_refused_in_one_line(args, message):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+# -- no single point of failure (collab/failover.py) ---------------------------------------------
+def _reference_of(summary: dict, shards: list[tuple[str, np.ndarray, np.ndarray]]) -> dict:
+    """The global model a failure-free run of the summary's plan ends with, in one process
+    (``collab.reference``): the yardstick of every failure test below."""
+    from ftpipe_iot.collab.layer_times import model_facts
+    from ftpipe_iot.collab.reference import train_collab_reference
+    from ftpipe_iot.core.models import build_layers, cut_shapes
+    from ftpipe_iot.protocol.collab import CollabPlan
+    from ftpipe_iot.protocol.vocab import CollabMode
+
+    collab = summary["collab"]
+    data = load_dataset(DataSpec("digits"))
+    train = TrainConfig(model=ModelSpec("cnn"), micro_batches=collab["micro_batches"],
+                        micro_batch_size=collab["micro_batch_size"])
+    layers = build_layers(train.model, data.input_shape, data.num_classes, train.seed)
+    mode = CollabMode(collab["mode"])
+    split, head = (collab["split_point"], collab["head_start"]) \
+        if mode is CollabMode.COLLABORATIVE else (len(layers), len(layers))
+    if mode is CollabMode.COLLABORATIVE:
+        shapes = cut_shapes(layers, data.input_shape, data.num_classes, "cnn")
+        assert head == model_facts(layers, shapes).head_start
+    plan = CollabPlan(1, mode, train, len(layers), data.input_shape, data.num_classes, split,
+                      head, "server" if mode is CollabMode.COLLABORATIVE else None,
+                      collab["aggregate_every"], summary["steps"],
+                      collab["iterations_per_epoch"])
+    return train_collab_reference(plan, shards)
+
+
+def _assert_equals_reference(weights: Path, reference: dict) -> None:
+    with np.load(weights) as saved:
+        got = {key: saved[key] for key in saved.files}
+    assert len(got) == sum(len(state) for state in reference.values())
+    for layer, state in reference.items():
+        for name, value in state.items():
+            np.testing.assert_allclose(got[f"{layer}/{name}"], value, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"layer {layer} {name}")
+
+
+def _slow_profile(tmp_path: Path) -> Path:
+    """Slow data devices on slow links: a round lasts long enough to strike in it."""
+    profile = tmp_path / "slow.json"
+    profile.write_text(json.dumps({"name": "slow", "factor": 12, "uplink_bytes_per_s": 2e5,
+                                   "downlink_bytes_per_s": 4e5}))
+    return profile
+
+
+def _computing(watcher: JobWatcher, devices: tuple[str, ...], iteration: int) -> bool:
+    """Every device's heartbeat says it computes ``iteration`` or later (heartbeats come every
+    0.2 s: finer than the coordinator's status)."""
+    return all(name in watcher.devices and watcher.devices[name].step >= iteration
+               for name in devices)
+
+
+def _assert_served(collab: dict, first: str, then: str) -> int:
+    """``first`` served until a round in which ``then`` took over (after a Last Will); that
+    round's index."""
+    (change,) = collab["server_changes"]
+    assert (change["from"], change["to"], change["cause"]) == (first, then, "last_will")
+    at = change["round"]
+    assert collab["round_servers"] == [[first]] * at + [[first, then]] \
+        + [[then]] * (collab["rounds"] - at - 1)
+    return at
+
+
+def test_a_standby_server_takes_over_mid_round_and_the_model_equals_a_failure_free_run(
+        mosquitto, processes, tmp_path):
+    """Two servers: one serves, one stands by warm (same inputs by MQTT fan-out, nothing
+    published). The serving one is SIGKILLed in the middle of a round; the coordinator names
+    the standby in the round, which re-sends what the devices wait for and finishes the job.
+    Each reply counts once on the devices, so the global model equals a failure-free run's."""
+    job = _job("collab-standby")
+    paths, parts = _shards(tmp_path, [48, 48])
+    profile = _slow_profile(tmp_path)
+    watcher = JobWatcher(BrokerConfig(port=mosquitto.port), job).start()
+    try:
+        for name in ("srv-a", "srv-b"):
+            processes.device(name, job, mosquitto.url, "--server")
+        for index, shard in enumerate(paths):
+            _data_device(processes, f"dev{index}", job, mosquitto.url, shard, "--profile",
+                         str(profile))
+        _coordinator(processes, "controller", job, mosquitto.url, tmp_path,
+                     "--mode", "collaborative", "--devices", "2", "--standby-servers", "1",
+                     "--epochs", "2", "--micro-batches", "2", "--micro-batch-size", "8",
+                     "--fixed-micro-batches", "--split-point", "3", "--aggregate-every", "2",
+                     "--save-weights", str(tmp_path / "weights.npz"))
+        # both devices compute iteration 3, the last of round 2 (iterations 2-3): mid-round
+        _wait(watcher, lambda w: _computing(w, ("dev0", "dev1"), 3),
+              "the job never reached round 2", processes)
+        serving, standbys = watcher.job.collab.server, watcher.job.collab.standbys
+        assert serving in ("srv-a", "srv-b") and set(standbys) == {"srv-a", "srv-b"} - {serving}
+        os.killpg(processes.procs[serving].pid, signal.SIGKILL)
+        summary = _finish(processes, tmp_path)
+    finally:
+        watcher.close()
+    (standby,) = standbys
+    collab = summary["collab"]
+    assert summary["steps"] == 6 and collab["rounds"] == 3 and collab["left_out"] == {}
+    assert _assert_served(collab, serving, standby) in (1, 2)
+    assert collab["server"] == standby and collab["standbys"] == []
+    # every reply counted once on the devices, whichever server sent it
+    _assert_equals_reference(tmp_path / "weights.npz",
+                             _reference_of(summary, [("dev0", *parts[0]), ("dev1", *parts[1])]))
+
+
+def test_a_coordinator_killed_mid_round_resumes_and_the_model_equals_a_failure_free_run(
+        mosquitto, processes, tmp_path):
+    """The coordinator is SIGKILLed in the middle of a round and started again with
+    ``--resume``: it reads the retained job, plan, round and global model, redoes the round it
+    died in from that round's global model (devices and server go back to the round's start,
+    optimizer state included) under a newer term, and finishes; the global model equals a
+    failure-free run's."""
+    job = _job("collab-resume")
+    paths, parts = _shards(tmp_path, [48, 48])
+    profile = _slow_profile(tmp_path)
+    args = ("--mode", "collaborative", "--devices", "2", "--epochs", "2", "--micro-batches", "2",
+            "--micro-batch-size", "8", "--fixed-micro-batches", "--split-point", "3",
+            "--aggregate-every", "2", "--save-weights", str(tmp_path / "weights.npz"))
+    watcher = JobWatcher(BrokerConfig(port=mosquitto.port), job).start()
+    try:
+        processes.device("server", job, mosquitto.url, "--server")
+        for index, shard in enumerate(paths):
+            _data_device(processes, f"dev{index}", job, mosquitto.url, shard, "--profile",
+                         str(profile))
+        _coordinator(processes, "first", job, mosquitto.url, tmp_path, *args)
+        _wait(watcher, lambda w: _computing(w, ("dev0", "dev1"), 3),
+              "the job never reached round 2", processes)
+        os.killpg(processes.procs["first"].pid, signal.SIGKILL)
+        processes.wait("first", 10)
+        _coordinator(processes, "controller", job, mosquitto.url, tmp_path, *args, "--resume")
+        summary = _finish(processes, tmp_path)
+    finally:
+        watcher.close()
+    collab = summary["collab"]
+    assert summary["steps"] == 6 and collab["rounds"] == 3 and collab["left_out"] == {}
+    assert collab["resumed_at_round"] in (1, 2) and collab["redone_round"] is True
+    # the resumed coordinator carries the record of who served on, and its own rounds only
+    assert collab["round_servers"] == [["server"]] * 3
+    assert [r["round"] for r in collab["round_log"]] == \
+        list(range(collab["resumed_at_round"], 3))
+    _assert_equals_reference(tmp_path / "weights.npz",
+                             _reference_of(summary, [("dev0", *parts[0]), ("dev1", *parts[1])]))

@@ -159,3 +159,40 @@ def test_the_collaborative_demo_goes_on_without_a_killed_data_device(tmp_path):
     assert summary["model"] == str((tmp_path / "run" / "model.pt").resolve())
     assert read_checkpoint(summary["model"]).step == summary["steps"]
     assert _processes_of(job, tmp_path / "run") == {}
+
+
+def test_the_collaborative_demo_survives_its_server_and_its_coordinator(tmp_path):
+    """``--standby-server --standby-controller`` with the serving server SIGKILLed once a round
+    is done and the coordinator once two are: the standby server serves on within the round,
+    the standby coordinator takes the lease and redoes the round its leader died in, and the
+    summary says who served which rounds."""
+    job = _job()
+    profile = tmp_path / "slow.json"
+    profile.write_text(json.dumps({"name": "slow", "factor": 8}))
+    result = subprocess.run(
+        [sys.executable, "-m", "ftpipe_iot", "demo", "--json", "--job", job, "--work-dir",
+         str(tmp_path / "run"), "--mode", "collaborative", "--devices", "2", "--max-steps", "12",
+         "--aggregate-every", "3", "--device-profile", str(profile), "--standby-server",
+         "--standby-controller", "--fault", "server-kill@round=1",
+         "--fault", "controller-kill@round=2"],
+        capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    collab = summary["collab"]
+    assert summary["error"] is None and summary["steps"] == 12 and collab["rounds"] == 4
+    assert summary["faults"] == ["server-kill@round=1", "controller-kill@round=2"]
+    # the planner picks the server it measured faster to serve first
+    first = collab["round_servers"][0][0]
+    (then,) = {"server", "server1"} - {first}
+    assert "SIGKILL" in summary["exited"][first] and collab["server"] == then
+    # the standby server took over within a round (the second, unless the host was slow to
+    # strike); the resumed coordinator carried the record on from the retained status
+    took = collab["round_servers"].index([first, then])
+    assert took >= 1 and collab["round_servers"] == \
+        [[first]] * took + [[first, then]] + [[then]] * (3 - took)
+    assert collab["resumed_at_round"] >= 2 and collab["redone_round"] is True
+    err = result.stderr
+    assert f"standby {then} takes over" in err and "the standby coordinator takes over" in err
+    assert f"served by: {first} rounds 1-{took + 1}, {then} rounds {took + 1}-4" in err
+    assert read_checkpoint(summary["model"]).step == 12
+    assert _processes_of(job, tmp_path / "run") == {}

@@ -40,9 +40,13 @@ _COLLAB: list[Decorator] = [
                  help="DP-SGD: per-sample gradient clipping norm"),
     click.option("--dp-delta", type=float, default=1e-5, show_default=True,
                  help="DP-SGD: delta at which epsilon is reported"),
+    click.option("--standby-servers", type=click.IntRange(0, 8), default=0, show_default=True,
+                 help="collaborative: wait for this many --server offers besides the serving "
+                      "one; they keep warm replicas and take over within the round when it "
+                      "dies"),
 ]
 _NAMES = ("mode", "aggregate_every", "split_point", "auto_micro_batches", "dp_noise_multiplier",
-          "dp_max_grad_norm", "dp_delta")
+          "dp_max_grad_norm", "dp_delta", "standby_servers")
 collab_options = _group(_COLLAB)
 """--mode and the options of the collaborative and fedavg modes."""
 
@@ -61,6 +65,7 @@ class CollabChoices:
     split_point: int | None
     auto_micro_batches: bool
     privacy: PrivacySettings | None
+    standby_servers: int = 0
 
     @property
     def pipeline(self) -> bool:
@@ -84,7 +89,7 @@ def collab_choices(ctx: click.Context, values: dict[str, Any]) -> CollabChoices:
         raise click.UsageError("--dp-max-grad-norm and --dp-delta need --dp-noise-multiplier "
                                "(which turns DP on)")
     return CollabChoices(mode, raw["aggregate_every"], raw["split_point"],
-                         raw["auto_micro_batches"], privacy)
+                         raw["auto_micro_batches"], privacy, raw["standby_servers"])
 
 
 def collab_config(choices: CollabChoices, train: TrainConfig, devices: int, **settings: Any
@@ -96,12 +101,13 @@ def collab_config(choices: CollabChoices, train: TrainConfig, devices: int, **se
                         aggregate_every=choices.aggregate_every,
                         split_point=choices.split_point,
                         auto_micro_batches=choices.auto_micro_batches,
-                        privacy=choices.privacy, **settings)
+                        privacy=choices.privacy, standby_servers=choices.standby_servers,
+                        **settings)
 
 
 def print_summary(summary: dict, as_json: bool) -> None:
     """The demo's and controller's closing lines for these modes."""
-    from ftpipe_iot.collab.summary import rounds_text
+    from ftpipe_iot.collab.summary import rounds_text, served_text
 
     collab = summary["collab"]
     members = collab["members"]
@@ -118,6 +124,18 @@ def print_summary(summary: dict, as_json: bool) -> None:
             + (f", {collab['dropouts']} drop-outs" if collab["dropouts"] else "")
             + (f", {summary['wall_s']:.1f} s" if "wall_s" in summary else ""))
     click.echo(text, err=as_json)
+    served = collab.get("round_servers") or []
+    if collab.get("server_changes") or collab.get("standbys") or \
+            any(len(s) > 1 for s in served):
+        click.echo(f"served by: {served_text(served)}", err=as_json)
+    for change in collab.get("server_changes", []):
+        where = "" if change["round"] is None else f" in round {change['round'] + 1}"
+        click.echo(f"server {change['from']} was lost ({change['cause']}){where}: "
+                   f"{change['to']} took over", err=as_json)
+    if collab.get("resumed_at_round") is not None:
+        click.echo(f"the coordinator resumed the job at round {collab['resumed_at_round'] + 1}"
+                   + (" (redone from its start)" if collab.get("redone_round") else ""),
+                   err=as_json)
     for name, rounds in sorted(collab.get("left_out", {}).items()):
         why = summary.get("exited", {}).get(name)
         click.echo(f"{name} left out of {len(rounds)} of {collab['rounds']} rounds (rounds "
@@ -136,15 +154,22 @@ def run_demo(choices: CollabChoices, train: TrainConfig, devices: int, job: str,
              metrics_port_base: int, partition: str, device_profile: str | None,
              server_profile: str | None, as_json: bool, signed: bool = True,
              restart_devices: bool = False, save_model: Path | None = None,
-             init_from: Path | None = None) -> None:
+             init_from: Path | None = None, faults: tuple[str, ...] = (),
+             standby_controller: bool = False) -> None:
     """``ftpipe-iot demo --mode collaborative|fedavg``."""
     from ftpipe_iot.cli.stops import end_failed, end_interrupted
     from ftpipe_iot.collab.data_split import PartitionSpec
-    from ftpipe_iot.collab.demo import CollabDemo, CollabDemoOptions
+    from ftpipe_iot.collab.demo import CollabDemo, CollabDemoOptions, collab_faults
+    from ftpipe_iot.errors import FtpipeError
     from ftpipe_iot.runtime.demo import JobFailed
 
     if not explicit(click.get_current_context(), ("epochs",)):
         train = replace(train, epochs=DEMO_EPOCHS)
+    try:
+        schedule = collab_faults(list(faults), devices, choices.mode,
+                                 choices.standby_servers)
+    except FtpipeError as exc:
+        raise click.UsageError(str(exc)) from None
     options = CollabDemoOptions(
         config=collab_config(choices, train, devices, save_model=save_model,
                              init_from=init_from), job=job,
@@ -153,7 +178,8 @@ def run_demo(choices: CollabChoices, train: TrainConfig, devices: int, job: str,
         metrics_port_base=metrics_port_base, partition=PartitionSpec.parse(partition),
         device_profile=Path(device_profile) if device_profile else None,
         server_profile=Path(server_profile) if server_profile else None, signed=signed,
-        restart_devices=restart_devices)
+        restart_devices=restart_devices, faults=schedule,
+        standby_controller=standby_controller)
     try:
         summary = CollabDemo(options).run()
     except KeyboardInterrupt as exc:
@@ -171,10 +197,12 @@ def run_controller(choices: CollabChoices, train: TrainConfig, job: str, broker:
                    summary_json: str | None, as_json: bool, client_id: str | None,
                    process: Any, pipeline_only: list[str],
                    credentials: Callable[[], Any] = lambda: None,
-                   save_model: Path | None = None, init_from: Path | None = None) -> None:
-    """``ftpipe-iot controller --mode collaborative|fedavg``: the coordinator."""
+                   save_model: Path | None = None, init_from: Path | None = None,
+                   resume: bool = False, standby: bool = False) -> None:
+    """``ftpipe-iot controller --mode collaborative|fedavg``: the coordinator (``resume``:
+    continue the job from what the broker retains; ``standby``: back up its coordinator)."""
     from ftpipe_iot.cli.stops import end_with
-    from ftpipe_iot.collab.entry import run_coordinator
+    from ftpipe_iot.collab.entry import run_coordinator, run_standby_coordinator
     from ftpipe_iot.observability.progress import default_progress
 
     if pipeline_only:
@@ -185,10 +213,19 @@ def run_controller(choices: CollabChoices, train: TrainConfig, job: str, broker:
                            stall_timeout_s=max(stall_timeout, 4 * heartbeat_timeout),
                            stop_devices=stop_devices,
                            save_weights=Path(save_weights) if save_weights else None,
-                           save_model=save_model, init_from=init_from)
-    summary = run_coordinator(config, job, broker, process, default_progress(),
-                              Path(summary_json) if summary_json else None, client_id,
-                              credentials())
+                           save_model=save_model, init_from=init_from, resume=resume)
+    summary_path = Path(summary_json) if summary_json else None
+    if standby:
+        credentials()  # a missing key is said now, not when the leader fails
+        summary = run_standby_coordinator(config, job, broker, process, default_progress(),
+                                          credentials, summary_path, client_id)
+    else:
+        summary = run_coordinator(config, job, broker, process, default_progress(),
+                                  summary_path, client_id, credentials())
+    if summary is None:
+        click.echo(f"job {job} ended under another coordinator; this one had nothing to do",
+                   err=True)
+        return
     if as_json:
         click.echo(json.dumps(summary.to_dict(with_history=False)))
     end_with(summary.error)
@@ -239,8 +276,11 @@ def print_status(status: dict) -> None:
     """The collaborative part of ``ftpipe-iot status``: round, split, per-device rounds, epsilon
     and idle fraction, the server's idle fraction."""
     idle = status.get("server_idle_fraction")
+    standbys = status.get("standbys") or []
     split = (f"devices [0,{status['split_point']})+[{status['head_start']},..), server "
-             f"{status['server']}, {status['micro_batches']} micro-batches"
+             f"{status['server']}"
+             + (f" (standby {', '.join(standbys)})" if standbys else "")
+             + f", {status['micro_batches']} micro-batches"
              if status["mode"] == CollabMode.COLLABORATIVE.value else "whole model on devices")
     click.echo(f"{status['mode']}: round {status['round']}/{status['rounds']}, iteration "
                f"{status['iteration']}/{status['iterations']}, {split}"

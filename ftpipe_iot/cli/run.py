@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from ftpipe_iot.planning.layouts import Layout
 from ftpipe_iot.planning.replication import DEFAULT_BUDGET
 from ftpipe_iot.protocol.plan import StageAssignment, TrainConfig
 from ftpipe_iot.protocol.signing import Credentials
+from ftpipe_iot.protocol.vocab import CollabMode
 
 
 @command()
@@ -120,9 +122,8 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 
 # Options only --mode pipeline implements: the collaborative modes refuse them, not ignore
 # them. One table for `controller` and `demo` (each has a part of them).
-_PIPELINE_ONLY = ("resume", "standby", "standby_controller", "assignment", "checkpoint_dir",
-                  "device_names", "freeze_layers", "resiliency", "layout", "trace_dir",
-                  "write_trace", "wire_codec", "replication_budget")
+_PIPELINE_ONLY = ("assignment", "checkpoint_dir", "device_names", "freeze_layers", "resiliency",
+                  "layout", "trace_dir", "write_trace", "wire_codec", "replication_budget")
 
 
 @command()
@@ -140,7 +141,9 @@ _PIPELINE_ONLY = ("resume", "standby", "standby_controller", "assignment", "chec
               help="also write every complete checkpoint version here (step-N.pt, the "
                    "--save-model format)")
 @click.option("--resume", is_flag=True,
-              help="continue the job from the retained plan, state and weights on the broker")
+              help="continue the job from the retained plan, state and weights on the broker "
+                   "(collaborative/fedavg: its job, plan, round and global model; the round "
+                   "in progress is redone from its start)")
 @click.option("--standby", is_flag=True,
               help="back up the job's controller: wait until its Last Will says it is gone, "
                    "then take over with a newer term and resume from the retained plan, state "
@@ -236,7 +239,8 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
                           bundle_name, ProcessOptions(metrics_port, threads, log_level),
                           explicit(ctx, _PIPELINE_ONLY), keys,
                           save_model=Path(save_model) if save_model else None,
-                          init_from=Path(init_from) if init_from else None)
+                          init_from=Path(init_from) if init_from else None, resume=resume,
+                          standby=standby)
     ctrl_config = ControllerConfig(
         train=train, devices=devices, device_names=names,
         wait_devices_s=wait_devices, stall_timeout_s=stall_timeout,
@@ -288,12 +292,18 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
 @click.option("--fault", "faults", multiple=True, metavar="ACTION[:DEVICE]@step=N",
               help="inject a fault with real signals: kill:2@step=30, hang:1@step=50, "
                    "cont:1@step=60, join@step=40, broker-restart@step=70, "
-                   "controller-restart@step=80, controller-kill@step=90 (repeatable)")
+                   "controller-restart@step=80, controller-kill@step=90; collaborative: "
+                   "server-kill@round=2 (the serving server; @round=N: once N rounds are "
+                   "done, @step=N: at iteration N) (repeatable)")
 @click.option("--restart-devices", is_flag=True,
               help="start a device process again when it dies (as systemd would)")
 @click.option("--standby-controller", is_flag=True,
               help="start a second controller with --standby: when the leader dies (e.g. "
                    "--fault controller-kill@step=N) it takes over and resumes exactly")
+@click.option("--standby-server", is_flag=True,
+              help="collaborative: start a second server that stands by warm and takes over "
+                   "when the serving one dies (--fault server-kill@round=N); the same as "
+                   "--standby-servers 1")
 @click.option("--max-message-bytes", type=click.IntRange(min=1024), default=None,
               help="largest MQTT message (larger payloads are chunked); at most the broker's "
                    "limit")
@@ -329,7 +339,8 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
 @click.pass_context
 def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_broker: bool,
          job: str, work_dir: str | None, metrics_port_base: int, faults: tuple[str, ...],
-         restart_devices: bool, standby_controller: bool, max_message_bytes: int | None,
+         restart_devices: bool, standby_controller: bool, standby_server: bool,
+         max_message_bytes: int | None,
          init_from: str | None,
          save_model: str | None, layout: str, as_json: bool, write_trace: bool, partition: str,
          device_profile: str | None, server_profile: str | None, insecure_unsigned: bool,
@@ -345,6 +356,12 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
     if insecure_unsigned:
         click.echo(INSECURE_WARNING, err=True)
     collab = collab_choices(ctx, training)
+    if standby_server:
+        if collab.mode is not CollabMode.COLLABORATIVE:
+            raise click.UsageError("--standby-server needs --mode collaborative")
+        if collab.standby_servers:
+            raise click.UsageError("--standby-server and --standby-servers exclude each other")
+        collab = replace(collab, standby_servers=1)
     if collab.pipeline:  # a combination the schedule refuses ends here, before anything starts
         _refuse_what_the_schedule_cannot_run(train_config(training), Layout(layout), devices)
     train = _auto_micro_batching(train_config(training), training, devices, collab.pipeline,
@@ -352,9 +369,6 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
     if not collab.pipeline:
         from ftpipe_iot.cli.collab import run_demo as run_collab_demo
 
-        if faults:
-            raise click.UsageError("--fault injects into the pipeline demo; the collaborative "
-                                   "modes' drop-outs are shown by tests/test_collab_processes.py")
         refused = explicit(ctx, _PIPELINE_ONLY)
         if refused:
             raise click.UsageError(f"{', '.join('--' + n.replace('_', '-') for n in refused)}"
@@ -364,7 +378,8 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
                                device_profile, server_profile, as_json,
                                signed=not insecure_unsigned, restart_devices=restart_devices,
                                save_model=Path(save_model) if save_model else None,
-                               init_from=Path(init_from) if init_from else None)
+                               init_from=Path(init_from) if init_from else None,
+                               faults=faults, standby_controller=standby_controller)
     if (partition != "iid" or device_profile or server_profile):
         raise click.UsageError("--partition, --device-profile and --server-profile need "
                                "--mode collaborative or fedavg")

@@ -93,6 +93,8 @@ class CollabAgent(abc.ABC):
         self.job: CollabJob | None = None
         self.plan: CollabPlan | None = None
         self.round: Round | None = None
+        # the newest coordinator term whose round this process follows (control/lease.py)
+        self.term = 0
         self.global_copies = ReplicaStore(num_layers=1 << 16, keep=2)
         self._loader: StageLoader | None = None
         self._weights: set[int] = set()
@@ -232,11 +234,26 @@ class CollabAgent(abc.ABC):
 
     def _dispatch(self, inbound: Inbound, message: Message) -> None:
         if isinstance(message, Round):
-            self.on_round(message)
+            self._on_round(message)
         elif isinstance(message, LayerReplica):
             self._on_global(message)
         else:
             self.on_data(inbound, message)
+
+    def _on_round(self, rnd: Round) -> None:
+        """Follow the newest term: a round of an older one comes from a coordinator that lost
+        the lease (fenced); the same round again under a newer term is redone from its start."""
+        if rnd.term < self.term:
+            self.messenger.drops.drop(DropReason.STALE_PLAN,
+                                      f"round {rnd.round} of term {rnd.term}; following term "
+                                      f"{self.term}")
+            return
+        redo = self.round is not None and self.round.round == rnd.round and rnd.term > self.term
+        self.term = rnd.term
+        if redo:
+            log.warning("%s: a coordinator of term %d redoes round %d from its start",
+                        self.name, rnd.term, rnd.round)
+        self.on_round(rnd, redo)
 
     def _on_job(self, job: CollabJob) -> None:
         if self.job is not None and job.version <= self.job.version:
@@ -248,7 +265,7 @@ class CollabAgent(abc.ABC):
             self.messenger.drops.drop(DropReason.UNTRUSTED_PLAN, refusal)
             self.messenger.send(self.topics.results, Result(DeviceError(refusal)), job.version)
             return
-        self.job, self.plan, self.round = job, None, None
+        self.job, self.plan, self.round, self.term = job, None, None, 0
         try:
             samples = self.check_job(job)
             times = self._profile(job)
@@ -360,8 +377,9 @@ class CollabAgent(abc.ABC):
         """Build this role's part of the model for ``plan`` (raises FtpipeError)."""
 
     @abc.abstractmethod
-    def on_round(self, rnd: Round) -> None:
-        """A FedAvg round began: load its global model, then train."""
+    def on_round(self, rnd: Round, redo: bool) -> None:
+        """A FedAvg round began (load its global model, then train), or changed (participants,
+        serving server), or, ``redo``, a resumed coordinator runs it again from its start."""
 
     @abc.abstractmethod
     def on_global_loaded(self, version: int, states: dict[int, dict]) -> None:

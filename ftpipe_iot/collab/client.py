@@ -17,7 +17,13 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.collab.agent import AgentOptions, CollabAgent
-from ftpipe_iot.collab.parts import DevicePart, LocalModel, export_states, load_states
+from ftpipe_iot.collab.parts import (
+    DevicePart,
+    LocalModel,
+    RoundStart,
+    export_states,
+    load_states,
+)
 from ftpipe_iot.core.data import load_dataset
 from ftpipe_iot.core.models import build_layers, cut_shapes
 from ftpipe_iot.core.schedule import SyncSchedule
@@ -29,6 +35,7 @@ from ftpipe_iot.protocol.collab import (
     CollabReport,
     LocalUpdate,
     Round,
+    RoundRestart,
     Smashed,
 )
 from ftpipe_iot.protocol.messages import Gradient, Inbound, Message
@@ -85,6 +92,10 @@ class DataDevice(CollabAgent):
         self._loss = 0.0
         self._correct = 0
         self._labels: dict[int, np.ndarray] = {}
+        # the replies of this iteration taken so far, (is a gradient, micro-batch): a standby
+        # server that takes over re-sends what it computed, and each reply counts once
+        self._taken: set[tuple[bool, int]] = set()
+        self._round_start: RoundStart | None = None
 
     @property
     def epsilon(self) -> float | None:
@@ -96,9 +107,10 @@ class DataDevice(CollabAgent):
 
     @property
     def _server(self) -> tuple[str, ...] | None:
-        """Who reads this device's uplink: the plan's server (tags for it, not a signature)."""
-        server = self.plan.server if self.plan is not None else None
-        return (server,) if server else None
+        """Who reads this device's uplink: the plan's servers, the serving one and its warm
+        standbys (tags for them, not a signature)."""
+        servers = self.plan.servers if self.plan is not None else ()
+        return servers or None
 
     def check_job(self, job: CollabJob) -> int:
         self.data.check(job.input_shape, job.num_classes)
@@ -125,7 +137,7 @@ class DataDevice(CollabAgent):
         log.info("%s: plan %d, %s, layers %s", self.name, plan.version, plan.mode.value,
                  list(plan.device_layers))
 
-    def on_round(self, rnd: Round) -> None:
+    def on_round(self, rnd: Round, redo: bool) -> None:
         same = self.round is not None and self.round.round == rnd.round
         if self.name not in rnd.participants:
             if same or self.iteration is not None:
@@ -133,11 +145,27 @@ class DataDevice(CollabAgent):
                 self._pause()
             self.round = None
             return
-        if same:
-            return  # the participants changed: nothing to do for us
+        if same and not redo:
+            self.round = rnd
+            return  # the participants or the serving server changed: nothing to do for us
         self._pause()
+        if redo:
+            self._go_back(rnd)
         self.round = rnd
         self.load_global(rnd.round)
+
+    def _go_back(self, rnd: Round) -> None:
+        """Back to the state round ``rnd`` started with, and tell the servers where, in this
+        device's stream, the abandoned attempt ends (``RoundRestart``)."""
+        start = self._round_start
+        if self.part is not None and start is not None and start.round == rnd.round:
+            self.part.go_back(start)
+        else:
+            log.warning("%s: no state of round %d's start to go back to; redoing it from the "
+                        "global model with the optimizer state as it is", self.name, rnd.round)
+        if isinstance(self.part, DevicePart):
+            self.send_up(self.topics.collab_up(self.name), RoundRestart(rnd.round, rnd.term),
+                         receivers=self._server)
 
     def _pause(self) -> None:
         self.iteration = None
@@ -148,6 +176,7 @@ class DataDevice(CollabAgent):
         if self.round is None or version != self.round.round or self.part is None:
             return
         load_states(self.part.layers, states)
+        self._round_start = self.part.round_start(version)
         self.iteration = self.round.first_iteration
         if isinstance(self.part, DevicePart):
             self._start_iteration()
@@ -160,7 +189,7 @@ class DataDevice(CollabAgent):
     def _start_iteration(self) -> None:
         assert isinstance(self.part, DevicePart) and self.iteration is not None
         it, part = self.iteration, self.part
-        self._loss, self._correct, self._labels = 0.0, 0, {}
+        self._loss, self._correct, self._labels, self._taken = 0.0, 0, {}, set()
         for index, rows in enumerate(self._batches(it)):
             self._labels[index] = self.data.y[rows]
             x = self.data.x[rows]
@@ -176,19 +205,33 @@ class DataDevice(CollabAgent):
             self.messenger.drops.drop(DropReason.UNEXPECTED_KIND,
                                       f"{inbound.kind.value} on {inbound.topic}")
             return
+        assert self.plan is not None
+        if inbound.sender not in self.plan.servers:
+            self.messenger.drops.drop(DropReason.UNEXPECTED, f"a reply from {inbound.sender}, "
+                                      f"not a server of plan {self.plan.version}")
+            return
         it, mb = inbound.step, inbound.micro_batch
         if it != self.iteration or mb not in self._labels:
             self.messenger.drops.drop(DropReason.STALE_PLAN, f"data of iteration {it}, "
                                       f"computing {self.iteration}")
             return
+        reply = (isinstance(message, Gradient), mb)
+        if reply in self._taken:
+            self.messenger.drops.drop(DropReason.LATE, f"{inbound.kind.value} of micro-batch "
+                                      f"{(it, mb)} again (from {inbound.sender})")
+            return
         if isinstance(message, Smashed):
             labels = self._labels[mb]
             grad, loss, correct = self.meter.run(lambda: part.loss(it, mb, message.x, labels),
                                                  it)
+            self._taken.add(reply)
             self._loss += loss * len(labels)
             self._correct += correct
             self.send_up(self.topics.collab_up(self.name), Gradient(grad), it, mb, self._server)
-        elif self.meter.run(lambda: part.backward(it, mb, message.g), it):
+            return
+        stepped = self.meter.run(lambda: part.backward(it, mb, message.g), it)
+        self._taken.add(reply)
+        if stepped:
             self._iteration_done(self._loss, self._correct)
 
     # -- federated: iterations run from the worker loop -----------------------------------------

@@ -21,7 +21,12 @@ class CollabConfig:
     (None: once per epoch, PiPar's default; 0: only at the end); ``split_point`` pins the split
     and ``auto_micro_batches`` False keeps ``train.micro_batches`` instead of choosing N;
     ``privacy`` turns DP-SGD on for the device part. ``train.data`` is the held-out test set the
-    coordinator evaluates the global model on: training data stays on the devices."""
+    coordinator evaluates the global model on: training data stays on the devices.
+
+    ``standby_servers`` more ``--server`` offers are waited for besides the serving one: they
+    keep warm replicas and take over when it is gone. ``resume`` continues the job from what the
+    broker retains (its job, plan, round and global model; the training config is the retained
+    job's), leading with lease ``term`` (control/lease.py)."""
 
     mode: CollabMode = CollabMode.COLLABORATIVE
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -40,6 +45,9 @@ class CollabConfig:
     save_model: Path | None = None
     # start from these weights (a checkpoint or a plain state dict): the global model's version 0
     init_from: Path | None = None
+    standby_servers: int = 0
+    resume: bool = False
+    term: int = 1
 
     def __post_init__(self) -> None:
         if self.mode is CollabMode.PIPELINE:
@@ -58,3 +66,8 @@ class CollabConfig:
                               "whole model on every device")
         if self.heartbeat_timeout_s <= 0 or self.stall_timeout_s <= 0:
             raise ConfigError("timeouts must be > 0")
+        if self.standby_servers < 0:
+            raise ConfigError(f"--standby-servers must be >= 0, got {self.standby_servers}")
+        if self.standby_servers and self.mode is CollabMode.FEDAVG:
+            raise ConfigError("--standby-servers is for --mode collaborative: fedavg has no "
+                              "server")

@@ -8,21 +8,39 @@ replica of it), averages them weighted by the devices' sample counts, publishes 
 model (retained, so a late or restarted device starts from it), evaluates it on the held-out test
 set, and starts the next round with everyone online. A device that drops out mid-round (Last
 Will, or silence beyond the heartbeat timeout) is left out of that round; it rejoins at the next.
+
+No single point of failure (collab/failover.py): the plan names warm standby servers
+(``standby_servers``); when the serving server is gone the round goes on with the first standby,
+which the republished ``Round`` names. The coordinator itself leads with a lease term
+(control/lease.py): a coordinator started with ``resume`` (by hand, or a standby coordinator
+that took the lease) picks the job up from the retained job, plan, round and global model,
+redoing the round its predecessor died in; an old coordinator that sees a newer term stops
+without publishing anything (fenced).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.artifacts.checkpoint import initial_layers, save_checkpoint
 from ftpipe_iot.collab.config import COORDINATOR_NAME, CollabConfig
+from ftpipe_iot.collab.failover import (
+    ResumeAction,
+    ServerChangeKind,
+    ServerRoster,
+    resume_point,
+    round_message,
+    silent_servers,
+)
 from ftpipe_iot.collab.layer_times import model_facts
 from ftpipe_iot.collab.metrics import CoordinatorMetrics
 from ftpipe_iot.collab.parts import evaluate, export_states, load_states
@@ -36,6 +54,7 @@ from ftpipe_iot.collab.rounds import (
     round_spans,
 )
 from ftpipe_iot.collab.summary import CollabRecorder, CollabSummary
+from ftpipe_iot.control.lease import fenced
 from ftpipe_iot.core.data import Dataset, load_dataset
 from ftpipe_iot.core.models import build_layers, cut_shapes
 from ftpipe_iot.errors import FtpipeError
@@ -56,8 +75,10 @@ from ftpipe_iot.protocol.messages import (
     DeviceStatus,
     Event,
     Heartbeat,
+    Inbound,
     LayerReplica,
 )
+from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.results import DeviceError, Result
 from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.topics import Topics
@@ -79,10 +100,28 @@ log = logging.getLogger("ftpipe_iot.collab")
 Phase = ControllerPhase
 
 
-def coordinator_will(job: str, credentials: Credentials | None = None) -> Will:
-    """The retained state says offline if the coordinator vanishes."""
-    return will_of(Topics(job).state, ControllerState(ControllerStatus.OFFLINE, job), job,
+def coordinator_will(job: str, credentials: Credentials | None = None, term: int = 0) -> Will:
+    """The retained state says the coordinator of ``term`` is offline if it vanishes (the
+    lease's expiry: a standby coordinator takes over, control/lease.py)."""
+    return will_of(Topics(job).state,
+                   ControllerState(ControllerStatus.OFFLINE, job, term=term), job,
                    COORDINATOR_NAME, credentials)
+
+
+class _Retained:
+    """What a resuming coordinator collects from the broker before it decides where to pick the
+    job up: the newest job, plan, round and status, every layer's global model (with the plan
+    version it was published under), the offers and the devices' statuses."""
+
+    def __init__(self) -> None:
+        self.job: CollabJob | None = None
+        self.plan: CollabPlan | None = None
+        self.round: Round | None = None
+        self.status: CollabStatus | None = None
+        self.global_model: dict[int, tuple[int, LayerReplica]] = {}
+        self.offers: dict[str, Offer] = {}
+        self.online: dict[str, bool] = {}
+        self.probe = os.urandom(16)
 
 
 class Coordinator:
@@ -101,32 +140,45 @@ class Coordinator:
                                    options=WireOptions(compress=config.train.compress),
                                    credentials=credentials)
         self.clock = clock
+        self.fenced = False  # another coordinator took the lease (a newer term): publish nothing
         self.recorder = CollabRecorder(job, config.mode.value, self.metrics,
                                        progress or SilentProgress(), self._publish_event, clock)
-        self.data = data if data is not None else load_dataset(config.train.data)
-        train = config.train
-        self.layers = build_layers(train.model, self.data.input_shape, self.data.num_classes,
-                                   train.seed)
-        self.shapes = cut_shapes(self.layers, self.data.input_shape, self.data.num_classes,
-                                 train.model.name)
         self.version = int(time.time() * 1000)
-        self.phase = Phase.WAITING_DEVICES
+        self.phase = Phase.RESUMING if config.resume else Phase.WAITING_DEVICES
         self.offers: dict[str, Offer] = {}
         self.members: dict[str, Member] = {}
         self.server_online: dict[str, bool] = {}
+        self.server_seen: dict[str, float] = {}
+        self.servers: ServerRoster | None = None  # the plan's servers (collaborative)
         self.plan: CollabPlan | None = None
         self.choice: Choice | None = None
         self.spans: list[RoundSpan] = []
         self.current: RoundState | None = None
-        if config.init_from is not None:
-            # version 0 of the global model is the given weights, as --init-from makes it in a
-            # pipeline job; every device and the server load it for the first round
-            load_states(dict(enumerate(self.layers)),
-                        initial_layers(config.init_from, list(self.layers)))
-        self.global_states: dict[int, dict] = export_states(dict(enumerate(self.layers)))
+        self.retained: _Retained | None = _Retained() if config.resume else None
         self.server_busy = 0.0
         self._last_progress = clock()
         self._next_status = 0.0
+        self._given_data = data
+        self.global_states: dict[int, dict] = {}
+        if not config.resume:
+            self._setup(config.train, config.init_from)
+
+    def _setup(self, train: TrainConfig, init_from: Path | None = None) -> None:
+        """The test set, the model and version 0 of the global model; a resuming coordinator
+        does this once the retained job says what is trained."""
+        self.train = train
+        self.data = self._given_data if self._given_data is not None else \
+            load_dataset(train.data)
+        self.layers = build_layers(train.model, self.data.input_shape, self.data.num_classes,
+                                   train.seed)
+        self.shapes = cut_shapes(self.layers, self.data.input_shape, self.data.num_classes,
+                                 train.model.name)
+        if init_from is not None:
+            # version 0 of the global model is the given weights, as --init-from makes it in a
+            # pipeline job; every device and the server load it for the first round
+            load_states(dict(enumerate(self.layers)),
+                        initial_layers(init_from, list(self.layers)))
+        self.global_states = export_states(dict(enumerate(self.layers)))
 
     @property
     def summary(self) -> CollabSummary:
@@ -136,10 +188,22 @@ class Coordinator:
     def start(self) -> None:
         self.transport.connect()
         self.messenger.start_trust()
+        # our own state too: a newer term there means another coordinator took the lease
         for topic in (Topics.ALL_STATUS, Topics.ALL_HEARTBEATS, self.topics.collab_offers,
-                      self.topics.collab_update, self.topics.collab_report, self.topics.results):
+                      self.topics.collab_update, self.topics.collab_report, self.topics.results,
+                      self.topics.state):
             self.transport.subscribe(topic)
         self._publish_state(ControllerStatus.ONLINE)
+        if self.retained is not None:
+            for topic in self._retained_topics:
+                self.transport.subscribe(topic)
+            # the broker sends what it retains on subscribing: once our own probe comes back,
+            # everything retained is here
+            self.transport.subscribe(self.topics.probe)
+            self.transport.publish(self.topics.probe, self.retained.probe, qos=1)
+            self.recorder.message(f"resuming {self.config.mode.value} job {self.job} (term "
+                                  f"{self.config.term}) from what the broker retains")
+            return
         job = CollabJob(self.version, self.config.mode, self.config.train,
                         self.data.input_shape, self.data.num_classes)
         self.messenger.send(self.topics.collab_job, job, self.version, retain=True)
@@ -157,6 +221,11 @@ class Coordinator:
     def finished(self) -> bool:
         return self.phase in (Phase.DONE, Phase.FAILED)
 
+    @property
+    def _retained_topics(self) -> tuple[str, ...]:
+        return (self.topics.collab_job, self.topics.collab_plan, self.topics.collab_round,
+                self.topics.collab_status, self.topics.weights_all)
+
     def run(self, poll_s: float = 0.02) -> CollabSummary:
         """Run the job to its end or its failure; the retained state says which."""
         self.start()
@@ -164,8 +233,10 @@ class Coordinator:
             serve(self.transport.inbox, self.handle, self.tick, lambda: self.finished, poll_s)
         finally:
             self.recorder.progress.close()
-            ended = ControllerStatus.DONE if self.phase is Phase.DONE else ControllerStatus.FAILED
-            self._publish_state(ended)
+            if not self.fenced:  # the lease is another's: its retained state stays
+                ended = ControllerStatus.DONE if self.phase is Phase.DONE \
+                    else ControllerStatus.FAILED
+                self._publish_state(ended)
         return self.summary
 
     def fail(self, reason: str) -> None:
@@ -178,11 +249,19 @@ class Coordinator:
 
     # -- inbound --------------------------------------------------------------------------------
     def handle(self, incoming: Incoming) -> None:
+        if incoming.topic == self.topics.probe:
+            if self.retained is not None and incoming.payload == self.retained.probe:
+                self._resume(self.retained)
+            return
         inbound = self.messenger.receive(incoming)
         if inbound is None:
             return
         message, sender, now = inbound.message, inbound.sender, self.clock()
-        if isinstance(message, DeviceStatus):
+        if isinstance(message, ControllerState):
+            self._on_state(sender, message)
+        elif self.retained is not None:
+            self._collect(inbound)
+        elif isinstance(message, DeviceStatus):
             if Topics.device_of(inbound.topic) == sender and message.job == self.job:
                 self._on_status(sender, message.state is DeviceState.ONLINE)
         elif isinstance(message, Heartbeat):
@@ -190,6 +269,8 @@ class Coordinator:
                 self.members[sender].last_seen = now
                 if not self.members[sender].online:
                     self._on_status(sender, True)
+            elif sender in self.server_online:
+                self.server_seen[sender] = now
         elif isinstance(message, Offer):
             if message.job_version == self.version:
                 self._on_offer(sender, message)
@@ -198,17 +279,28 @@ class Coordinator:
         elif isinstance(message, Result) and isinstance(message.body, DeviceError):
             self.fail(f"device {sender}: {message.body.message}")
         elif isinstance(message, LocalUpdate):
-            self._on_update(message)
+            self._on_update(sender, message)
         elif isinstance(message, CollabReport):
             self._on_report(sender, inbound.step, message)
+
+    def _on_state(self, sender: str, state: ControllerState) -> None:
+        """A coordinator state on our topic: ours echoed back, or a newer leader's (fenced)."""
+        if sender == COORDINATOR_NAME and fenced(self.config.term, state.term) \
+                and not self.finished:
+            self.fenced = True
+            self.fail(f"fenced: another coordinator leads job {self.job} with term "
+                      f"{state.term} (ours: {self.config.term}); this one stops")
 
     def _on_status(self, device: str, online: bool) -> None:
         if device in self.server_online:
             self.server_online[device] = online
-            if not online and self.plan is not None and device == self.plan.server \
-                    and self.phase is Phase.TRAINING:
-                self.fail(f"server {device} went offline; collaborative mode does not move the "
-                          "server replicas to another server (see docs/design.md §13)")
+            if online:
+                self.server_seen[device] = self.clock()
+                if self.servers is not None and device in self.servers.lost:
+                    self.recorder.message(f"server {device} is back, but its replicas are not "
+                                          "current: it stays out of this job")
+            elif self.servers is not None:
+                self._lose_server(device, FailureCause.LAST_WILL, 0.0)
             return
         member = self.members.get(device)
         if member is None:
@@ -224,6 +316,7 @@ class Coordinator:
         self.offers[device] = offer
         if offer.role is CollabRole.SERVER:
             self.server_online.setdefault(device, True)
+            self.server_seen.setdefault(device, self.clock())
             return
         if device in self.members:
             self.members[device].online = True
@@ -237,7 +330,17 @@ class Coordinator:
             self.recorder.message(f"{device} joins with {offer.samples} samples")
         self.members[device] = Member(device, offer.samples, last_seen=self.clock())
 
-    def _on_update(self, update: LocalUpdate) -> None:
+    def _on_update(self, sender: str, update: LocalUpdate) -> None:
+        # a device sends its own part; a server of the plan (every one computes the same) the
+        # replica of any device
+        own = sender in self.plan.servers if update.role is CollabRole.SERVER and self.plan \
+            else sender == update.device
+        if not own:
+            log.warning("ignoring a %s update for %s from %s", update.role.value, update.device,
+                        sender)
+            return
+        if update.role is CollabRole.SERVER:
+            self.server_seen[sender] = self.clock()
         if self.current is None or not self.current.add(update):
             return
         self._last_progress = self.clock()
@@ -245,10 +348,14 @@ class Coordinator:
             self._complete_round()
 
     def _on_report(self, sender: str, step: int, report: CollabReport) -> None:
-        self._last_progress = self.clock()
         if report.role is CollabRole.SERVER:
-            self.server_busy = report.busy_s
+            if sender in self.server_online:
+                self.server_seen[sender] = self.clock()
+            if self.servers is not None and sender == self.servers.serving:
+                self._last_progress = self.clock()
+                self.server_busy = report.busy_s
             return
+        self._last_progress = self.clock()
         member = self.members.get(sender)
         if member is None:
             return
@@ -259,6 +366,121 @@ class Coordinator:
             member.iteration = max(member.iteration, step)
             self.recorder.iteration(sender, report.loss, report.count, self._fleet_iteration())
 
+    # -- resuming -------------------------------------------------------------------------------
+    def _collect(self, inbound: Inbound) -> None:
+        """While resuming: keep what the broker retains (the coordinator's own messages only
+        for the job's state; offers and statuses from the devices)."""
+        retained, message, sender = self.retained, inbound.message, inbound.sender
+        assert retained is not None
+        ours = sender == COORDINATOR_NAME
+        if isinstance(message, CollabJob) and ours:
+            retained.job = message
+        elif isinstance(message, CollabPlan) and ours:
+            retained.plan = message
+        elif isinstance(message, Round) and ours:
+            retained.round = message
+        elif isinstance(message, CollabStatus) and ours:
+            retained.status = message
+        elif isinstance(message, LayerReplica) and ours:
+            retained.global_model[message.layer] = (inbound.plan_version, message)
+        elif isinstance(message, Offer):
+            retained.offers[sender] = message
+        elif isinstance(message, DeviceStatus) and Topics.device_of(inbound.topic) == sender \
+                and message.job == self.job:
+            retained.online[sender] = message.state is DeviceState.ONLINE
+
+    def _resume(self, retained: _Retained) -> None:
+        """Everything retained is here: decide where the job goes on (collab/failover.py)."""
+        self.retained = None
+        for topic in self._retained_topics:
+            self.transport.unsubscribe(topic)
+        self.transport.unsubscribe(self.topics.probe)
+        job, plan, rnd = retained.job, retained.plan, retained.round
+        if job is None:
+            self.fail(f"cannot resume job {self.job}: the broker retains no collaborative or "
+                      "fedavg job of that name; start it without --resume")
+            return
+        if job.mode is not self.config.mode:
+            self.fail(f"cannot resume job {self.job}: it is a {job.mode.value} job; give "
+                      f"--mode {job.mode.value}")
+            return
+        self.version = job.version
+        self.config = replace(self.config, train=job.train)
+        self.messenger.options = WireOptions(compress=job.train.compress)
+        try:
+            self._setup(job.train)
+        except FtpipeError as exc:
+            self.fail(f"cannot resume job {self.job}: {exc}")
+            return
+        if plan is not None and plan.version < job.version:
+            plan, rnd = None, None  # a plan of an earlier run of this job name
+        if rnd is not None and plan is not None and rnd.term >= self.config.term:
+            self.fail(f"cannot resume job {self.job}: its round was published under term "
+                      f"{rnd.term}, not older than ours ({self.config.term})")
+            return
+        spans = round_spans(plan.total_iterations, plan.aggregate_every) if plan else []
+        versions = {layer: replica.version
+                    for layer, (plan_version, replica) in retained.global_model.items()
+                    if plan is not None and plan_version == plan.version}
+        try:
+            point = resume_point(job.version, plan, rnd, versions, len(spans))
+        except FtpipeError as exc:
+            self.fail(str(exc))
+            return
+        for name, offer in sorted(retained.offers.items()):
+            if offer.job_version == job.version:
+                self._on_offer(name, offer)
+        for name, online in retained.online.items():
+            if name in self.members:
+                self.members[name].online = online
+            elif name in self.server_online:
+                self.server_online[name] = online
+        if point.action is ResumeAction.PLAN:
+            self.recorder.message(f"job {self.job} was not planned yet: planning it")
+            self.phase = Phase.WAITING_DEVICES
+            return
+        assert plan is not None
+        self._resume_plan(plan, rnd, retained, point.round, point.redo)
+        if point.action is ResumeAction.FINISH:
+            # every round was merged before the old coordinator died: only the results remain
+            accuracy, loss = evaluate(self.layers, self.data.x_test, self.data.y_test,
+                                      plan.train.eval_batch_size)
+            self.recorder.evaluated(len(self.spans) - 1, plan.total_iterations,
+                                    plan.total_iterations // plan.iterations_per_epoch,
+                                    accuracy, loss)
+            self._finish()
+            return
+        self._watch_servers(ServerRoster.of_round(plan, rnd))
+        if self.servers is not None:
+            for name in self.servers.warm:
+                if not self.server_online.get(name, False):
+                    self._lose_server(name, FailureCause.LAST_WILL, 0.0)
+        if not self.finished:
+            self.phase = Phase.WAITING_DEVICES
+            self._maybe_start_round()
+
+    def _resume_plan(self, plan: CollabPlan, rnd: Round | None, retained: _Retained,
+                     round_index: int, redo: bool) -> None:
+        """Take the retained plan, global model and figures on."""
+        self.plan = plan
+        self.spans = round_spans(plan.total_iterations, plan.aggregate_every)
+        for layer, (_, replica) in retained.global_model.items():
+            self.global_states[layer] = replica.state
+        load_states(dict(enumerate(self.layers)), self.global_states)
+        self.recorder.planned(plan, None, len(self.members))
+        status = retained.status
+        if status is not None:
+            for row in status.members:
+                member = self.members.get(row.device)
+                if member is not None:
+                    member.rounds_done, member.rounds_missed = row.rounds_done, row.rounds_missed
+                    member.epsilon = row.epsilon
+        first = self.spans[round_index].first if round_index < len(self.spans) \
+            else plan.total_iterations
+        self.recorder.resumed(round_index, redo,
+                              [list(s) for s in status.round_servers] if status else [],
+                              round_index, first)
+
     # -- periodic -------------------------------------------------------------------------------
     def tick(self) -> None:
         now = self.clock()
@@ -266,6 +488,11 @@ class Coordinator:
             # Statuses of identities the old roster did not know were dropped: take them again.
             self.transport.unsubscribe(Topics.ALL_STATUS)
             self.transport.subscribe(Topics.ALL_STATUS)
+        if self.phase is Phase.RESUMING:
+            if self.recorder.elapsed_s > self.config.wait_devices_s:
+                self.fail(f"cannot resume job {self.job}: the broker did not answer within "
+                          f"{self.config.wait_devices_s:.0f}s")
+            return
         if self.phase is Phase.WAITING_DEVICES:
             if self.plan is None:
                 self._maybe_plan()
@@ -274,7 +501,12 @@ class Coordinator:
             if self.phase is Phase.WAITING_DEVICES and \
                     self.recorder.elapsed_s > self.config.wait_devices_s:
                 self.fail(self._waiting_for())
-        elif self.phase is Phase.TRAINING and self.current is not None:
+        if self.servers is not None and self.phase in (Phase.TRAINING, Phase.WAITING_DEVICES):
+            for name in silent_servers(self.servers.warm, self.server_seen, now,
+                                       self.config.heartbeat_timeout_s):
+                self._lose_server(name, FailureCause.HEARTBEAT_TIMEOUT,
+                                  now - self.server_seen[name])
+        if self.phase is Phase.TRAINING and self.current is not None:
             for name in self.current.remaining:
                 silent = now - self.members[name].last_seen
                 if silent > self.config.heartbeat_timeout_s and self.members[name].online:
@@ -292,8 +524,12 @@ class Coordinator:
         online = sorted(m.name for m in self.members.values() if m.online)
         text = f"{len(online)} of {self.config.devices} data devices offered within " \
                f"{self.config.wait_devices_s:.0f}s: {online}"
-        if self._collaborative and not any(self.server_online.values()):
-            text += "; no server offered (start one with `ftpipe-iot device --server`)"
+        servers = sum(self.server_online.values())
+        wanted = 1 + self.config.standby_servers
+        if self._collaborative and servers < wanted:
+            text += f"; {servers} of {wanted} servers offered (start one with `ftpipe-iot " \
+                    f"device --server`" + (", or lower --standby-servers)"
+                                           if self.config.standby_servers else ")")
         return text
 
     # -- planning -------------------------------------------------------------------------------
@@ -312,7 +548,8 @@ class Coordinator:
     def _maybe_plan(self) -> None:
         data = sorted(n for n, m in self.members.items() if m.online)
         servers = sorted(n for n, up in self.server_online.items() if up)
-        if len(data) < self.config.devices or (self._collaborative and not servers):
+        if len(data) < self.config.devices or \
+                (self._collaborative and len(servers) < 1 + self.config.standby_servers):
             return
         try:
             self._plan(data, servers)
@@ -332,7 +569,7 @@ class Coordinator:
         if train.max_steps is not None:
             total = min(total, train.max_steps)
         every = per_epoch if config.aggregate_every is None else config.aggregate_every
-        split, head, server = n_layers, n_layers, None
+        split, head, server, standbys = n_layers, n_layers, None, ()
         micro = train.micro_batches
         if self._collaborative:
             facts = model_facts(self.layers, self.shapes)
@@ -344,14 +581,17 @@ class Coordinator:
             chosen = self.choice.chosen
             split, head, server, micro = chosen.split_point, chosen.head_start, \
                 self.choice.server, chosen.micro_batches
+            # the other servers that offered stand by, as many as asked for, in name order
+            standbys = tuple(s for s in servers if s != server)[:config.standby_servers]
         if config.privacy is not None:
             held = [*range(split), *range(head, n_layers)]
             check_private_layers([self.layers[i] for i in held], held)
         train = replace(train, micro_batches=micro, micro_batch_size=batch // micro)
         self.plan = CollabPlan(int(time.time() * 1000), config.mode, train, n_layers,
                                self.data.input_shape, self.data.num_classes, split, head, server,
-                               every, total, per_epoch, config.privacy)
+                               every, total, per_epoch, config.privacy, standbys)
         self.spans = round_spans(total, every)
+        self._watch_servers(ServerRoster.of_plan(self.plan))
         self.recorder.planned(self.plan, self.choice, len(data))
         self.messenger.send(self.topics.collab_plan, self.plan, self.plan.version, retain=True)
         self._publish_global(0)
@@ -384,16 +624,53 @@ class Coordinator:
         self._last_progress = self.clock()
         for name in participants:
             self.members[name].last_seen = self.clock()
+        self.recorder.round_started(self.servers.serving if self.servers else None)
         self._publish_round()
 
     def _publish_round(self) -> None:
         assert self.plan is not None and self.current is not None
         span = self.current.span
         self.messenger.send(self.topics.collab_round,
-                            Round(span.index, span.first, span.iterations,
-                                  self.current.remaining),
+                            round_message(span, self.current.remaining, self.servers,
+                                          self.config.term),
                             self.plan.version, span.first, retain=True)
         self._publish_status()
+
+    # -- servers --------------------------------------------------------------------------------
+    def _watch_servers(self, roster: ServerRoster) -> None:
+        """Follow the plan's servers; silence is measured from now."""
+        if not self._collaborative:
+            return
+        self.servers = roster
+        self.recorder.servers_now(roster.serving, tuple(roster.standbys))
+        now = self.clock()
+        for name in roster.warm:
+            self.server_seen[name] = now
+
+    def _lose_server(self, name: str, cause: FailureCause, silent_s: float) -> None:
+        """A server of the plan is gone: promote a standby when it was serving (the round goes
+        on: its Round, republished, names the new server), fail when none is left."""
+        assert self.servers is not None
+        if self.finished:
+            return
+        change = self.servers.lose(name)
+        if change.kind is ServerChangeKind.NOT_WARM:
+            return
+        round_index = self.current.span.index if self.current is not None else None
+        promoted = change.serving if change.kind is ServerChangeKind.PROMOTED else None
+        self.recorder.server_lost(name, cause, silent_s, round_index, promoted,
+                                  change.standbys)
+        self.recorder.servers_now(change.serving, change.standbys)
+        if change.kind is ServerChangeKind.NO_SERVER_LEFT:
+            self.fail(f"server {name} went offline ({cause.value}) and no standby server is "
+                      "left to take over its replicas; start another `ftpipe-iot device "
+                      "--server` and --standby-servers 1 to survive this (docs/design.md §13)")
+            return
+        self._last_progress = self.clock()
+        if self.current is not None:
+            self._publish_round()  # the devices and the standby learn who serves now
+        else:
+            self._publish_status()
 
     def _drop(self, device: str, cause: FailureCause, silent_s: float) -> None:
         current = self.current
@@ -461,7 +738,8 @@ class Coordinator:
     def _publish_state(self, state: ControllerStatus) -> None:
         capacities = {n: o.factor for n, o in self.offers.items()}
         self.messenger.send(self.topics.state,
-                            ControllerState(state, self.job, self.phase, None, capacities),
+                            ControllerState(state, self.job, self.phase, None, capacities,
+                                            self.config.term),
                             self.plan.version if self.plan else 0, self._fleet_iteration(),
                             retain=True)
 
@@ -478,15 +756,21 @@ class Coordinator:
                 if self.recorder.train_s > 0 else None
             rows.append(MemberRow(name, state, m.rounds_done, m.rounds_missed, m.iteration,
                                   m.samples, m.epsilon, idle))
+        servers = self.servers
         status = CollabStatus(plan.mode, self.summary.collab.rounds, len(self.spans),
-                              self._fleet_iteration(), plan.total_iterations, plan.server,
+                              self._fleet_iteration(), plan.total_iterations,
+                              servers.serving if servers else plan.server,
                               plan.split_point, plan.head_start, plan.train.micro_batches,
-                              self.recorder.server_idle(self.server_busy), tuple(rows))
+                              self.recorder.server_idle(self.server_busy), tuple(rows),
+                              tuple(servers.standbys) if servers else (),
+                              tuple(tuple(r) for r in self.recorder.round_servers))
         self.messenger.send(self.topics.collab_status, status, plan.version,
                             self._fleet_iteration(), retain=True)
         if self.phase is Phase.TRAINING:
             self._publish_state(ControllerStatus.TRAINING)
 
     def _publish_event(self, event: Event) -> None:
+        if self.fenced:
+            return  # the job is another coordinator's now
         self.messenger.send(self.topics.events, event, self.plan.version if self.plan else 0,
                             self.summary.steps)

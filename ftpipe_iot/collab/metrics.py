@@ -68,5 +68,8 @@ class CoordinatorMetrics(ControllerMetrics):
                                 "Data devices that dropped out of a round", registry=registry)
         self.aggregation_seconds = Counter("ftpipe_collab_aggregation_seconds_total",
                                            "Seconds spent in FedAvg", registry=registry)
+        self.server_takeovers = Counter("ftpipe_collab_server_takeovers_total",
+                                        "Standby servers that took over from a lost serving "
+                                        "server", registry=registry)
         self.members = FleetFigures(MemberFigures)
         registry.register(FleetCollector(self.members, _MEMBER_GAUGES))

@@ -15,8 +15,10 @@ mini-batch.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,6 +55,28 @@ def _tensor(x: np.ndarray, shape: tuple[int, ...], what: str) -> torch.Tensor:
         raise StageInputError(DropReason.BAD_SHAPE, f"{what} has shape {x.shape}, expected "
                               f"(B, {shape})")
     return torch.from_numpy(np.array(x, dtype=np.float32, copy=True))
+
+
+@dataclass(frozen=True)
+class RoundStart:
+    """What a part's training carries from one round into the next besides the weights (which
+    come from the global model): its optimizer state (momentum stays local, as in PiPar) and,
+    with DP, its noise generator and privacy accountant. Taken when a round starts, so that the
+    round can be redone exactly when its coordinator resumes it (collab/failover.py)."""
+
+    round: int
+    optimizer: dict[str, Any]
+    privacy: dict[str, Any] | None = None
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return copy.deepcopy(optimizer.state_dict())
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    # a copy: load_state_dict may keep the given tensors, which the next step updates in place,
+    # and the snapshot must survive a second redo of the same round
+    optimizer.load_state_dict(copy.deepcopy(dict(state)))
 
 
 @dataclass
@@ -189,6 +213,18 @@ class DevicePart:
         if self.privacy is not None:
             self.privacy.optimizer.zero_grad(set_to_none=True)
 
+    def round_start(self, round_index: int) -> RoundStart:
+        """The state to go back to if round ``round_index``, starting now, is redone."""
+        return RoundStart(round_index, _optimizer_state(self.optimizer),
+                          None if self.privacy is None else self.privacy.state())
+
+    def go_back(self, start: RoundStart) -> None:
+        """Forget the round in progress and restore the state it started with."""
+        self.abandon()
+        _restore_optimizer(self.optimizer, start.optimizer)
+        if self.privacy is not None and start.privacy is not None:
+            self.privacy.restore(start.privacy)
+
 
 class ServerReplica:
     """The server part ``[split, head)`` for one data device (PiPar keeps one per device)."""
@@ -229,6 +265,16 @@ class ServerReplica:
         self.optimizer.zero_grad(set_to_none=True)
         return grad, True
 
+    def round_start(self, round_index: int) -> RoundStart:
+        """The state to go back to if round ``round_index``, starting now, is redone."""
+        return RoundStart(round_index, _optimizer_state(self.optimizer))
+
+    def go_back(self, start: RoundStart) -> None:
+        """Forget the half-done step and restore the optimizer state of the round's start."""
+        self._steps.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+        _restore_optimizer(self.optimizer, start.optimizer)
+
 
 class LocalModel:
     """The federated baseline: the whole model on the device, one optimizer step per
@@ -267,6 +313,19 @@ class LocalModel:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return float(loss.detach()), int((logits.detach().argmax(dim=1) == labels).sum())
+
+    def round_start(self, round_index: int) -> RoundStart:
+        """The state to go back to if round ``round_index``, starting now, is redone."""
+        return RoundStart(round_index, _optimizer_state(self.optimizer),
+                          None if self.privacy is None else self.privacy.state())
+
+    def go_back(self, start: RoundStart) -> None:
+        """Restore the state round ``start.round`` started with (a whole step is atomic here:
+        nothing half-done to forget)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        _restore_optimizer(self.optimizer, start.optimizer)
+        if self.privacy is not None and start.privacy is not None:
+            self.privacy.restore(start.privacy)
 
 
 def evaluate(layers: Sequence[nn.Module], x: np.ndarray, y: np.ndarray, batch: int = 256

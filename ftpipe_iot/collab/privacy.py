@@ -22,9 +22,11 @@ which would silence the process's own logging set up after it, and it costs a se
 
 from __future__ import annotations
 
+import copy
 import warnings
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -77,12 +79,25 @@ class DevicePrivacy:
         except NotImplementedError as exc:
             raise PrivacyError(f"Opacus cannot compute per-sample gradients of the device "
                                f"part: {exc}") from exc
-        generator = torch.Generator().manual_seed(_noise_seed(seed, device))
+        self.generator = torch.Generator().manual_seed(_noise_seed(seed, device))
         self.optimizer = DPOptimizer(optimizer, noise_multiplier=settings.noise_multiplier,
                                      max_grad_norm=settings.max_grad_norm,
-                                     expected_batch_size=micro_batch_size, generator=generator)
+                                     expected_batch_size=micro_batch_size,
+                                     generator=self.generator)
         self.accountant = RDPAccountant()
         self.steps = 0
+
+    def state(self) -> dict[str, Any]:
+        """The noise generator's state and the privacy spent so far. A round redone from here
+        draws the same noise, so it publishes the same update: nothing more is spent."""
+        return {"generator": self.generator.get_state().clone(),
+                "accountant": self.accountant.state_dict(), "steps": self.steps}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Back to ``state`` (see ``state``)."""
+        self.generator.set_state(state["generator"].clone())
+        self.accountant.load_state_dict(copy.deepcopy(state["accountant"]))
+        self.steps = int(state["steps"])
 
     def step(self) -> None:
         """Clip, noise and apply the accumulated mini-batch; account one step."""

@@ -48,6 +48,14 @@ class CollabFigures:
     round_log: list[dict[str, Any]] = field(default_factory=list)
     # data device -> indices (0-based, as in ``round_log``) of the rounds it was left out of
     left_out: dict[str, list[int]] = field(default_factory=dict)
+    # the warm standby servers of the plan, and per round (0-based) the servers that served it
+    # in order (two when a standby took over in it); each server change as it happened
+    standbys: list[str] = field(default_factory=list)
+    round_servers: list[list[str]] = field(default_factory=list)
+    server_changes: list[dict[str, Any]] = field(default_factory=list)
+    # the round (0-based) this coordinator resumed the job at, and whether it redid it
+    resumed_at_round: int | None = None
+    redone_round: bool = False
 
 
 @dataclass
@@ -69,6 +77,17 @@ def left_out_of(included: tuple[str, ...], members: dict[str, Member]) -> tuple[
     """The known data devices a round's FedAvg did not include (dropped out of it, or offline
     when it began), in name order."""
     return tuple(sorted(set(members) - set(included)))
+
+
+def served_text(round_servers: list[list[str]]) -> str:
+    """Who served which rounds, as a person reads it: ``server rounds 1-3, server1 rounds
+    3-9`` (a round two servers served is in both)."""
+    by_server: dict[str, list[int]] = {}
+    for index, servers in enumerate(round_servers):
+        for name in servers:
+            by_server.setdefault(name, []).append(index)
+    order = sorted(by_server, key=lambda n: (min(by_server[n]), n))
+    return ", ".join(f"{name} rounds {rounds_text(by_server[name])}" for name in order)
 
 
 def rounds_text(rounds: list[int]) -> str:
@@ -100,6 +119,7 @@ class CollabRecorder:
         self._losses: list[float] = []
         self._fleet_done = 0
         self._round_started = 0.0
+        self._serving: list[str] = []  # the servers of the round in progress, in order
 
     @property
     def elapsed_s(self) -> float:
@@ -124,6 +144,7 @@ class CollabRecorder:
         figures.micro_batches = plan.train.micro_batches
         figures.micro_batch_size = plan.train.micro_batch_size
         figures.aggregate_every, figures.server = plan.aggregate_every, plan.server
+        figures.standbys = list(plan.standbys)
         figures.iterations_per_epoch = plan.iterations_per_epoch
         figures.privacy = plan.privacy.to_body() if plan.privacy else None
         figures.plan = choice.to_dict() if choice else {}
@@ -132,6 +153,9 @@ class CollabRecorder:
                  f"server {plan.server} layers [{plan.split_point},{plan.head_start}), "
                  f"{plan.train.micro_batches} micro-batches of {plan.train.micro_batch_size}"
                  if plan.mode is CollabMode.COLLABORATIVE else "the whole model on every device")
+        if plan.standbys:
+            where += f", standby server{'s' if len(plan.standbys) > 1 else ''} " \
+                     f"{', '.join(plan.standbys)}"
         predicted = "" if choice is None else \
             f"; predicted {choice.chosen.iteration_s * 1e3:.1f} ms per iteration (fedavg " \
             f"{choice.fedavg_iteration_s * 1e3:.1f} ms)"
@@ -140,6 +164,61 @@ class CollabRecorder:
                               f"{plan.aggregate_every or plan.total_iterations}{predicted}")
         self._event(Event(EventType.PLAN_CHANGED, plan=plan.version,
                           steps=plan.total_iterations))
+
+    def resumed(self, round_index: int, redo: bool, round_servers: list[list[str]],
+                rounds_done: int, steps: int) -> None:
+        """This coordinator picks the job up at ``round_index`` (``redo``: the old coordinator
+        had started it; devices and servers go back to its start)."""
+        figures = self.summary.collab
+        figures.resumed_at_round, figures.redone_round = round_index, redo
+        known = [list(s) for s in round_servers[:rounds_done]]
+        # the retained status can lag one round behind the retained global model: unknown
+        figures.round_servers = known + [[] for _ in range(rounds_done - len(known))]
+        figures.rounds, self.summary.steps = rounds_done, steps
+        self.progress.message(f"resuming at round {round_index + 1}"
+                              + (" (redone from its start: the old coordinator died in it)"
+                                 if redo else ""))
+
+    def servers_now(self, serving: str | None, standbys: tuple[str, ...]) -> None:
+        """Who serves and who stands by from now on (the summary's ``server`` and
+        ``standbys``)."""
+        self.summary.collab.server, self.summary.collab.standbys = serving, list(standbys)
+
+    def round_started(self, server: str | None) -> None:
+        """A round begins, served by ``server`` (None: fedavg)."""
+        self._serving = [server] if server is not None else []
+
+    def server_lost(self, server: str, cause: FailureCause, silent_s: float,
+                    round_index: int | None, promoted: str | None, standbys: tuple[str, ...]
+                    ) -> None:
+        """A server of the plan is gone: the serving one (``promoted`` took over, or None: no
+        standby was left) or a standby."""
+        self.summary.failures_detected += 1
+        self.summary.detect_s.append(round(silent_s, 3))
+        self.metrics.failures.labels(cause=cause.value).inc()
+        where = "" if round_index is None else f" in round {round_index + 1}"
+        self._event(Event(EventType.FAILURE_DETECTED, cause=cause, devices=(server,),
+                          silent_s=silent_s, at_step=round_index))
+        if promoted is None:
+            self.progress.message(f"server {server} is gone ({cause.value}){where}"
+                                  + (f"; standbys left: {', '.join(standbys)}" if standbys
+                                     else ""))
+            return
+        self.metrics.server_takeovers.inc()
+        self.summary.collab.server_changes.append({
+            "round": round_index, "from": server, "to": promoted, "cause": cause.value,
+            "t": self.elapsed_s, "steps": self.summary.steps})
+        if round_index is not None:
+            self._serving.append(promoted)
+        self.progress.message(f"server {server} is gone ({cause.value}){where}: standby "
+                              f"{promoted} takes over")
+        self._event(Event(EventType.FAILURE_COVERED, devices=(server, promoted),
+                          cause=cause, at_step=round_index))
+
+    @property
+    def round_servers(self) -> list[list[str]]:
+        """Per completed round, the servers that served it."""
+        return self.summary.collab.round_servers
 
     def training_started(self, total_iterations: int) -> None:
         self._training_since = self._round_started = self._clock()
@@ -180,10 +259,11 @@ class CollabRecorder:
         missing = left_out_of(included, members)
         for name in missing:
             self.summary.collab.left_out.setdefault(name, []).append(index)
+        self.summary.collab.round_servers.append(list(self._serving))
         self.summary.collab.round_log.append({
             "round": index, "end_iteration": end_iteration, "t": now - self._started,
             "round_s": span, "aggregation_s": aggregation_s, "devices": list(included),
-            "left_out": list(missing)})
+            "left_out": list(missing), "servers": list(self._serving)})
         self._round_started = now
         self._event(Event(EventType.ROUND_COMPLETED, at_step=index, steps=end_iteration,
                           devices=included))

@@ -149,7 +149,11 @@ class CollabJob:
 class CollabPlan:
     """Retained: the split and the schedule. Data devices hold layers ``[0, split_point)`` and
     ``[head_start, num_layers)``; the server holds ``[split_point, head_start)`` once per data
-    device. In fedavg mode both equal ``num_layers``: the whole model is on every device."""
+    device. In fedavg mode both equal ``num_layers``: the whole model is on every device.
+
+    ``server`` serves the first round; ``standbys`` are the other servers of the plan, in the
+    order they are promoted: each keeps identical replicas from the same inputs (MQTT fan-out)
+    and answers once a ``Round`` names it (docs/design.md §13, "A standby server")."""
 
     KIND: ClassVar[MessageKind] = MessageKind.COLLAB_PLAN
     version: int
@@ -165,6 +169,7 @@ class CollabPlan:
     total_iterations: int
     iterations_per_epoch: int
     privacy: PrivacySettings | None = None
+    standbys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.split_point <= self.head_start <= self.num_layers:
@@ -173,6 +178,14 @@ class CollabPlan:
         if self.mode is CollabMode.COLLABORATIVE and (self.server is None or
                                                       self.split_point == self.head_start):
             raise PlanError("a collaborative plan needs a server and a non-empty server part")
+        if self.standbys and (self.server is None or len(set(self.servers)) != len(self.servers)):
+            raise PlanError(f"standby servers {list(self.standbys)} need a server and must "
+                            f"differ from it and from each other")
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """Every server of the plan: the first round's, then the standbys in promotion order."""
+        return () if self.server is None else (self.server, *self.standbys)
 
     @property
     def device_layers(self) -> tuple[int, ...]:
@@ -194,7 +207,8 @@ class CollabPlan:
                 "aggregate_every": self.aggregate_every,
                 "total_iterations": self.total_iterations,
                 "iterations_per_epoch": self.iterations_per_epoch,
-                "privacy": None if self.privacy is None else self.privacy.to_body()}
+                "privacy": None if self.privacy is None else self.privacy.to_body(),
+                "standbys": list(self.standbys)}
 
     @classmethod
     def from_body(cls, raw: object) -> CollabPlan:
@@ -207,7 +221,8 @@ class CollabPlan:
                        f.int("head_start", low=1), f.optional_str("server"),
                        f.int("aggregate_every", low=0), f.int("total_iterations", low=1),
                        f.int("iterations_per_epoch", low=1),
-                       None if privacy is None else PrivacySettings.from_body(privacy))
+                       None if privacy is None else PrivacySettings.from_body(privacy),
+                       f.str_list("standbys", ()))
         except PlanError as exc:
             raise BadBody(f"collab plan: {exc}") from exc
 
@@ -216,13 +231,26 @@ class CollabPlan:
 class Round:
     """Retained: round ``round`` runs iterations ``[first_iteration, first_iteration +
     iterations)`` on ``participants``. Republished with fewer participants when one drops out, so
-    a restarted device does not join a round it was left out of."""
+    a restarted device does not join a round it was left out of, and with another ``server``
+    when the serving one is gone and a standby takes over (``standbys``: the warm servers left,
+    in promotion order).
+
+    ``term`` is the lease term of the coordinator that published it (control/lease.py): a
+    round is redone from its global model when a newer term publishes it again (a coordinator
+    that resumed after the old one died mid-round), and a round of an older term is ignored."""
 
     KIND: ClassVar[MessageKind] = MessageKind.COLLAB_ROUND
     round: int
     first_iteration: int
     iterations: int
     participants: tuple[str, ...]
+    server: str | None = None
+    standbys: tuple[str, ...] = ()
+    term: int = 0
+
+    def __post_init__(self) -> None:
+        if self.server is not None and self.server in self.standbys:
+            raise BadBody(f"round: server {self.server} is also listed as a standby")
 
     @property
     def end_iteration(self) -> int:
@@ -230,13 +258,15 @@ class Round:
 
     def to_body(self) -> dict[str, Any]:
         return {"round": self.round, "first_iteration": self.first_iteration,
-                "iterations": self.iterations, "participants": list(self.participants)}
+                "iterations": self.iterations, "participants": list(self.participants),
+                "server": self.server, "standbys": list(self.standbys), "term": self.term}
 
     @classmethod
     def from_body(cls, raw: object) -> Round:
         f = BodyReader(raw, "round")
         return cls(f.int("round", low=0), f.int("first_iteration", low=0),
-                   f.int("iterations", low=1), f.str_list("participants"))
+                   f.int("iterations", low=1), f.str_list("participants"),
+                   f.optional_str("server"), f.str_list("standbys", ()), f.int("term", 0, low=0))
 
 
 # -- data of one iteration ----------------------------------------------------------------------
@@ -260,6 +290,26 @@ class Smashed:
     def from_body(cls, raw: object) -> Smashed:
         f = BodyReader(raw, "smashed")
         return cls(f.array("x"), f.bool("train"))
+
+
+@dataclass(frozen=True)
+class RoundRestart:
+    """A data device starts round ``round`` again from its global model, because a coordinator
+    of the newer ``term`` redid it (collab/failover.py). It goes on the device's own up topic, in
+    order with its data: whatever the device sent before it belongs to the abandoned attempt, so
+    every server takes its replica of this device back to the round's start right there."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.COLLAB_RESTART
+    round: int
+    term: int
+
+    def to_body(self) -> dict[str, Any]:
+        return {"round": self.round, "term": self.term}
+
+    @classmethod
+    def from_body(cls, raw: object) -> RoundRestart:
+        f = BodyReader(raw, "round restart")
+        return cls(f.int("round", low=0), f.int("term", low=0))
 
 
 # -- end of a round -----------------------------------------------------------------------------
@@ -357,7 +407,10 @@ class MemberRow:
 
 @dataclass(frozen=True)
 class CollabStatus:
-    """Retained: where a collaborative or federated job is, for ``ftpipe-iot status``."""
+    """Retained: where a collaborative or federated job is, for ``ftpipe-iot status``.
+    ``server`` is the serving server, ``standbys`` the warm ones left; ``round_servers`` names,
+    per completed round, the servers that served it (two when a standby took over in it): a
+    coordinator that resumes the job carries the record on."""
 
     KIND: ClassVar[MessageKind] = MessageKind.COLLAB_STATUS
     mode: CollabMode
@@ -371,6 +424,8 @@ class CollabStatus:
     micro_batches: int
     server_idle_fraction: float | None
     members: tuple[MemberRow, ...]
+    standbys: tuple[str, ...] = ()
+    round_servers: tuple[tuple[str, ...], ...] = ()
 
     def to_body(self) -> dict[str, Any]:
         return {"mode": self.mode.value, "round": self.round, "rounds": self.rounds,
@@ -378,7 +433,9 @@ class CollabStatus:
                 "server": self.server, "split_point": self.split_point,
                 "head_start": self.head_start, "micro_batches": self.micro_batches,
                 "server_idle_fraction": self.server_idle_fraction,
-                "members": [m.to_body() for m in self.members]}
+                "members": [m.to_body() for m in self.members],
+                "standbys": list(self.standbys),
+                "round_servers": [list(s) for s in self.round_servers]}
 
     @classmethod
     def from_body(cls, raw: object) -> CollabStatus:
@@ -386,12 +443,17 @@ class CollabStatus:
         members = f._get("members", [])
         if not isinstance(members, list):
             raise f.fail("members", "a list", members)
+        served = f._get("round_servers", [])
+        if not isinstance(served, list) or not all(
+                isinstance(r, list) and all(isinstance(n, str) for n in r) for r in served):
+            raise f.fail("round_servers", "a list of lists of server names", served)
         return cls(f.enum("mode", CollabMode), f.int("round", low=0), f.int("rounds", low=0),
                    f.int("iteration", low=0), f.int("iterations", low=0),
                    f.optional_str("server"), f.int("split_point", low=0),
                    f.int("head_start", low=0), f.int("micro_batches", low=1),
                    f.optional_float("server_idle_fraction", low=0),
-                   tuple(MemberRow.from_body(m) for m in members))
+                   tuple(MemberRow.from_body(m) for m in members),
+                   f.str_list("standbys", ()), tuple(tuple(r) for r in served))
 
 
 @dataclass(frozen=True)
@@ -426,8 +488,8 @@ class Offer:
 
 
 COLLAB_BODIES: dict[MessageKind, Any] = {
-    cls.KIND: cls for cls in (CollabJob, CollabPlan, Round, Smashed, LocalUpdate, CollabReport,
-                              CollabStatus, Offer)
+    cls.KIND: cls for cls in (CollabJob, CollabPlan, Round, Smashed, RoundRestart, LocalUpdate,
+                              CollabReport, CollabStatus, Offer)
 }
-CollabMessage = CollabJob | CollabPlan | Round | Smashed | LocalUpdate | CollabReport \
-    | CollabStatus | Offer
+CollabMessage = CollabJob | CollabPlan | Round | Smashed | RoundRestart | LocalUpdate \
+    | CollabReport | CollabStatus | Offer

@@ -36,6 +36,7 @@ class MessageKind(str, Enum):
     COLLAB_UPDATE = "c_update"
     COLLAB_REPORT = "c_report"
     COLLAB_STATUS = "c_status"
+    COLLAB_RESTART = "c_restart"
 
 
 class WireCodec(str, Enum):

@@ -91,10 +91,12 @@ def _controller_client_id(job: str) -> str:
 
 def watch_lease(broker: BrokerConfig, job: str, watch: LeaseWatch, client_id: str,
                 credentials: Credentials | None = None, wait: bool = True,
-                stop: threading.Event | None = None) -> LeaseDecision:
-    """Follow the job's retained controller state (verified like any message) until ``watch``
-    says take over or the job ended; with ``wait`` False only until the broker has delivered
-    what it retains (a probe of our own comes back after it), for the term to lead with."""
+                stop: threading.Event | None = None, leader: str = "controller"
+                ) -> LeaseDecision:
+    """Follow the job's retained controller state (verified like any message, from the sender
+    ``leader``: the collaborative modes' coordinator is another name) until ``watch`` says take
+    over or the job ended; with ``wait`` False only until the broker has delivered what it
+    retains (a probe of our own comes back after it), for the term to lead with."""
     transport = MqttTransport(broker, client_id=client_id)  # no Last Will: a watcher is silent
     messenger = Messenger(transport, "lease-watch", job,
                           MessagingMetrics(CollectorRegistry(), "lease"), credentials=credentials)
@@ -116,7 +118,7 @@ def watch_lease(broker: BrokerConfig, job: str, watch: LeaseWatch, client_id: st
                     return LeaseDecision(LeaseVerdict.WAIT, watch.next_term())
                 continue
             inbound = messenger.receive(incoming)
-            if inbound is None or inbound.sender != "controller" or \
+            if inbound is None or inbound.sender != leader or \
                     not isinstance(inbound.message, ControllerState):
                 continue
             decision = watch.observe(inbound.message.state, inbound.message.term)

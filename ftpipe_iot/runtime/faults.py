@@ -1,6 +1,6 @@
 """Fault injection for the demo and benchmarks: real signals on real processes.
 
-Syntax of one fault: ``ACTION[:TARGET]@step=N``
+Syntax of one fault: ``ACTION[:TARGET]@step=N`` (or ``@round=N`` in the collaborative demo)
 
 - ``kill:I``: SIGKILL device I (a crash or power loss: the broker fires its Last Will)
 - ``hang:I``: SIGSTOP device I (a hung device: heartbeats stop, the connection stays open)
@@ -10,9 +10,12 @@ Syntax of one fault: ``ACTION[:TARGET]@step=N``
 - ``controller-restart``: SIGKILL the controller and start ``controller --resume``
 - ``controller-kill``: SIGKILL the leading controller (the standby of ``--standby-controller``
   takes over; without one, the demo restarts it with ``--resume``)
+- ``server-kill`` (collaborative demo): SIGKILL the serving server (a standby of
+  ``--standby-server`` takes over; without one the job fails, saying so)
 
 ``I`` is the device index (``dev<I>``); ``N`` the step at which to strike (when the controller
-reports that step done).
+reports that step done). In the collaborative and fedavg demos a step is an iteration, and
+``@round=N`` strikes once the coordinator reports N rounds done (in round N+1, 1-based).
 """
 
 from __future__ import annotations
@@ -34,10 +37,25 @@ class FaultAction(str, Enum):
     BROKER_RESTART = "broker-restart"
     CONTROLLER_RESTART = "controller-restart"
     CONTROLLER_KILL = "controller-kill"
+    SERVER_KILL = "server-kill"
+
+
+class FaultUnit(str, Enum):
+    """What ``N`` of ``@unit=N`` counts."""
+
+    STEP = "step"
+    ROUND = "round"
 
 
 _NEEDS_TARGET = (FaultAction.KILL, FaultAction.HANG, FaultAction.CONT)
-_PATTERN = re.compile(r"^(?P<action>[a-z-]+)(?::(?P<target>\d+))?@step=(?P<step>\d+)$")
+# What each demo can do: the pipeline has no server and no rounds; the collaborative demo's
+# fleet is fixed (no join) and its processes keep nothing across a broker restart.
+PIPELINE_ACTIONS = frozenset(FaultAction) - {FaultAction.SERVER_KILL}
+COLLAB_ACTIONS = frozenset({FaultAction.KILL, FaultAction.HANG, FaultAction.CONT,
+                            FaultAction.CONTROLLER_KILL, FaultAction.CONTROLLER_RESTART,
+                            FaultAction.SERVER_KILL})
+_PATTERN = re.compile(r"^(?P<action>[a-z-]+)(?::(?P<target>\d+))?@(?P<unit>step|round)="
+                      r"(?P<step>\d+)$")
 
 
 
@@ -48,10 +66,11 @@ class Fault:
     action: FaultAction
     step: int
     target: int | None = None
+    unit: FaultUnit = FaultUnit.STEP
 
     def __str__(self) -> str:
         target = f":{self.target}" if self.target is not None else ""
-        return f"{self.action.value}{target}@step={self.step}"
+        return f"{self.action.value}{target}@{self.unit.value}={self.step}"
 
 
 def parse_fault(text: str, devices: int | None = None) -> Fault:
@@ -72,9 +91,19 @@ def parse_fault(text: str, devices: int | None = None) -> Fault:
         raise FaultSpecError(f"{action.value} takes no device index")
     if target is not None and devices is not None and not 0 <= target < devices:
         raise FaultSpecError(f"device index {target} out of range 0..{devices - 1} in {text!r}")
-    return Fault(action, int(match["step"]), target)
+    return Fault(action, int(match["step"]), target, FaultUnit(match["unit"]))
 
 
-def fault_schedule(texts: list[str], devices: int | None = None) -> list[Fault]:
-    """Parse several faults, ordered by step."""
-    return sorted((parse_fault(t, devices) for t in texts), key=lambda f: f.step)
+def fault_schedule(texts: list[str], devices: int | None = None, collaborative: bool = False
+                   ) -> list[Fault]:
+    """Parse several faults, ordered by step; refuse what the demo of that mode cannot do."""
+    faults = [parse_fault(t, devices) for t in texts]
+    allowed = COLLAB_ACTIONS if collaborative else PIPELINE_ACTIONS
+    for fault in faults:
+        if fault.action not in allowed:
+            where = "the pipeline demo (--mode pipeline)" if collaborative \
+                else "the collaborative demo (--mode collaborative)"
+            raise FaultSpecError(f"{fault} is for {where}")
+        if fault.unit is FaultUnit.ROUND and not collaborative:
+            raise FaultSpecError(f"{fault}: the pipeline has no rounds; use @step=N")
+    return sorted(faults, key=lambda f: (f.unit.value, f.step))
