@@ -55,6 +55,7 @@ from ftpipe_iot.collab.rounds import (
 )
 from ftpipe_iot.collab.summary import CollabRecorder, CollabSummary
 from ftpipe_iot.control.lease import fenced
+from ftpipe_iot.control.summary import INTERRUPTED
 from ftpipe_iot.core.data import Dataset, load_dataset
 from ftpipe_iot.core.models import build_layers, cut_shapes
 from ftpipe_iot.errors import FtpipeError
@@ -245,6 +246,15 @@ class Coordinator:
             log.error("job %s failed: %s", self.job, reason)
             self.recorder.members(self.members)
             self.recorder.finish(self.messenger.drops.counts, reason)
+            self.phase = Phase.FAILED
+
+    def interrupt(self) -> None:
+        """End the job because its user asked (Ctrl-C, SIGTERM): recorded as ``interrupted``,
+        said as what it is, not as a failure."""
+        if not self.finished:
+            log.info("job %s interrupted", self.job)
+            self.recorder.members(self.members)
+            self.recorder.finish(self.messenger.drops.counts, INTERRUPTED, interrupted=True)
             self.phase = Phase.FAILED
 
     # -- inbound --------------------------------------------------------------------------------

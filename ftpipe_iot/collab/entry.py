@@ -149,7 +149,7 @@ def _lead(coordinator: Coordinator, term: int, credentials: Credentials | None,
     transport = coordinator.transport
     assert isinstance(transport, MqttTransport)
     transport.will = coordinator_will(coordinator.job, credentials, term)
-    _on_signals(lambda: coordinator.fail("interrupted"))
+    _on_signals(coordinator.interrupt)
     try:
         summary = coordinator.run()
     finally:

@@ -316,14 +316,18 @@ class CollabRecorder:
                                         **({"idle_fraction": idle} if idle is not None else {}))
         self.summary.collab.members = rows
 
-    def finish(self, dropped: dict[str, int], error: str | None = None) -> CollabSummary:
+    def finish(self, dropped: dict[str, int], error: str | None = None,
+               interrupted: bool = False) -> CollabSummary:
+        """The job ended (``error``: why it stopped; ``interrupted``: its user stopped it, which
+        the demo or the CLI says with the summary, once)."""
         self.summary.train_s = self.train_s
         self.summary.samples_per_s = self._samples / self.train_s if self.train_s > 0 else 0.0
         self.summary.wall_s = self.elapsed_s
         self.summary.dropped = dropped
         if error is not None:
             self.summary.error = error
-            self.progress.message(f"FAILED: {error}")
+            if not interrupted:
+                self.progress.message(f"FAILED: {error}")
             self._event(Event(EventType.JOB_FAILED, reason=error))
         else:
             self._event(Event(EventType.JOB_DONE, steps=self.summary.steps,
