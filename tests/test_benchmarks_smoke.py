@@ -110,6 +110,32 @@ def test_the_harness_the_heavy_benchmarks_share_runs_a_job(needs_mosquitto):
     assert summary["steps"] == 2 and summary["error"] is None
 
 
+def test_the_harness_runs_a_job_with_a_standby_controller_that_takes_it_over(needs_mosquitto):
+    """resilience.py's fail-over runs: the leader is killed, the standby finishes the job."""
+    import os
+    import signal
+
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks.harness import JobSpec, run_job
+        from ftpipe_iot.runtime.broker import BrokerProcess
+
+        def kill_the_leader(watcher, procs) -> None:
+            assert watcher.wait_step(3, 120)
+            os.killpg(procs["controller"].pid, signal.SIGKILL)
+
+        with BrokerProcess() as broker:
+            summary = run_job(JobSpec("smoke-standby", [("h0", None), ("h1", None)],
+                                      ["--max-steps", "8", "--no-repartition",
+                                       "--replicate-every", "2", "--keepalive", "2"],
+                                      timeout_s=240, standby_controller=True),
+                              broker, during=kill_the_leader)
+    finally:
+        sys.path.remove(str(REPO))
+    assert summary["steps"] == 8 and summary["error"] is None
+    assert any(e["type"] == "recovery_done" for e in summary["events"])  # the standby's resume
+
+
 def test_links_refuses_a_window_it_cannot_measure():
     """links.py's real run (four MobileNetV2 jobs in network namespaces, minutes) is too heavy
     for a smoke test: its arguments are checked here (and by --help above); where namespaces
