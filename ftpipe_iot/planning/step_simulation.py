@@ -38,7 +38,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ftpipe_iot.core.routing import interleave
@@ -109,6 +109,9 @@ class StepSimulation:
 
 
 # -- the work a device does for one message: phases run one after another -----------------------
+Action = Callable[[], None]
+
+
 @dataclass
 class _Phase:
     kind: str  # "cpu": work at the host's share of a core; "wait": a fixed time
@@ -116,13 +119,13 @@ class _Phase:
     link: bool = False  # a transfer over the device's link (accounted as such)
     # called when the phase begins: a device publishes a message, then spends the link's time
     # on it (the emulated transfer is a sleep after the publish; a radio is busy as long)
-    publish: object = None
+    publish: Action | None = None
 
 
 @dataclass
 class _Task:
     phases: deque[_Phase]
-    then: object  # what to do when the last phase ends (a callable)
+    then: Action  # what to do when the last phase ends
 
 
 @dataclass
@@ -147,7 +150,7 @@ class _Simulator:
             raise PartitionError(f"no device spec for {missing}")
         self.hosts = dict(hosts)
         self.now = 0.0
-        self.events: list[tuple[float, int, object]] = []
+        self.events: list[tuple[float, int, Action]] = []
         self.order = itertools.count()
         self.workers = {}
         for name in plan.devices:
@@ -176,7 +179,7 @@ class _Simulator:
             phases.append(_Phase("wait", seconds - cpu))
         return phases
 
-    def _link(self, name: str, n_bytes: float, publish: object = None) -> _Phase:
+    def _link(self, name: str, n_bytes: float, publish: Action | None = None) -> _Phase:
         return _Phase("wait", n_bytes / self.specs[name].bandwidth_bytes_per_s, link=True,
                       publish=publish)
 
@@ -184,7 +187,7 @@ class _Simulator:
         return self.plan.stages[stage].members[self.routes[stage][micro_batch]].device
 
     # -- the event loop -------------------------------------------------------------------------
-    def _at(self, when: float, action: object) -> None:
+    def _at(self, when: float, action: Action) -> None:
         heapq.heappush(self.events, (when, next(self.order), action))
 
     def _deliver(self, name: str, task: _Task) -> None:
@@ -209,7 +212,7 @@ class _Simulator:
         if not task.phases:
             worker.current = None
             self.times[worker.name].finished_s = self.now
-            task.then()  # type: ignore[operator]
+            task.then()
             self._start_next(worker)
             return
         phase = task.phases[0]
@@ -224,7 +227,7 @@ class _Simulator:
     def _published(phase: _Phase) -> None:
         if phase.publish is not None:
             publish, phase.publish = phase.publish, None
-            publish()  # type: ignore[operator]
+            publish()
 
     def _end_wait(self, worker: _Worker) -> None:
         task = worker.current
@@ -281,7 +284,7 @@ class _Simulator:
                         self._begin_phase(worker)
             else:
                 _, _, action = heapq.heappop(self.events)
-                action()  # type: ignore[operator]
+                action()
         return StepSimulation(self.ended, self.times)
 
     # -- the step, as the runtime runs it -------------------------------------------------------
@@ -351,7 +354,10 @@ class _Simulator:
         send = _Task(deque([self._link(name, payload,
                                        lambda: self._partial_sent(k, member, payload))]),
                      lambda: None)
-        worker.queue.appendleft(send) if worker.current is None else worker.queue.append(send)
+        if worker.current is None:  # called as its last backward ends: the send is next
+            worker.queue.appendleft(send)
+        else:
+            worker.queue.append(send)
         self._start_next(worker)
 
     def _exchange_bytes(self, k: int) -> float:
