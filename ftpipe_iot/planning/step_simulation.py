@@ -354,10 +354,9 @@ class _Simulator:
         send = _Task(deque([self._link(name, payload,
                                        lambda: self._partial_sent(k, member, payload))]),
                      lambda: None)
-        if worker.current is None:  # called as its last backward ends: the send is next
-            worker.queue.appendleft(send)
-        else:
-            worker.queue.append(send)
+        # called as the member's last backward ends: the send is its next work, before any
+        # message that queued meanwhile
+        worker.queue.appendleft(send)
         self._start_next(worker)
 
     def _exchange_bytes(self, k: int) -> float:
