@@ -151,3 +151,37 @@ def test_a_stage_behind_a_group_forwards_out_of_order_and_keeps_batchnorm_exact(
     assert any("running_mean" in key for key in expected)
     for key, value in expected.items():
         assert torch.allclose(value.float(), got[key].float(), atol=1e-6), key
+
+
+def test_a_stage_that_forwards_the_next_step_still_exports_the_boundary_it_passed():
+    """A group member can get the next step's inputs while it finishes a step, and forwards them
+    as soon as the step applies. A replica asked of the boundary then must hold the weights,
+    optimizer and BatchNorm running statistics of that boundary, not the running statistics
+    the next step's forwards have moved."""
+    config = TrainConfig(model=ModelSpec("mobilenetv2", width=0.25), micro_batches=2,
+                         micro_batch_size=4)
+    layers = build_layers(config.model, (3, 32, 32), 10, seed=0)
+    shapes = cut_shapes(layers, (3, 32, 32), 10)
+    stage = Stage(1, 2, layers[16:], 16, config, shapes[16], 10, ordered_inputs=False)
+    rng = np.random.default_rng(0)
+    inputs = [(rng.standard_normal((4, *stage.expected_shape)).astype(np.float32),
+               rng.integers(0, 10, 4)) for _ in range(3)]
+    for mb in range(2):
+        stage.forward(0, mb, *inputs[mb], True)
+    assert stage.version == 1 and stage.at_step_boundary
+    boundary = {r.layer: r for r in stage.export()}
+    stage.forward(1, 0, *inputs[2], True)  # the next step's first micro-batch, forward only
+    assert not stage.at_step_boundary and stage.exportable and stage.version == 1
+    moved = {k: v.numpy() for k, v in stage.module.state_dict().items() if "running" in k}
+    later = {r.layer: r for r in stage.export()}
+    assert set(later) == set(boundary)
+    compared = 0
+    for layer, replica in boundary.items():
+        assert set(later[layer].state) == set(replica.state)
+        for name, value in replica.state.items():
+            np.testing.assert_array_equal(later[layer].state[name], value, err_msg=name)
+            compared += "running_mean" in name
+    assert compared > 0
+    # the live buffers did move: an export of them would not be the boundary's
+    assert any(not np.array_equal(value, boundary[16 + int(key.split(".")[0])].state[
+        key.split(".", 1)[1]]) for key, value in moved.items())

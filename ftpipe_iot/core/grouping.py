@@ -101,6 +101,22 @@ class BatchNormRecorder:
         self.start = {key: (m.running_mean.clone(), m.running_var.clone(),
                             m.num_batches_tracked.clone()) for key, m in self.modules}
 
+    def step_start_state(self, layer: int) -> dict[str, np.ndarray]:
+        """The running statistics of ``layer`` as the current step started, named as the
+        layer's ``state_dict`` names them: the state a replica of the current version holds,
+        whatever forwards of the step have done to the live buffers since."""
+        prefix = f"{layer}."
+        state = {}
+        for key, (mean, var, tracked) in self.start.items():
+            if not key.startswith(prefix):
+                continue
+            module = key[len(prefix):]
+            path = f"{module}." if module else ""
+            state[f"{path}running_mean"] = mean.numpy().copy()
+            state[f"{path}running_var"] = var.numpy().copy()
+            state[f"{path}num_batches_tracked"] = tracked.numpy().copy()
+        return state
+
     def applied(self, step: int) -> None:
         """``step`` was replayed: forget its records, and start the next step from here."""
         for key in [k for k in self.stats if k[0] <= step]:

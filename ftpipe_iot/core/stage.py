@@ -224,10 +224,25 @@ class Stage:
         return not self.pending and self.reducer.idle() \
             and not any(self._early.values()) and not self._future
 
+    @property
+    def exportable(self) -> bool:
+        """Whether ``export`` gives the state of ``version`` now. Weights and optimizer change
+        only when a step is applied; BatchNorm's running statistics change with every forward,
+        but a stage that records them keeps the step's start, so a group member that already
+        forwards the next step's inputs (they came while it finished this one) still exports
+        the boundary it passed."""
+        return self.at_step_boundary or self.recorder is not None \
+            or not has_running_statistics(self.layers)
+
     def export(self) -> list[LayerReplica]:
-        """Replicas of every layer at the current version (call at a step boundary)."""
-        return [export_layer(layer, optimizer, self.first_layer + offset, self.version)
-                for offset, (layer, optimizer) in enumerate(zip(self.layers, self.optimizers))]
+        """Replicas of every layer at the current version (call when ``exportable``)."""
+        replicas = [export_layer(layer, optimizer, self.first_layer + offset, self.version)
+                    for offset, (layer, optimizer) in enumerate(zip(self.layers,
+                                                                    self.optimizers))]
+        if self.recorder is not None:
+            for replica in replicas:
+                replica.state.update(self.recorder.step_start_state(replica.layer))
+        return replicas
 
     def load(self, replicas: dict[int, LayerReplica]) -> None:
         """Load every layer's weights and optimizer state from replicas (one version)."""

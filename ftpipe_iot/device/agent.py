@@ -441,7 +441,7 @@ class DeviceAgent:
         stage reaches ``version``."""
         if self.stage is None:
             return
-        if version is None or (version == self.stage.version and self.stage.at_step_boundary):
+        if version is None or (version == self.stage.version and self.stage.exportable):
             self._replicate()
         elif version >= self.stage.version:
             self._replicate_when_at = version
@@ -453,7 +453,7 @@ class DeviceAgent:
         """Publish every held layer at the current version (retained, chunked)."""
         if self.stage is None or self.plan is None:
             return
-        if not self.stage.at_step_boundary:
+        if not self.stage.exportable:
             self._report(DeviceError("replicate asked in the middle of a step"))
             return
         total = 0

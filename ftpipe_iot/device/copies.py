@@ -26,7 +26,7 @@ class LayerCopies:
     def local(self, version: int, stage: Stage | None) -> dict[int, LayerReplica]:
         """Copies at ``version`` this device already has: live, own, neighbour's."""
         local: dict[int, LayerReplica] = {}
-        if stage is not None and stage.at_step_boundary and stage.version == version:
+        if stage is not None and stage.exportable and stage.version == version:
             local.update({r.layer: r for r in stage.export()})
         for layer, replica in self.own.items():
             if replica.version == version:
