@@ -10,12 +10,18 @@ in points (a negative mean is noise in the codec's favour). The planner charges 
 every cut it codes that way (``planning.codec_choice``): a conservative sum, since the figure
 was measured with every cut coded.
 
-    python benchmarks/codec_accuracy.py [--epochs 3] [--seeds 0 1 2] [--write]
+    python benchmarks/codec_accuracy.py [--epochs 8] [--seeds 0 1 2] [--ways forward backward]
+        [--write]
+    python benchmarks/codec_accuracy.py --from-log A.log B.log --write  # merge shards
+
+Every run prints ``seed S VARIANT: ACCURACY`` on stderr as it ends; ``--from-log`` aggregates
+such lines (of shards run in parallel, one seed each) instead of training.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -57,41 +63,67 @@ def _accuracy(config: TrainConfig, data: Dataset, states: list[dict[str, np.ndar
     return float((logits.argmax(dim=1).numpy() == data.y_test).mean())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/codec_accuracy.json"))
-    parser.add_argument("--write", action="store_true",
-                        help=f"also write the planner's figures to {COSTS_FILE}")
-    args = parser.parse_args()
-    data = load_dataset(DataSpec("digits"))
-    runs: dict[str, list[float]] = {}
-    started = time.perf_counter()
+def _train_all(args: argparse.Namespace, data: Dataset) -> dict[str, dict[int, float]]:
+    runs: dict[str, dict[int, float]] = {}
     for seed in args.seeds:
         config = TrainConfig(model=ModelSpec("cnn"), micro_batches=4, micro_batch_size=8,
                              seed=seed, epochs=args.epochs)
         steps = SyncSchedule(len(data.x_train), config.micro_batches, config.micro_batch_size,
                              seed).total_steps(args.epochs, None)
         variants = [("none", CutCodecs())] + [(f"{codec.value}/{way}", _codecs(codec, way))
-                                              for codec in CODED for way in WAYS]
+                                              for codec in CODED for way in args.ways]
         for name, codecs in variants:
             states = train_reference(config, data, steps, cuts=CUTS,
                                      cut_codecs=(codecs,) * len(CUTS))
-            runs.setdefault(name, []).append(_accuracy(config, data, states))
-            print(f"seed {seed} {name}: {runs[name][-1]:.4f}", file=sys.stderr)
-    base = runs["none"]
+            runs.setdefault(name, {})[seed] = _accuracy(config, data, states)
+            print(f"seed {seed} {name}: {runs[name][seed]:.4f}", file=sys.stderr, flush=True)
+    return runs
+
+
+def _from_logs(paths: list[Path]) -> dict[str, dict[int, float]]:
+    """The ``seed S VARIANT: ACCURACY`` lines of shard logs (``_train_all``'s stderr)."""
+    runs: dict[str, dict[int, float]] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            match = re.fullmatch(r"seed (\d+) (\S+): ([0-9.]+)", line.strip())
+            if match:
+                runs.setdefault(match[2], {})[int(match[1])] = float(match[3])
+    # a seed counts only where every variant ran (a shard stopped midway is left out)
+    complete = set.intersection(*(set(v) for v in runs.values()))
+    return {name: {s: a for s, a in by_seed.items() if s in complete}
+            for name, by_seed in runs.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/codec_accuracy.json"))
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS),
+                        help="which directions to code (forward and backward feed the planner)")
+    parser.add_argument("--from-log", type=Path, nargs="+", default=None,
+                        help="aggregate the per-run lines of these stderr logs, train nothing")
+    parser.add_argument("--write", action="store_true",
+                        help=f"also write the planner's figures to {COSTS_FILE}")
+    args = parser.parse_args()
+    data = load_dataset(DataSpec("digits"))
+    started = time.perf_counter()
+    runs = _from_logs(args.from_log) if args.from_log else _train_all(args, data)
+    seeds = sorted(runs["none"])
+    ways = [w for w in WAYS if all(f"{c.value}/{w}" in runs for c in CODED)]
+    base = [runs["none"][s] for s in seeds]
     cost = {way: {codec.value: round(100 * statistics.fmean(
-        b - a for a, b in zip(runs[f"{codec.value}/{way}"], base, strict=True)), 3)
-        for codec in CODED} for way in WAYS}
+        runs["none"][s] - runs[f"{codec.value}/{way}"][s] for s in seeds), 3)
+        for codec in CODED} for way in ways}
     command = "python benchmarks/codec_accuracy.py " + " ".join(sys.argv[1:])
     results = {
         "command": command.strip(),
         "model": "cnn", "data": "digits", "cuts": list(CUTS), "epochs": args.epochs,
-        "micro_batches": 4, "micro_batch_size": 8, "seeds": args.seeds,
+        "micro_batches": 4, "micro_batch_size": 8, "seeds": seeds,
         "test_samples": int(len(data.y_test)),
-        "accuracy": {name: {"mean": statistics.fmean(values), "per_seed": values}
-                     for name, values in runs.items()},
+        "accuracy": {name: {"mean": statistics.fmean(by_seed[s] for s in seeds),
+                            "per_seed": [by_seed[s] for s in seeds]}
+                     for name, by_seed in runs.items() if set(seeds) <= set(by_seed)},
         "accuracy_cost_points": cost,
         "bytes_per_value": {c.value: bytes_per_value(c) for c in WireCodec},
         "seconds": round(time.perf_counter() - started, 1),
@@ -101,6 +133,9 @@ def main() -> None:
                                            "seeds", "test_samples")}
         planner["accuracy_none"] = statistics.fmean(base)
         planner["accuracy_cost_points"] = {d.value: cost[d.value] for d in CutDirection}
+        planner["note"] = ("points of test accuracy lost per codec and direction, coded on "
+                           "every cut, mean over the seeds; the planner charges each coded "
+                           "cut the full figure")
         COSTS_FILE.write_text(__import__("json").dumps(planner, indent=2) + "\n")
         results["wrote"] = str(COSTS_FILE)
     write_results(results, args.out)
