@@ -88,8 +88,10 @@ def _from_logs(paths: list[Path]) -> dict[str, dict[int, float]]:
             match = re.fullmatch(r"seed (\d+) (\S+): ([0-9.]+)", line.strip())
             if match:
                 runs.setdefault(match[2], {})[int(match[1])] = float(match[3])
-    # a seed counts only where every variant ran (a shard stopped midway is left out)
-    complete = set.intersection(*(set(v) for v in runs.values()))
+    # a seed counts only where every variant the planner reads ran (a shard stopped midway is
+    # left out); "both" is reported where it was run
+    complete = set.intersection(*(set(v) for name, v in runs.items()
+                                  if not name.endswith("/both")))
     return {name: {s: a for s, a in by_seed.items() if s in complete}
             for name, by_seed in runs.items()}
 
@@ -110,7 +112,8 @@ def main() -> None:
     started = time.perf_counter()
     runs = _from_logs(args.from_log) if args.from_log else _train_all(args, data)
     seeds = sorted(runs["none"])
-    ways = [w for w in WAYS if all(f"{c.value}/{w}" in runs for c in CODED)]
+    ways = [w for w in WAYS
+            if all(set(seeds) <= set(runs.get(f"{c.value}/{w}", {})) for c in CODED)]
     base = [runs["none"][s] for s in seeds]
     cost = {way: {codec.value: round(100 * statistics.fmean(
         runs["none"][s] - runs[f"{codec.value}/{way}"][s] for s in seeds), 3)
