@@ -80,8 +80,6 @@ def test_the_choice_stays_within_budget_and_never_slows_the_step(links, budget):
     assert choice.accuracy_points <= budget + 1e-9
     assert choice.step_s <= choice.exact_step_s * (1 + 1e-12)
     assert len(choice.codecs) == len(links) - 1
-    # the choice is the best within budget: no single cut's upgrade within budget beats it
-    # by more than the 1 % a codec must buy
 
 
 def test_the_choice_refuses_a_negative_budget():
