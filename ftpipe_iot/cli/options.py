@@ -10,8 +10,10 @@ from typing import Any
 
 import click
 
+from ftpipe_iot.control.plan_codecs import CodecPolicy
 from ftpipe_iot.errors import ConfigError, FtpipeError
-from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
+from ftpipe_iot.planning.codec_choice import DEFAULT_BUDGET_POINTS
+from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig, parse_cut_codecs
 from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
 from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName, ScheduleName, WireCodec
@@ -102,12 +104,23 @@ _TRAINING: list[Decorator] = [
     click.option("--seed", type=int, default=0, show_default=True),
     click.option("--max-in-flight", type=click.IntRange(min=1), default=8, show_default=True,
                  help="micro-batches in flight at most (brokers drop beyond their queue limits)"),
-    click.option("--wire-codec", type=click.Choice([c.value for c in WireCodec]),
+    click.option("--wire-codec", type=click.Choice([*(c.value for c in WireCodec), AUTO]),
                  default="none", show_default=True,
-                 help="code activations and their gradients on the wire: fp16 (2x fewer "
-                      "bytes), int8 (3.8x) or int4 (7.1x), blockwise; deterministic, so the "
-                      "fleet equals a single-process simulator of the same codec (weights "
-                      "and everything else go exact)"),
+                 help="code activations and their gradients on the wire, on every cut both "
+                      "ways: fp16 (2x fewer bytes), int8 (3.8x) or int4 (7.1x), blockwise; "
+                      "deterministic, so the fleet equals a single-process simulator of the "
+                      "same codecs (weights and everything else go exact). auto: the planner "
+                      "chooses per cut and direction from the links of the cut's two devices, "
+                      "its bytes and --codec-accuracy-budget (`ftpipe-iot plan --wire-codec "
+                      "auto` shows the choice)"),
+    click.option("--codec-accuracy-budget", type=click.FloatRange(min=0),
+                 default=DEFAULT_BUDGET_POINTS, show_default=True,
+                 help="--wire-codec auto: points of test accuracy the chosen codecs may cost "
+                      "in all, summed over the coded cuts and directions (costs measured by "
+                      "benchmarks/codec_accuracy.py)"),
+    click.option("--cut-codecs", default=None, metavar="FWD[/BWD],...",
+                 help="pin each cut's codecs, one entry per cut of the --assignment: "
+                      "forward/backward (int8/fp16) or one codec both ways, e.g. none,int8/fp16"),
     click.option("--no-compress", is_flag=True, help="never lz4-compress message bodies"),
     click.option("--replicate-every", type=click.IntRange(min=0), default=10, show_default=True,
                  help="replicate weights every R steps (0 = only at plan changes)"),
@@ -232,6 +245,13 @@ def auto_fields(kw: dict[str, Any]) -> tuple[bool, bool]:
     return kw["micro_batches"] == AUTO, kw["micro_batch_size"] == AUTO
 
 
+def codec_policy(kw: dict[str, Any]) -> CodecPolicy:
+    """How the cuts get their codecs (``--wire-codec auto``, ``--cut-codecs``); raises the
+    library's errors for a bad ``--cut-codecs``."""
+    return CodecPolicy(auto=kw["wire_codec"] == AUTO, budget_points=kw["codec_accuracy_budget"],
+                       cuts=parse_cut_codecs(kw["cut_codecs"]) if kw["cut_codecs"] else ())
+
+
 def train_config(kw: dict[str, Any]) -> TrainConfig:
     """The training config the training options describe (raises the library's errors). An
     ``auto`` value stands at its default here: ``control.job.choose_micro_batching`` replaces
@@ -245,7 +265,9 @@ def train_config(kw: dict[str, Any]) -> TrainConfig:
         micro_batch_size=8 if auto_b else kw["micro_batch_size"],
         optimizer=OptimizerName(kw["optimizer"]), lr=kw["lr"], momentum=kw["momentum"],
         seed=kw["seed"], epochs=kw["epochs"], max_steps=kw["max_steps"],
-        max_in_flight=kw["max_in_flight"], wire_codec=WireCodec(kw["wire_codec"]),
+        max_in_flight=kw["max_in_flight"],
+        # auto chooses per cut (``codec_policy``): the global codec stays none
+        wire_codec=WireCodec.NONE if kw["wire_codec"] == AUTO else WireCodec(kw["wire_codec"]),
         compress=not kw["no_compress"], replicate_every=kw["replicate_every"],
         frozen_layers=parse_frozen(kw["freeze_layers"]), resiliency=kw["resiliency"],
         schedule=ScheduleName(kw["schedule"]),

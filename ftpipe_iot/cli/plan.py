@@ -13,6 +13,14 @@ import click
 from ftpipe_iot.cli.options import AUTO, COUNT_OR_AUTO, command
 from ftpipe_iot.errors import PartitionError
 from ftpipe_iot.planning.calibration import Calibration, StepModel, last_calibration
+from ftpipe_iot.planning.codec_choice import (
+    DEFAULT_BUDGET_POINTS,
+    CodecChoice,
+    StageHolders,
+    choose_codecs,
+    priced,
+)
+from ftpipe_iot.planning.codec_costs import CodecCosts
 from ftpipe_iot.planning.group_search import (
     best_single_pipeline,
     data_parallel_plan,
@@ -287,10 +295,15 @@ def _json_baseline(other: GroupPlan | str, chosen: GroupPlan) -> dict[str, objec
               help="what a replica holds besides the weights (SGD's momentum, Adam's moments)")
 @click.option("--max-in-flight", type=click.IntRange(min=1), default=8, show_default=True,
               help="micro-batches in flight (their activations are held for backward)")
-@click.option("--wire-codec", type=click.Choice([c.value for c in WireCodec]), default="none",
-              show_default=True,
+@click.option("--wire-codec", type=click.Choice([*(c.value for c in WireCodec), AUTO]),
+              default="none", show_default=True,
               help="price the activations and gradients at the cuts as this codec puts them "
-                   "on the wire (the training's --wire-codec)")
+                   "on the wire (the training's --wire-codec); auto: choose per cut and "
+                   "direction for the plan's layout and print the choice and why")
+@click.option("--codec-accuracy-budget", type=click.FloatRange(min=0),
+              default=DEFAULT_BUDGET_POINTS, show_default=True,
+              help="--wire-codec auto: points of test accuracy the codecs may cost in all "
+                   "(measured costs: ftpipe_iot/planning/codec_costs.json)")
 @click.option("--exchange", type=click.Choice([e.value for e in GradientExchange]),
               default=None,
               help="What group members exchange: their float64 gradient sums (2 g float32 "
@@ -335,7 +348,8 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
          max_in_flight: int = 8, lr: float = 0.05, momentum: float = 0.9,
          delay_compensation: str = "predict", wire_codec: str = "none",
          replication_budget: float = DEFAULT_BUDGET, optimizer: str = "sgd",
-         calibration_from: Path | None = None) -> None:
+         calibration_from: Path | None = None,
+         codec_accuracy_budget: float = DEFAULT_BUDGET_POINTS) -> None:
     """Plan stages for a model over devices given by profiles (ftpipe-iot plan --costs c.json
     --profiles a.json b.json): the number of stages, their layers, the group of devices of each
     stage and every member's share of the micro-batches, minimising the time per sample.
@@ -376,7 +390,8 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         micro_batch_size = micro_batch_size or _DEFAULT_MODEL_MICRO_BATCH
         costs = _model_costs(model, micro_batch_size)
         source = f"model {model}"
-    codec = WireCodec(wire_codec)
+    # auto lays the plan out for the exact wire, then chooses each cut's codecs for it
+    codec = WireCodec.NONE if wire_codec == AUTO else WireCodec(wire_codec)
     costs = replace(costs, wire_factor=bytes_per_value(codec) / bytes_per_value(WireCodec.NONE))
     devices = fleet_device_specs(profiles, step=at_step, elapsed_s=at_time)
     if resiliency is not None:
@@ -427,9 +442,18 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         choose([(s.start, s.end) for s in chosen.stages],
                [tuple(by_name[name] for name in s.devices) for s in chosen.stages])
         chosen = evaluate_groups(chosen, costs, devices, micro_batches, micro_batch_size)
+    codecs: CodecChoice | None = None
+    baseline_costs = costs  # other layouts have other cuts: priced without the choice
+    if wire_codec == AUTO:
+        codecs = choose_codecs(costs, [StageHolders(s.start, s.end, tuple(
+            (by_name[m.device], m.share) for m in s.members if m.share > 0))
+            for s in chosen.stages], CodecCosts.load(), codec_accuracy_budget)
+        costs = priced(costs, [s.start for s in chosen.stages[1:]], codecs.codecs)
+        chosen = evaluate_groups(chosen, costs, devices, micro_batches, micro_batch_size)
     unused = [d.name for d in devices if d.name not in partition.devices]
     chosen_unused = [d.name for d in devices if d.name not in chosen.devices]
-    baselines = (_baselines(costs, devices, micro_batches, micro_batch_size, how) if compare
+    baselines = (_baselines(baseline_costs, devices, micro_batches, micro_batch_size, how)
+                 if compare
                  else {})
     calibration = _calibration(calibration_from)
     step_model = StepModel(calibration or Calibration(), max_in_flight)
@@ -463,6 +487,8 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
                                                                  ("micro_batch_size", auto_b))
                                                  if on]}
         report["replication"] = replication.to_dict()
+        if codecs is not None:
+            report["wire_codecs"] = codecs.to_dict()
         report["step_model"] = {"step_s": modelled_s, "closed_form_step_s": chosen.step_s,
                                 "calibration": calibration.to_dict() if calibration else None}
         if schedule == ScheduleName.ASYNC.value:
@@ -477,6 +503,8 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         click.echo(_table(chosen, source, chosen_unused, costs, baselines))
         click.echo(_step_model_text(modelled_s, chosen.step_s, calibration, calibration_from))
         click.echo(_replication_text(replication, bool(costs.param_bytes)))
+        if codecs is not None:
+            click.echo("\n".join(codecs.describe()))
         if auto is not None:
             click.echo(f"micro-batching ({schedule}, auto): {auto.micro_batches} micro-batches "
                        f"of {auto.micro_batch_size}, predicted {auto.samples_per_s:.2f} "

@@ -13,9 +13,11 @@ import click
 
 from ftpipe_iot.cli.collab import collab_choices, collab_options
 from ftpipe_iot.cli.options import (
+    AUTO,
     INSECURE_WARNING,
     TRAINING_NAMES,
     auto_fields,
+    codec_policy,
     command,
     connection_options,
     credentials,
@@ -123,7 +125,8 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 # Options only --mode pipeline implements: the collaborative modes refuse them, not ignore
 # them. One table for `controller` and `demo` (each has a part of them).
 _PIPELINE_ONLY = ("assignment", "checkpoint_dir", "device_names", "freeze_layers", "resiliency",
-                  "layout", "trace_dir", "write_trace", "wire_codec", "replication_budget")
+                  "layout", "trace_dir", "write_trace", "wire_codec", "replication_budget",
+                  "cut_codecs", "codec_accuracy_budget")
 
 
 @command()
@@ -253,7 +256,7 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
         save_model=Path(save_model) if save_model else None,
         init_from=Path(init_from) if init_from else None, stop_devices=stop_devices,
         trace_dir=Path(trace_dir) if trace_dir else None,
-        replication_budget=replication_budget)
+        replication_budget=replication_budget, codecs=codec_policy(training))
     process = ProcessOptions(metrics_port, threads, log_level)
     summary_path = Path(summary_json) if summary_json else None
     if standby:
@@ -380,6 +383,10 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
                                save_model=Path(save_model) if save_model else None,
                                init_from=Path(init_from) if init_from else None,
                                faults=faults, standby_controller=standby_controller)
+    if training["wire_codec"] == AUTO or training["cut_codecs"]:
+        # the demo hands its controller a training config, which holds one global codec
+        raise click.UsageError("the demo runs one codec on every cut: for --wire-codec auto "
+                               "or --cut-codecs run `ftpipe-iot controller` with devices")
     if (partition != "iid" or device_profile or server_profile):
         raise click.UsageError("--partition, --device-profile and --server-profile need "
                                "--mode collaborative or fedavg")

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ftpipe_iot.control.plan_codecs import CodecPolicy
 from ftpipe_iot.errors import ConfigError
 from ftpipe_iot.planning.layouts import Layout
 from ftpipe_iot.planning.replication import DEFAULT_BUDGET
@@ -50,6 +51,8 @@ class ControllerConfig:
     # the share of training time replica uploads may take: the interval grows from
     # train.replicate_every by powers of two until they fit (planning/replication.py); 0: never
     replication_budget: float = DEFAULT_BUDGET
+    # how the cuts get their codecs: the global train.wire_codec, pinned per cut, or auto
+    codecs: CodecPolicy = field(default_factory=CodecPolicy)
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -58,6 +61,7 @@ class ControllerConfig:
             raise ConfigError("device_names must name exactly `devices` devices")
         if self.heartbeat_timeout_s <= 0 or self.stall_timeout_s <= 0:
             raise ConfigError("timeouts must be > 0")
+        self.codecs.check(self.train.wire_codec, self.assignment)
         if not 0 <= self.replication_budget < 1:
             raise ConfigError(f"replication_budget must be in [0, 1), got "
                               f"{self.replication_budget}")

@@ -26,6 +26,7 @@ from ftpipe_iot.control.lease import fenced
 from ftpipe_iot.control.liveness import Failure, LivenessTracker
 from ftpipe_iot.control.outbox import JobOutbox
 from ftpipe_iot.control.pacer import ReplicationPacer
+from ftpipe_iot.control.plan_codecs import CodecInputs, plan_codecs
 from ftpipe_iot.control.plan_stages import LayoutInputs, check_grouping, choose_stages
 from ftpipe_iot.control.recorder import Recorder
 from ftpipe_iot.control.replan import Replanner, ReplanReason, changed_work, next_plan
@@ -40,6 +41,7 @@ from ftpipe_iot.observability.progress import ProgressReporter, SilentProgress
 from ftpipe_iot.observability.trace import RunTracer, TraceStore
 from ftpipe_iot.planning.calibration import StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
+from ftpipe_iot.planning.codec_choice import priced
 from ftpipe_iot.planning.partition import RepartitionPolicy
 from ftpipe_iot.protocol.messages import (
     Activation,
@@ -440,10 +442,15 @@ class Controller:
                 self.train.schedule, self.model.grouping_refusal, self.step_model))
             for warning in warnings:
                 self.recorder.message(warning)
+        cut_codecs, _, lines = plan_codecs(CodecInputs(
+            self.config.codecs, stages, self.model.cost_model, self.capacity,
+            self.roster.capabilities))
+        for line in lines:
+            self.recorder.message(line)
         init_weights = self.central.started_from_file or bool(self.plan and self.plan.init_weights)
         self.plan = next_plan(self.job, self.model, stages, self.plan, resume_step,
                               self._since, self.messenger.max_message_bytes, init_weights,
-                              trace=self.tracer.enabled)
+                              trace=self.tracer.enabled, cut_codecs=cut_codecs)
         self.out.use(self.plan)
         if resume_step == 0 and init_weights:
             self._republish(0, tuple(range(self.model.num_layers)))
@@ -645,8 +652,11 @@ class Controller:
     def _predict(self, stages: Sequence[StageAssignment], from_step: int) -> None:
         """Tell the recorder the step model's time for ``stages`` (to measure it against)."""
         assert self.model is not None and self.plan is not None
+        costs = self.model.cost_model
+        if len(stages) == self.plan.n_stages:  # the plan's cuts, priced at their codecs
+            costs = priced(costs, tuple(s.start for s in stages[1:]), self.plan.wire)
         self.recorder.predicted(self.plan.version, from_step, predict(
-            stages, self.model.cost_model, self.capacity, self.roster.capabilities,
+            stages, costs, self.capacity, self.roster.capabilities,
             self.train.micro_batches, self.train.micro_batch_size, self.step_model),
             self.step_model.calibration.message_cost_s)
 

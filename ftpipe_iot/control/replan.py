@@ -25,7 +25,7 @@ from ftpipe_iot.planning.rebalance import (
 from ftpipe_iot.planning.regroup import Regroup, propose_regroup
 from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.messages import Capabilities
-from ftpipe_iot.protocol.plan import Member, Plan, StageAssignment
+from ftpipe_iot.protocol.plan import CutCodecs, Member, Plan, StageAssignment
 
 
 class ReplanReason(str, Enum):
@@ -260,8 +260,8 @@ def without(stages: Sequence[StageAssignment], gone: set[str]) -> tuple[StageAss
 
 def next_plan(job: str, model: JobModel, stages: Sequence[StageAssignment],
               previous: Plan | None, resume_step: int, since: int | None,
-              max_message_bytes: int, init_weights: bool = False, trace: bool = False
-              ) -> Plan:
+              max_message_bytes: int, init_weights: bool = False, trace: bool = False,
+              cut_codecs: Sequence[CutCodecs] = ()) -> Plan:
     """The plan that follows ``previous`` with ``stages``, resuming at ``resume_step``.
 
     Plan versions are millisecond timestamps: they increase across controller restarts too, so a
@@ -274,7 +274,8 @@ def next_plan(job: str, model: JobModel, stages: Sequence[StageAssignment],
                 num_classes=model.data.num_classes, resume_step=resume_step,
                 since=version if since is None else since, max_message_bytes=max_message_bytes,
                 init_weights=init_weights,
-                steps_per_epoch=model.schedule.steps_per_epoch, trace=trace)
+                steps_per_epoch=model.schedule.steps_per_epoch, trace=trace,
+                cut_codecs=tuple(cut_codecs))
 
 
 def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: CapacityEstimator,

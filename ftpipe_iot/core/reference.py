@@ -7,9 +7,10 @@ asynchronous schedule: each step computes with the weight version ``StepVersions
 the same delay compensation), so a fleet that never drains between steps still has one
 single-process answer. Gradients are summed in float64 in micro-batch order and cast once, as
 every stage sums them (``core.grouping``), through the same versioning a stage has. With a wire
-codec (``--wire-codec``) it simulates the coded wire too: what crosses each cut between stages,
-activations forward and their gradients back, passes through the codec's round trip, as the
-receiving stage gets it (``protocol.codecs``).
+codec (``--wire-codec``, or per cut and direction: ``Plan.cut_codecs``) it simulates the coded
+wire too: what crosses each cut between stages, activations forward and their gradients back,
+passes through that cut's and direction's codec round trip, as the receiving stage gets it
+(``protocol.codecs``).
 """
 
 from __future__ import annotations
@@ -28,18 +29,20 @@ from ftpipe_iot.core.stage import freeze, make_optimizer, micro_batch_loss, trai
 from ftpipe_iot.core.versioning import versioning_for
 from ftpipe_iot.errors import PlanError
 from ftpipe_iot.protocol.codecs import roundtrip
-from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.plan import CutCodecs, TrainConfig
 from ftpipe_iot.protocol.vocab import WireCodec
 
 
 class _WireCut(torch.autograd.Function):
     """A cut between two stages on a coded wire: forward, the receiver gets the activation
-    through the codec; backward, the sender gets the gradient through it."""
+    through the cut's forward codec; backward, the sender gets the gradient through its
+    backward codec."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, codec: WireCodec) -> torch.Tensor:
-        ctx.codec = codec
-        return torch.from_numpy(roundtrip(x.detach().numpy(), codec))
+    def forward(ctx: Any, x: torch.Tensor, codecs: CutCodecs) -> torch.Tensor:
+        ctx.codec = codecs.backward
+        # a copy where the forward goes exact: the output must not share the input's storage
+        return torch.from_numpy(roundtrip(x.detach().numpy().copy(), codecs.forward))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -48,7 +51,8 @@ class _WireCut(torch.autograd.Function):
 
 def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int = 1,
                     initial: Mapping[int, Mapping[str, np.ndarray]] | None = None,
-                    cuts: Sequence[int] = ()) -> list[dict[str, np.ndarray]]:
+                    cuts: Sequence[int] = (), cut_codecs: Sequence[CutCodecs] = ()
+                    ) -> list[dict[str, np.ndarray]]:
     """Train ``steps`` steps in one process; return each layer's state as numpy. The steps are
     synchronous or, with ``config.schedule`` async, the asynchronous schedule's.
 
@@ -57,21 +61,30 @@ def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int
     amplifies over a hundred steps. ``initial`` (layer -> state) replaces the seed's weights,
     as ``--init-from`` does. ``cuts``: the first layer of every stage but the first, where a
     coded wire (``config.wire_codec``) crosses between stages; needed with a codec.
+    ``cut_codecs``: one per cut, in the order of ``cuts`` (``Plan.wire``), the codecs of that
+    cut's activations and gradients; () means ``config.wire_codec`` on every cut, both ways.
     """
+    if cut_codecs and len(cut_codecs) != len(cuts):
+        raise PlanError(f"simulating per-cut codecs needs one per cut: {len(cut_codecs)} "
+                        f"codec pair(s) for {len(cuts)} cut(s)")
     if config.wire_codec is not WireCodec.NONE and not cuts:
         raise PlanError(f"simulating the {config.wire_codec.value} wire codec needs the cuts "
                         "between stages (cuts=...): the codec acts where the wire is")
+    wire = dict(zip(cuts, cut_codecs or [CutCodecs.both(config.wire_codec)] * len(cuts),
+                    strict=True))
+    coded = {layer: codecs for layer, codecs in wire.items()
+             if codecs != CutCodecs.both(WireCodec.NONE)}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _train(config, data, steps, initial, frozenset(cuts))
+        return _train(config, data, steps, initial, coded)
     finally:
         torch.set_num_threads(previous)
 
 
 def _train(config: TrainConfig, data: Dataset, steps: int,
-           initial: Mapping[int, Mapping[str, np.ndarray]] | None, cuts: frozenset[int]
-           ) -> list[dict[str, np.ndarray]]:
+           initial: Mapping[int, Mapping[str, np.ndarray]] | None,
+           coded: Mapping[int, CutCodecs]) -> list[dict[str, np.ndarray]]:
     layers = build_layers(config.model, data.input_shape, data.num_classes, config.seed)
     for index, state in (initial or {}).items():
         layers[index].load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in
@@ -90,8 +103,8 @@ def _train(config: TrainConfig, data: Dataset, steps: int,
             h = torch.from_numpy(data.x_train[mb.sample_indices])
             y = torch.from_numpy(data.y_train[mb.sample_indices])
             for index, layer in enumerate(layers):  # random draws keyed as in a stage
-                if index in cuts and config.wire_codec is not WireCodec.NONE:
-                    h = _WireCut.apply(h, config.wire_codec)
+                if index in coded:
+                    h = _WireCut.apply(h, coded[index])
                 seed_layer(config.seed, step, mb.index, index)
                 h = layer(h) if weights is None else \
                     torch.func.functional_call(layer, weights[index], (h,))

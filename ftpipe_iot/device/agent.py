@@ -61,8 +61,10 @@ from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import (
     CommandOp,
     ControllerStatus,
+    CutDirection,
     DeviceState,
     DropReason,
+    MessageKind,
     SpanKind,
 )
 from ftpipe_iot.protocol.wire import WireOptions
@@ -311,6 +313,12 @@ class DeviceAgent:
         self._prepared = prepared
         self.messenger.options = WireOptions(compress=plan.train.compress,
                                              codec=plan.train.wire_codec)
+        # each direction of stage data goes with the codec of the cut it crosses
+        sends = plan.sends(assignment.stage) if assignment is not None else {}
+        self.messenger.stage_codecs = {
+            kind: sends[direction] for kind, direction in (
+                (MessageKind.ACTIVATION, CutDirection.FORWARD),
+                (MessageKind.GRADIENT, CutDirection.BACKWARD)) if direction in sends}
         self.messenger.job_limit = plan.max_message_bytes
         self.copies.follow(plan, self.name)
         if assignment is None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ftpipe_iot.errors import PartitionError
+from ftpipe_iot.protocol.vocab import CutDirection
 
 
 def _check_number(value: object, what: str, *, allow_inf: bool = False) -> float:
@@ -43,11 +44,23 @@ class LayerCosts:
     # bytes on the wire per byte of an activation or its gradient at a cut: the stage data's
     # codec (``protocol.codecs.bytes_per_value`` / 4); memory keeps the full activation
     wire_factor: float = 1.0
+    # per layer, (forward, backward) bytes on the wire per byte of its output and of that
+    # output's gradient: the codecs of the cut after it, per direction (``Plan.cut_codecs``);
+    # () = ``wire_factor`` both ways everywhere
+    cut_factors: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         factor = _check_number(self.wire_factor, "wire_factor")
         if not 0 < factor <= 1:
             raise PartitionError(f"wire_factor must be in (0, 1], got {factor}")
+        if self.cut_factors and len(self.cut_factors) != len(self.layer_cost_s):
+            raise PartitionError(f"cut_factors has {len(self.cut_factors)} entries, "
+                                 f"layer_cost_s has {len(self.layer_cost_s)}")
+        for pair in self.cut_factors:
+            if len(pair) != 2 or not all(0 < _check_number(f, "cut_factors") <= 1
+                                         for f in pair):
+                raise PartitionError(f"cut_factors must be (forward, backward) pairs in "
+                                     f"(0, 1], got {pair!r}")
         for name in ("stage_overhead_s", "head_overhead_s"):
             value = _check_number(getattr(self, name), name)
             if value < 0:
@@ -83,9 +96,37 @@ class LayerCosts:
         head = self.head_overhead_s if end == self.n_layers else 0.0
         return math.fsum(self.layer_cost_s[start:end]) + self.stage_overhead_s + head
 
-    def cut_bytes(self, layer: int) -> float:
-        """Bytes on the wire of layer ``layer``'s output (or its gradient), one micro-batch."""
-        return self.activation_bytes[layer] * self.wire_factor
+    def factor_of(self, layer: int, direction: CutDirection = CutDirection.FORWARD) -> float:
+        """Bytes on the wire per byte of layer ``layer``'s output going ``direction``."""
+        if not self.cut_factors:
+            return self.wire_factor
+        return self.cut_factors[layer][0 if direction is CutDirection.FORWARD else 1]
+
+    def cut_bytes(self, layer: int, direction: CutDirection = CutDirection.FORWARD) -> float:
+        """Bytes on the wire of layer ``layer``'s output (forward) or its gradient (backward),
+        one micro-batch."""
+        return self.activation_bytes[layer] * self.factor_of(layer, direction)
+
+    def round_trip_bytes(self, layer: int) -> float:
+        """Bytes on the wire of layer ``layer``'s output and its gradient: what the cut after
+        it costs each of its two ends per micro-batch."""
+        return self.cut_bytes(layer, CutDirection.FORWARD) + \
+            self.cut_bytes(layer, CutDirection.BACKWARD)
+
+    def mean_factors(self) -> tuple[float, ...]:
+        """Per layer, the mean of its two directions' factors (``round_trip_bytes`` / 2 over
+        the activation bytes): what the planners' tables multiply the activations by."""
+        if not self.cut_factors:
+            return (self.wire_factor,) * self.n_layers
+        return tuple((f + b) / 2 for f, b in self.cut_factors)
+
+    def with_cut_factors(self, factors: Mapping[int, tuple[float, float]]) -> LayerCosts:
+        """These costs with the cut after each layer of ``factors`` priced at its (forward,
+        backward) factors; the other layers keep ``wire_factor`` both ways."""
+        base = self.cut_factors or ((self.wire_factor, self.wire_factor),) * self.n_layers
+        return replace(self, cut_factors=tuple(
+            tuple(factors[i]) if i in factors else pair  # type: ignore[misc]
+            for i, pair in enumerate(base)))
 
     def stage_param_bytes(self, start: int, end: int) -> float:
         """Parameter (= gradient) bytes of layers ``[start, end)``; 0 when unknown."""

@@ -48,7 +48,7 @@ class GroupTables:
         params = costs.param_bytes or (0.0,) * n
         param_prefix = np.concatenate([[0.0], np.cumsum(params)])
         self._params = param_prefix[None, :] - param_prefix[:, None]
-        act = np.asarray(costs.activation_bytes, dtype=float) * costs.wire_factor
+        act = np.asarray(costs.activation_bytes, dtype=float) * np.asarray(costs.mean_factors())
         # cut[i]: bytes crossing the cut before layer i, as a stage's input (s = i) or output
         # (e = i); the model input (i = 0) and the loss (i = n) cross no cut.
         cut = np.concatenate([[0.0], act[:-1], [0.0]])

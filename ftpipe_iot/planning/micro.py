@@ -154,8 +154,8 @@ class MicroBatchingProblem:
         compute = math.fsum(costs.layer_cost_s[start:end]) * scale + costs.stage_overhead_s
         if end == costs.n_layers:
             compute += costs.head_overhead_s
-        moved = 2 * (costs.cut_bytes(start - 1) if start > 0 else 0.0) + \
-            2 * (costs.cut_bytes(end - 1) if end < costs.n_layers else 0.0)
+        moved = (costs.round_trip_bytes(start - 1) if start > 0 else 0.0) + \
+            (costs.round_trip_bytes(end - 1) if end < costs.n_layers else 0.0)
         return device.factor * compute + self.message_overhead_s + \
             moved * scale / device.bandwidth_bytes_per_s
 
@@ -269,4 +269,4 @@ def scaled_costs(costs: LayerCosts, size: int) -> LayerCosts:
         tuple(p + (m - p) * scale for m, p in zip(costs.layer_memory_bytes, params)),
         micro_batch_size=size, stage_overhead_s=costs.stage_overhead_s,
         head_overhead_s=costs.head_overhead_s, param_bytes=costs.param_bytes,
-        wire_factor=costs.wire_factor)
+        wire_factor=costs.wire_factor, cut_factors=costs.cut_factors)

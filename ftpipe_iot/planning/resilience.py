@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from ftpipe_iot.planning.costs import LayerCosts
 from ftpipe_iot.planning.solver import DeviceSpec, solve_partition
 from ftpipe_iot.protocol.plan import Member, StageAssignment
+from ftpipe_iot.protocol.vocab import CutDirection
 
 # Envelope and framing bytes of one message beyond its arrays (measured order of magnitude).
 MESSAGE_OVERHEAD_BYTES = 120
@@ -102,7 +103,8 @@ def resilience_cost(stages: Sequence[StageAssignment], costs: LayerCosts, input_
         sent += m * (inputs + MESSAGE_OVERHEAD_BYTES)
         delivered += m * fan_out * (inputs + MESSAGE_OVERHEAD_BYTES)
         if index + 1 < len(stages):  # the gradient of this stage's output, from the next one
-            grad = costs.cut_bytes(stage.end - 1) + MESSAGE_OVERHEAD_BYTES
+            grad = costs.cut_bytes(stage.end - 1, CutDirection.BACKWARD) + \
+                MESSAGE_OVERHEAD_BYTES
             sent += m * grad
             delivered += m * fan_out * grad
         if holders > 1:  # contributions reach every holder, the sender's echo included

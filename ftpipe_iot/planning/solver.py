@@ -156,9 +156,9 @@ def stage_for(costs: LayerCosts, device: DeviceSpec, start: int, end: int) -> St
         raise PartitionError(f"bad stage range [{start}, {end}) for {n} layers")
     moved = 0.0
     if start > 0:
-        moved += 2.0 * costs.cut_bytes(start - 1)
+        moved += costs.round_trip_bytes(start - 1)
     if end < n:
-        moved += 2.0 * costs.cut_bytes(end - 1)
+        moved += costs.round_trip_bytes(end - 1)
     memory = math.fsum(costs.layer_memory_bytes[start:end])
     return Stage(
         device=device.name, start=start, end=end,
@@ -215,7 +215,7 @@ def _stage_tables(costs: LayerCosts, devices: Sequence[DeviceSpec]) -> np.ndarra
     n = costs.n_layers
     prefix = np.concatenate([[0.0], np.cumsum(costs.layer_cost_s)])
     mem_prefix = np.concatenate([[0.0], np.cumsum(costs.layer_memory_bytes)])
-    act = np.asarray(costs.activation_bytes, dtype=float) * costs.wire_factor
+    act = np.asarray(costs.activation_bytes, dtype=float) * np.asarray(costs.mean_factors())
     # cut[i]: bytes crossing the cut between layers i - 1 and i, both as a stage's input (s = i)
     # and as its output (e = i). The model input (i = 0) and the loss (i = n) cross no cut.
     cut = np.concatenate([[0.0], act[:-1], [0.0]])

@@ -45,6 +45,9 @@ from ftpipe_iot.core.routing import interleave
 from ftpipe_iot.errors import PartitionError
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
 from ftpipe_iot.planning.groups import GradientExchange, GroupPlan
+from ftpipe_iot.protocol.vocab import CutDirection
+
+BACKWARD = CutDirection.BACKWARD  # the gradients' way through a cut
 
 #: The forward pass's share of a layer's reference (forward + backward) time: a backward
 #: computes two products per layer (for the input and for the weights) where a forward
@@ -306,7 +309,7 @@ class _Simulator:
         share = 1.0 if last else self.settings.forward_share
         phases.extend(self._compute(name, stage.start, stage.end, share))
         if last:  # the backward follows at once; its gradient goes back as it is published
-            phases.append(self._link(name, self.costs.cut_bytes(stage.start - 1)
+            phases.append(self._link(name, self.costs.cut_bytes(stage.start - 1, BACKWARD)
                                      if k > 0 else 0.0,
                                      lambda: self._backward_done(k, micro_batch)))
         else:
@@ -319,10 +322,12 @@ class _Simulator:
     def _backward_task(self, k: int, micro_batch: int) -> _Task:
         stage = self.plan.stages[k]
         name = self._member(k, micro_batch)
-        phases: deque[_Phase] = deque([self._link(name, self.costs.cut_bytes(stage.end - 1))])
+        phases: deque[_Phase] = deque([self._link(
+            name, self.costs.cut_bytes(stage.end - 1, BACKWARD))])
         phases.extend(self._compute(name, stage.start, stage.end,
                                     1.0 - self.settings.forward_share))
-        phases.append(self._link(name, self.costs.cut_bytes(stage.start - 1) if k > 0 else 0.0,
+        phases.append(self._link(name, self.costs.cut_bytes(stage.start - 1, BACKWARD)
+                                 if k > 0 else 0.0,
                                  lambda: self._backward_done(k, micro_batch)))
         return _Task(phases, lambda: None)
 

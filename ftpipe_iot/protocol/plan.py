@@ -14,7 +14,13 @@ from typing import Any
 
 from ftpipe_iot.errors import ConfigError, PlanError
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
-from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName, ScheduleName, WireCodec
+from ftpipe_iot.protocol.vocab import (
+    CutDirection,
+    DelayCompensation,
+    OptimizerName,
+    ScheduleName,
+    WireCodec,
+)
 from ftpipe_iot.schedules import JobOptions, PlanShape, schedule_for
 
 
@@ -131,6 +137,73 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class CutCodecs:
+    """The codecs of one cut between stages k and k + 1 (docs/design.md §4, "Codecs"): of the
+    activations going forward and of their gradients coming back. The sender codes with its
+    cut's codec; the receiver needs no setting (a coded array names its codec)."""
+
+    forward: WireCodec = WireCodec.NONE
+    backward: WireCodec = WireCodec.NONE
+
+    def __post_init__(self) -> None:
+        for direction in CutDirection:
+            if not isinstance(getattr(self, direction.value), WireCodec):
+                raise PlanError(f"a cut's {direction.value} codec must be one of "
+                                f"{[c.value for c in WireCodec]}, got "
+                                f"{getattr(self, direction.value)!r}")
+
+    @classmethod
+    def both(cls, codec: WireCodec) -> CutCodecs:
+        """``codec`` both ways (what a global ``--wire-codec`` means on every cut)."""
+        return cls(codec, codec)
+
+    def of(self, direction: CutDirection) -> WireCodec:
+        """The codec of the stage data going ``direction`` through this cut."""
+        return self.forward if direction is CutDirection.FORWARD else self.backward
+
+    def text(self) -> str:
+        """``forward/backward`` (one name when both are the same): the ``--cut-codecs`` form."""
+        if self.forward is self.backward:
+            return self.forward.value
+        return f"{self.forward.value}/{self.backward.value}"
+
+    @classmethod
+    def parse(cls, text: str) -> CutCodecs:
+        """``int8/fp16`` (forward/backward) or ``int8`` (both ways); raises ``PlanError``."""
+        parts = text.strip().split("/")
+        try:
+            if len(parts) == 1:
+                return cls.both(WireCodec(parts[0].strip()))
+            if len(parts) == 2:
+                return cls(WireCodec(parts[0].strip()), WireCodec(parts[1].strip()))
+        except ValueError:
+            pass
+        raise PlanError(f"bad cut codecs {text!r}: write FORWARD/BACKWARD or one codec for "
+                        f"both, each of {'|'.join(c.value for c in WireCodec)}")
+
+    def to_dict(self) -> dict[str, str]:
+        return {"forward": self.forward.value, "backward": self.backward.value}
+
+    @classmethod
+    def from_dict(cls, raw: object) -> CutCodecs:
+        if not isinstance(raw, dict):
+            raise PlanError(f"a cut's codecs must be a map, got {type(raw).__name__}")
+        try:
+            return cls(WireCodec(raw["forward"]), WireCodec(raw["backward"]))
+        except KeyError as exc:
+            raise PlanError(f"a cut's codecs miss {exc}") from exc
+        except ValueError as exc:
+            raise PlanError(f"bad cut codecs {raw!r}: {exc}") from exc
+
+
+def parse_cut_codecs(text: str) -> tuple[CutCodecs, ...]:
+    """``int8/fp16,none`` -> one ``CutCodecs`` per cut, in cut order (``--cut-codecs``)."""
+    if not text.strip():
+        raise PlanError("--cut-codecs needs one entry per cut, e.g. int8/fp16,none")
+    return tuple(CutCodecs.parse(part) for part in text.split(","))
+
+
+@dataclass(frozen=True)
 class Member:
     """One device of a stage's group and its share of the step's micro-batches; share 0 is a
     warm standby: it holds the layers and applies every update, and computes only what it
@@ -239,6 +312,9 @@ class Plan:
     steps_per_epoch: int = 0
     # devices send their timeline spans to the controller (it keeps a trace of the run)
     trace: bool = False
+    # per cut between stages k and k + 1, the codecs of its activations and gradients; ()
+    # means the job's global ``train.wire_codec`` on every cut, both ways
+    cut_codecs: tuple[CutCodecs, ...] = ()
 
     def __post_init__(self) -> None:
         if self.train.frozen_layers >= self.num_layers:
@@ -266,10 +342,37 @@ class Plan:
         if schedule.needs_steps_per_epoch and self.steps_per_epoch < 1:
             raise PlanError(f"a plan of --schedule {schedule.name.value} needs its steps per "
                             "epoch")
+        if self.cut_codecs and len(self.cut_codecs) != len(self.stages) - 1:
+            raise PlanError(f"a plan of {len(self.stages)} stages has {len(self.stages) - 1} "
+                            f"cut(s), got codecs for {len(self.cut_codecs)}")
+        if not all(isinstance(c, CutCodecs) for c in self.cut_codecs):
+            raise PlanError("cut_codecs must hold one CutCodecs per cut")
 
     @property
     def n_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def wire(self) -> tuple[CutCodecs, ...]:
+        """The codecs of every cut (stage k to k + 1 is cut k), the global codec filled in."""
+        return self.cut_codecs or \
+            (CutCodecs.both(self.train.wire_codec),) * (len(self.stages) - 1)
+
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        """The first layer of every stage but the first: where the wire crosses between
+        stages (the simulator's ``cuts``)."""
+        return tuple(s.start for s in self.stages[1:])
+
+    def sends(self, stage: int) -> dict[CutDirection, WireCodec]:
+        """The codecs stage ``stage`` codes with: its activations forward (through cut
+        ``stage``), its gradients backward (through cut ``stage - 1``); none where it has no
+        neighbour."""
+        wire = self.wire
+        return {CutDirection.FORWARD: wire[stage].forward if stage < len(wire)
+                else WireCodec.NONE,
+                CutDirection.BACKWARD: wire[stage - 1].backward if stage > 0
+                else WireCodec.NONE}
 
     @property
     def shape(self) -> PlanShape:
@@ -293,6 +396,7 @@ class Plan:
                 "resume_step": self.resume_step, "since": self.since,
                 "max_message_bytes": self.max_message_bytes, "init_weights": self.init_weights,
                 "steps_per_epoch": self.steps_per_epoch, "trace": self.trace,
+                "cut_codecs": [c.to_dict() for c in self.cut_codecs],
                 "train": self.train.to_dict(),
                 "stages": [s.to_dict() for s in self.stages]}
 
@@ -309,7 +413,10 @@ class Plan:
                        max_message_bytes=int(raw.get("max_message_bytes", 256 * 1024)),
                        init_weights=bool(raw.get("init_weights", False)),
                        steps_per_epoch=int(raw.get("steps_per_epoch", 0)),
-                       trace=bool(raw.get("trace", False)))
+                       trace=bool(raw.get("trace", False)),
+                       # a plan published before per-cut codecs had the global one only
+                       cut_codecs=tuple(CutCodecs.from_dict(c)
+                                        for c in raw.get("cut_codecs", [])))
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError) as exc:

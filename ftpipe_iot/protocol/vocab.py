@@ -49,6 +49,14 @@ class WireCodec(str, Enum):
     INT4 = "int4"
 
 
+class CutDirection(str, Enum):
+    """Which way stage data crosses a cut between stages k and k + 1: activations go forward
+    (k to k + 1), their gradients go backward (k + 1 to k). Each has its own codec."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
 class OptimizerName(str, Enum):
     """Optimizers a stage can run (one instance per layer, so per-layer state can be replicated)."""
 

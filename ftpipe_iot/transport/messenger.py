@@ -72,6 +72,10 @@ class Messenger:
         self.job = job
         self.metrics = metrics
         self.options = options  # compression and codec; the frame size is decided below
+        # a stage's codec per kind of stage data, which overrides ``options.codec``: its
+        # activations go with its outgoing cut's forward codec, its gradients with its incoming
+        # cut's backward codec (``Plan.sends``)
+        self.stage_codecs: dict[MessageKind, WireCodec] = {}
         self.job_limit: int | None = None  # the job's message size (from the plan), if any
         self.drops = DropLog(metrics, logger)
         metrics.watch_outbox(transport.bulk_stats)
@@ -105,11 +109,13 @@ class Messenger:
 
     def _wire_options(self, compress: bool | None = None, kind: MessageKind | None = None
                       ) -> WireOptions:
-        """The options a message of ``kind`` is encoded with: the job's codec for the stage
-        data only (``protocol.codecs``), none for everything else (weights stay exact)."""
+        """The options a message of ``kind`` is encoded with: the stage's codec of its cut and
+        direction (else the job's codec) for the stage data only (``protocol.codecs``), none for
+        everything else (weights stay exact)."""
         size = self.max_message_bytes
         options = self.options
-        codec = options.codec if kind in CODED_KINDS else WireCodec.NONE
+        codec = self.stage_codecs.get(kind, options.codec) if kind in CODED_KINDS \
+            else WireCodec.NONE
         if compress is None and options.max_message_bytes == size and codec is options.codec:
             return options
         return WireOptions(compress=options.compress if compress is None else compress,
