@@ -80,12 +80,16 @@ def run_job(spec: JobSpec, broker: BrokerProcess,
             group.start(name, "device", "--name", name, "--job", spec.job, "--broker",
                         place.device_urls.get(name, place.controller_url), *extra,
                         *place.device_args, netns=place.device_netns.get(name))
-        summary_path = work / "summary.json"
         controllers = ["controller", *(["standby"] if spec.standby_controller else [])]
+        # one summary a controller: a fenced old leader that wakes up writes its own, and must
+        # not overwrite the one of the controller that finished the job
+        summary_paths = {name: work / ("summary.json" if name == "controller"
+                                       else f"summary-{name}.json") for name in controllers}
         for name in controllers:
             group.start(name, "controller", "--job", spec.job, "--broker",
                         place.controller_url, "--devices", str(len(spec.devices)),
-                        "--stop-devices", "--summary-json", str(summary_path), "--log-level",
+                        "--stop-devices", "--summary-json", str(summary_paths[name]),
+                        "--log-level",
                         "WARNING", *spec.controller_args,
                         *(["--standby"] if name == "standby" else []),
                         netns=place.controller_netns)
@@ -104,7 +108,7 @@ def run_job(spec: JobSpec, broker: BrokerProcess,
         last = max(controllers, key=lambda name: procs[name].returncode == 0)
         if procs[last].returncode != 0:
             raise RuntimeError(f"{spec.job}: controller failed; see {work}/{last}.log")
-        summary = json.loads(summary_path.read_text())
+        summary = json.loads(summary_paths[last].read_text())
         summary["watch_events"] = [e.to_dict() for e in watcher.job.events]
         summary["watch_progress"] = list(watcher.job.progress)
         summary["work_dir"] = str(work)

@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -151,6 +152,12 @@ def _failover_run(broker: BrokerProcess, how: str, steps: int, keepalive_s: int)
             raise TimeoutError(f"the job never reached step {at}")
         fault["at"] = time.time()
         os.killpg(procs["controller"].pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        if how == "hang":
+            # Once the standby leads, the old leader wakes up: fenced by the newer term, it
+            # exits, and the job ends with its new leader (a stopped process never would).
+            if not watcher.wait_step(at + 2, 600):
+                raise TimeoutError(f"no controller completed step {at + 2} after the hang")
+            os.killpg(procs["controller"].pid, signal.SIGCONT)
 
     assignment = _assignment("pipeline")
     summary = run_job(JobSpec(f"failover-{how}", _devices(assignment, None),
@@ -159,11 +166,30 @@ def _failover_run(broker: BrokerProcess, how: str, steps: int, keepalive_s: int)
                               timeout_s=900, standby_controller=True), broker, during=inject)
     after = [t for _, t in summary["watch_progress"] if t > fault["at"]]
     failover = round(after[0] - fault["at"], 3) if after else None
+    took_over = _took_over_at(Path(summary["work_dir"]) / "standby.log")
+    takeover = round(took_over - fault["at"], 3) if took_over is not None else None
+    resumed = [e["resume_step"] for e in summary["events"]
+               if e["type"] == "plan_changed" and e.get("resume_step") is not None]
     return {"run": f"failover-{how}", "fault": "SIGKILL" if how == "kill" else "SIGSTOP",
             "keepalive_s": keepalive_s, "fault_at_step": at, "steps": summary["steps"],
+            "fault_to_takeover_s": takeover,
+            "takeover_within_2x_keepalive": takeover is not None
+            and takeover < 2 * keepalive_s,
+            "resumed_from_step": resumed[-1] if resumed else None,
             "fault_to_next_step_s": failover,
             "within_2x_keepalive": failover is not None and failover < 2 * keepalive_s,
             "recomputed_steps": summary["recomputed_steps"]}
+
+
+def _took_over_at(log: Path) -> float | None:
+    """When the standby said it takes over (its log line's local time, as epoch seconds)."""
+    if not log.exists():
+        return None
+    for line in log.read_text().splitlines():
+        if "taking over with term" in line:
+            stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+            return stamp.timestamp()
+    return None
 
 
 def _costs():
