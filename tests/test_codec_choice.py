@@ -148,6 +148,44 @@ def test_per_cut_settings_that_cannot_apply_are_refused():
             ControllerConfig(**config)
     with pytest.raises(ConfigError, match="drop --cut-codecs"):
         CodecPolicy(auto=True, cuts=two)
+    # auto with a training config whose global codec is not none (a --train-config file)
+    with pytest.raises(ConfigError, match="set it to none"):
+        ControllerConfig(codecs=CodecPolicy(auto=True),
+                         train=TrainConfig(wire_codec=WireCodec.INT8))
+
+
+def test_the_demo_passes_auto_to_its_controller_and_checks_pinned_cuts_before_it_starts(
+        monkeypatch):
+    """The demo's controller gets the codec policy as options next to its training config
+    (which the controller accepts for --wire-codec auto); --cut-codecs, which pins the cuts of
+    an --assignment the demo has not got, ends in one line before anything starts."""
+    from click.testing import CliRunner
+
+    from ftpipe_iot.cli.run import demo
+    from ftpipe_iot.runtime import demo as demo_runtime
+
+    started = []
+
+    class _Demo:
+        def __init__(self, options) -> None:
+            started.append(options)
+
+        def run(self) -> dict:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo_runtime, "Demo", _Demo)
+    runner = CliRunner()
+    result = runner.invoke(demo, ["--wire-codec", "auto", "--codec-accuracy-budget", "0.25"])
+    assert started, result.output
+    args = started[0].controller_args
+    assert args[args.index("--wire-codec") + 1] == "auto"
+    assert args[args.index("--codec-accuracy-budget") + 1] == "0.25"
+    assert started[0].train.wire_codec is WireCodec.NONE
+    started.clear()
+    result = runner.invoke(demo, ["--cut-codecs", "int8"])
+    assert result.exit_code == 1 and not started
+    assert result.output.strip().splitlines()[-1] == (
+        "Error: --cut-codecs needs --assignment: the codecs are per cut of a pinned plan")
 
 
 def _plan(n_stages: int, cut_codecs: tuple[CutCodecs, ...], codec=WireCodec.NONE) -> Plan:

@@ -215,7 +215,10 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
     if names and len(names) != devices:
         raise click.UsageError(f"--device-names lists {len(names)} devices, --devices is "
                                f"{devices}")
-    given = explicit(ctx, TRAINING_NAMES)
+    # --wire-codec auto is how the cuts get their codecs, not a training setting: it may come
+    # with a training config (whose global codec it leaves at none), as the demo passes it
+    given = [name for name in explicit(ctx, TRAINING_NAMES)
+             if not (name == "wire_codec" and training["wire_codec"] == AUTO)]
     if train_file and given:
         raise click.UsageError(f"--train-config and training options ({', '.join(given)}) "
                                "exclude each other")
@@ -383,10 +386,10 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
                                save_model=Path(save_model) if save_model else None,
                                init_from=Path(init_from) if init_from else None,
                                faults=faults, standby_controller=standby_controller)
-    if training["wire_codec"] == AUTO or training["cut_codecs"]:
-        # the demo hands its controller a training config, which holds one global codec
-        raise click.UsageError("the demo runs one codec on every cut: for --wire-codec auto "
-                               "or --cut-codecs run `ftpipe-iot controller` with devices")
+    # The training config the controller gets holds one global codec; how the cuts get theirs
+    # (auto, pinned) is the controller's policy: checked here, passed on as its options.
+    codecs = codec_policy(training)
+    codecs.check(train.wire_codec, ())
     if (partition != "iid" or device_profile or server_profile):
         raise click.UsageError("--partition, --device-profile and --server-profile need "
                                "--mode collaborative or fedavg")
@@ -409,7 +412,9 @@ def demo(ctx: click.Context, devices: int, broker_url: str | None, embedded_brok
                           controller_args=[
                               *(["--init-from", str(Path(init_from).resolve())]
                                 if init_from else []),
-                              "--replication-budget", str(replication_budget)])
+                              "--replication-budget", str(replication_budget),
+                              *(["--wire-codec", AUTO, "--codec-accuracy-budget",
+                                 str(codecs.budget_points)] if codecs.auto else [])])
     try:
         summary = Demo(options).run()
     except KeyboardInterrupt as exc:

@@ -43,6 +43,10 @@ class CodecPolicy:
     def check(self, wire_codec: WireCodec, pinned: Sequence[StageAssignment]) -> None:
         """Raise ``ConfigError`` for per-cut codecs that cannot apply: they pin the cuts of
         the pinned ``--assignment``, one pair per cut, instead of a global codec."""
+        if self.auto and wire_codec is not WireCodec.NONE:
+            raise ConfigError(f"--wire-codec auto chooses every cut's codecs; the training "
+                              f"config's codec {wire_codec.value} would be overridden: set it "
+                              "to none")
         if not self.cuts:
             return
         if wire_codec is not WireCodec.NONE:
