@@ -22,7 +22,7 @@ from ftpipe_iot.core.outputs import (
     SendGradient,
     StepDone,
 )
-from ftpipe_iot.core.prediction import predicted_weights
+from ftpipe_iot.core.prediction import first_moment, predicted_weights
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.core.schedule import StepVersions, SyncSchedule
 from ftpipe_iot.core.stage import Stage, make_optimizer
@@ -91,11 +91,17 @@ def test_stash_holds_at_most_two_versions():
         WeightStash(layers, StepVersions(PipeDream2BW(), 100), 3)
 
 
-def test_predicted_weights_are_the_live_ones_minus_lr_times_the_momentum_buffer():
+@pytest.mark.parametrize("drain_every, expected_update", [
+    (0, 0.9 * 1.9 + 1.0),  # the next buffer if the last gradient (ones) came again
+    (2, 1.9),  # right after a drain: the buffer alone, all that replicas hold
+])
+def test_predicted_weights_are_the_live_ones_minus_the_next_update(drain_every,
+                                                                   expected_update):
     layers = build_layers(ModelSpec("mlp"), (1, 8, 8), 10, seed=0)
     config = TrainConfig(model=ModelSpec("mlp"), lr=0.1, momentum=0.9)
     optimizers = [make_optimizer(layer, config) for layer in layers]
-    versions = StepVersions(PipeDream2BW(), 100, compensation=DelayCompensation.PREDICT)
+    versions = StepVersions(PipeDream2BW(), 100, drain_every,
+                            compensation=DelayCompensation.PREDICT)
     stash = WeightStash(layers, versions, 0, optimizers)
     weight = layers[1].weight
     # before any optimizer step there is nothing to predict: step 1 computes at version 0
@@ -116,9 +122,10 @@ def test_predicted_weights_are_the_live_ones_minus_lr_times_the_momentum_buffer(
         stash.after_update(step)
         assert stash.versions_held <= 3
     buffer = optimizers[1].state[weight]["momentum_buffer"]
-    assert torch.allclose(stash.weights(3)[1]["weight"], weight.detach() - 0.1 * buffer)
-    assert not torch.equal(stash.weights(3)[1]["weight"], weight.detach())
-    with pytest.raises(PlanError, match="predicted"):
+    assert torch.allclose(buffer, torch.full_like(buffer, 1.9))
+    assert torch.allclose(stash.weights(3)[1]["weight"],
+                          weight.detach() - 0.1 * expected_update)
+    with pytest.raises(PlanError, match="predicted|needs weight version"):
         stash.weights(4)  # its version does not exist yet
 
 
@@ -130,11 +137,32 @@ def test_adam_predicts_its_next_update_exactly_for_a_constant_gradient(steps):
     for _ in range(steps):
         param.grad = gradient.clone()
         optimizer.step()
+    before = first_moment(optimizer, param)
+    param.grad = gradient.clone()
+    optimizer.step()
     predicted = predicted_weights(optimizer)[param]
+    from_last = predicted_weights(optimizer, {param: before})[param]
     param.grad = gradient.clone()
     optimizer.step()
     assert torch.allclose(predicted, param.detach(), atol=1e-7)
+    assert torch.allclose(from_last, param.detach(), atol=1e-7)
     assert predicted_weights(torch.optim.SGD([param], lr=0.1))[param].equal(param.detach())
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.Adam([p], lr=0.01),
+                                  lambda p: torch.optim.SGD([p], lr=0.01, momentum=0.9)])
+def test_the_prediction_is_the_next_step_if_the_last_gradient_comes_again(make):
+    param = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+    optimizer = make(param)
+    for scale in (1.0, -3.0, 0.5):  # gradients that change, so the moments lag behind them
+        before = first_moment(optimizer, param)
+        param.grad = torch.tensor([0.3, -0.1, 2.0]) * scale
+        optimizer.step()
+    predicted = predicted_weights(optimizer, {param: before})[param]
+    from_moments_alone = predicted_weights(optimizer)[param]
+    optimizer.step()  # the last gradient again
+    assert torch.allclose(predicted, param.detach(), atol=1e-6)
+    assert not torch.allclose(from_moments_alone, param.detach(), atol=1e-4)
 
 
 def _pipeline(config: TrainConfig, data, cuts: list[int], steps: int, seed: int,

@@ -153,7 +153,9 @@ def _plain_async(model: nn.Sequential, x: np.ndarray, y: np.ndarray, steps: int,
                  predict: bool) -> dict[int, dict[str, np.ndarray]]:
     """2BW by hand: between drains (after every ``every``-th step and each epoch's last) step
     ``s`` takes its gradient at version ``s - 1`` (or, predicted, at that version minus lr
-    times its momentum buffer) and applies it to version ``s``; SGD with momentum by hand."""
+    times the next momentum buffer if the gradient of step ``s - 2`` came again, or times its
+    buffer alone where a drain came after step ``s - 2``) and applies it to version ``s``; SGD
+    with momentum by hand."""
     per_epoch = len(x) // (M * B)
 
     def drains_after(step: int) -> bool:
@@ -162,18 +164,22 @@ def _plain_async(model: nn.Sequential, x: np.ndarray, y: np.ndarray, steps: int,
     live = {k: p.detach().clone() for k, p in model.named_parameters()}
     buffers: dict[str, torch.Tensor] = {}
     versions = {0: ({k: t.clone() for k, t in live.items()}, {})}  # weights, buffers
+    gradients: dict[int, dict[str, torch.Tensor]] = {}  # step -> its summed gradient
     for step in range(steps):
         stale = step > 0 and not drains_after(step - 1)
         weights, momentum = versions[step - 1] if stale else versions[step]
         if stale and predict:
-            weights = {k: w - LR * momentum[k] if k in momentum else w
-                       for k, w in weights.items()}
+            last = gradients.get(step - 2) if not drains_after(step - 2) else None
+            weights = {k: w - LR * (momentum[k] if last is None else
+                                    MOMENTUM * momentum[k] + last[k])
+                       if k in momentum else w for k, w in weights.items()}
         leaves = {k: w.clone().requires_grad_(True) for k, w in weights.items()}
         rows = _mini_batch(step, len(x))
         loss = functional.cross_entropy(
             torch.func.functional_call(model, leaves, (torch.from_numpy(x[rows]),)),
             torch.from_numpy(y[rows].astype(np.int64)))
         loss.backward()
+        gradients[step] = {k: leaf.grad for k, leaf in leaves.items()}
         for k, leaf in leaves.items():
             buffers[k] = leaf.grad if k not in buffers else MOMENTUM * buffers[k] + leaf.grad
             live[k] = live[k] - LR * buffers[k]

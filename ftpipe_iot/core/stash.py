@@ -17,7 +17,9 @@ version itself. Its weights are made the moment its version becomes live (after 
 step that makes it, or when the stage starts or loads replicas), because the live weights and
 the optimizer state move on as soon as the step before it is applied. The live weights are then
 updated in place: at most the live version and the predicted weights of two steps exist at
-once (one copy more than without compensation).
+once (one copy more than without compensation). The prediction reads the applied step's
+gradient back from the optimizer's first moment before and after its step: the moment before is
+snapshotted in ``before_update``, after that step's predicted weights are released.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from ftpipe_iot.core.grouping import OrderedGradients
-from ftpipe_iot.core.prediction import predicted_weights
+from ftpipe_iot.core.prediction import first_moment, predicted_weights
 from ftpipe_iot.core.schedule import StepVersions
 from ftpipe_iot.errors import PlanError
 
@@ -60,6 +62,9 @@ class WeightStash:
         if versions.predicts_weights and len(self.optimizers) != len(self.params):
             raise PlanError("weight prediction needs one optimizer (or None) per layer")
         self._predicted: dict[int, list[list[torch.Tensor]]] = {}
+        # the optimizers' first moments before the step being applied: the prediction made
+        # after it reads the step's gradient back from them (``core.prediction``)
+        self._moments_before: dict[torch.Tensor, torch.Tensor] | None = None
         self._predict_next()
 
     def weights(self, step: int) -> list[LayerWeights]:
@@ -116,6 +121,8 @@ class WeightStash:
                 leaf = layer_leaves.get(name)
                 p.grad = None if leaf is None else leaf.grad
         self._predicted.pop(step, None)
+        self._moments_before = self._first_moments() if self._predicts_from_last(step) \
+            else None
         version = step  # the live version before this update
         for old in [v for v in self._kept if v < version]:
             del self._kept[old]
@@ -132,12 +139,26 @@ class WeightStash:
         if self.live_version != step + 1:
             raise PlanError(f"after_update({step}) without before_update({step})")
         self._predict_next()
+        self._moments_before = None
 
     def reload(self) -> None:
         """The live weights and optimizer state were replaced (replicas loaded): predict
         again from them."""
         self._predicted.clear()
+        self._moments_before = None
         self._predict_next()
+
+    def _predicts_from_last(self, step: int) -> bool:
+        """Whether the prediction made after step ``step`` uses its gradient: it does where
+        the step it predicts for is stale, except right after a drain, where a stage may
+        have just loaded the version from replicas, which hold no gradient."""
+        return (self.versions.predicts_weights and self.versions.is_stale(step + 2)
+                and not self.versions.drains_after(step))
+
+    def _first_moments(self) -> dict[torch.Tensor, torch.Tensor]:
+        return {p: first_moment(optimizer, p)
+                for layer, optimizer in zip(self.params, self.optimizers)
+                if optimizer is not None for _, p in layer}
 
     def _predict_next(self) -> None:
         """Make the predicted weights of the step that computes with the live version while
@@ -147,7 +168,7 @@ class WeightStash:
             return
         predicted = []
         for layer, optimizer in zip(self.params, self.optimizers):
-            by_param = predicted_weights(optimizer)
+            by_param = predicted_weights(optimizer, self._moments_before)
             predicted.append([by_param[p] if p in by_param else p.detach().clone()
                               for _, p in layer])
         self._predicted[step] = predicted

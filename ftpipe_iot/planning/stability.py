@@ -8,8 +8,9 @@ lr * h stays below a constant of the schedule and the momentum:
 - sync: lr * h < 2 (1 + mu), the classical bound (3.8 at mu = 0.9);
 - async without compensation (PipeDream-2BW: the gradient taken at version t - 1 and applied
   to version t): lr * h < 1 - mu (0.1 at mu = 0.9);
-- async with weight prediction (the gradient taken at W(t-1) - lr * buf(t-1),
-  ``core.prediction``): 0.27 at mu = 0.9.
+- async with weight prediction (the gradient taken at W(t-1) - lr * (mu * buf(t-1) + g(t-2)),
+  the next update if the gradient stayed the last one, ``core.prediction``): 0.50 at mu = 0.9
+  (predicting from the buffer alone, W(t-1) - lr * buf(t-1), stops at 0.27).
 
 The constant is found numerically, by bisection on the spectral radius, so it holds for any
 momentum. Along a direction whose curvature is h, a learning rate above constant / h makes that
@@ -31,18 +32,21 @@ from ftpipe_iot.schedules import schedule_for
 
 def _companion(lr_h: float, momentum: float, schedule: ScheduleName,
                compensation: DelayCompensation) -> np.ndarray:
-    """The recurrence's matrix over the state (w(t), w(t-1), b(t), b(t-1)), with b the
-    momentum buffer scaled by lr; torch's SGD: b' = mu b + lr g, w' = w - b'."""
+    """The recurrence's matrix over the state (w(t), w(t-1), b(t), b(t-1), b(t-2)), with b the
+    momentum buffer scaled by lr; torch's SGD: b' = mu b + lr g, w' = w - b'. The last gradient
+    scaled by lr is b(t-1) - mu b(t-2)."""
     if not schedule_for(schedule).stashes_weights:
-        at = np.array([1.0, 0.0, 0.0, 0.0])  # the gradient at w(t)
+        at = np.array([1.0, 0.0, 0.0, 0.0, 0.0])  # the gradient at w(t)
     elif compensation is DelayCompensation.PREDICT and momentum > 0:
-        # at w(t-1) - b(t-1); plain SGD keeps no buffer, so nothing is predicted
-        at = np.array([0.0, 1.0, 0.0, -1.0])
+        # at w(t-1) - (mu b(t-1) + lr g(t-2)): the next update if the gradient stays the
+        # last one (plain SGD keeps no buffer, so nothing is predicted)
+        at = np.array([0.0, 1.0, 0.0, -(1.0 + momentum), momentum])
     else:
-        at = np.array([0.0, 1.0, 0.0, 0.0])  # at w(t-1)
-    buffer = momentum * np.array([0.0, 0.0, 1.0, 0.0]) + lr_h * at
-    weights = np.array([1.0, 0.0, 0.0, 0.0]) - buffer
-    return np.array([weights, [1.0, 0.0, 0.0, 0.0], buffer, [0.0, 0.0, 1.0, 0.0]])
+        at = np.array([0.0, 1.0, 0.0, 0.0, 0.0])  # at w(t-1)
+    buffer = momentum * np.array([0.0, 0.0, 1.0, 0.0, 0.0]) + lr_h * at
+    weights = np.array([1.0, 0.0, 0.0, 0.0, 0.0]) - buffer
+    return np.array([weights, [1.0, 0.0, 0.0, 0.0, 0.0], buffer, [0.0, 0.0, 1.0, 0.0, 0.0],
+                     [0.0, 0.0, 0.0, 1.0, 0.0]])
 
 
 def converges(lr_h: float, momentum: float, schedule: ScheduleName,

@@ -48,8 +48,9 @@ class PipeDream2BW(Schedule):
                            micro_batches: int, max_in_flight: int,
                            optimizer_copies: int, predicted_weights: bool = False) -> float:
         # one more weight copy (the stashed version), or two with prediction (the predicted
-        # weights of the step in flight and of the next); the feed keeps max_in_flight in
-        # flight across step boundaries
+        # weights of the step in flight and of the next; the first-moment snapshot of an update
+        # lives only after the applied step's predicted weights are released); the feed keeps
+        # max_in_flight in flight across step boundaries
         copies = 4 if predicted_weights else 3
         return param_bytes * (copies + optimizer_copies) + max_in_flight * activation_bytes
 
