@@ -23,7 +23,7 @@ from ftpipe_iot.core.outputs import (
     StepDone,
 )
 from ftpipe_iot.core.prediction import first_moment, predicted_weights
-from ftpipe_iot.core.reference import train_reference
+from ftpipe_iot.core.reference import last_stage_timeline, train_reference
 from ftpipe_iot.core.schedule import StepVersions, SyncSchedule
 from ftpipe_iot.core.stage import Stage, make_optimizer
 from ftpipe_iot.core.stash import WeightStash
@@ -210,8 +210,10 @@ def _pipeline(config: TrainConfig, data, cuts: list[int], steps: int, seed: int,
                                     out.count)
             elif isinstance(out, StepDone):
                 feed.on_stage_step_done(out.step, k, 0.0)
-        assert isinstance(stage.versioning, WeightStash)
-        most_versions = max(most_versions, stage.versioning.versions_held)
+        if isinstance(stage.versioning, WeightStash):
+            most_versions = max(most_versions, stage.versioning.versions_held)
+    # the last stage computes every step with the newest weights: it keeps no other version
+    assert not isinstance(stages[-1].versioning, WeightStash)
     assert overlapped, "no step started before the previous one finished"
     weights = [{k: v.detach().numpy().copy() for k, v in layer.state_dict().items()}
                for layer in layers]
@@ -232,9 +234,11 @@ def test_async_stages_in_any_interleaving_equal_the_simulator(seed, compensation
     data = load_dataset(DataSpec("digits"))
     steps = 7  # drains after steps 4 (replicate_every 5): both kinds of step boundary
     fleet, most = _pipeline(config, data, [4, 11], steps, seed, max_in_flight=4)
-    simulated = train_reference(config, data, steps)
+    simulated = train_reference(config, data, steps, last_stage_from=[(0, 11)])
     assert max_weight_diff(fleet, simulated) < 1e-5
     assert most == versions
+    # the last stage's rule is in force: plain 2BW on every layer is another answer
+    assert max_weight_diff(fleet, train_reference(config, data, steps)) > 1e-4
     # the yardstick can fail: the synchronous answer differs
     synchronous = train_reference(replace(config, schedule=ScheduleName.SYNC), data, steps)
     assert max_weight_diff(simulated, synchronous) > 1e-4
@@ -262,7 +266,8 @@ def test_async_groups_and_standbys_with_batchnorm_equal_the_simulator(layout):
     controller = job.controller
     assert controller.summary.steps == config.max_steps
     gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
-    simulated = train_reference(config, controller.data, steps=config.max_steps)
+    simulated = train_reference(config, controller.data, steps=config.max_steps,
+                                last_stage_from=last_stage_timeline(controller.summary.events))
     # parameters to 1e-5; BatchNorm's running statistics, replayed from the records rather
     # than updated inside the kernel, to float rounding (they reach 1e5 on raw digits and do
     # not feed back into training)
@@ -281,7 +286,18 @@ def test_async_with_a_frozen_first_stage_equals_the_simulator():
     data = load_dataset(DataSpec("digits"))
     config = replace(ASYNC, frozen_layers=4)  # stage 0 holds only fixed layers
     fleet, _ = _pipeline(config, data, [4, 11], 6, seed=3, max_in_flight=4)
-    assert max_weight_diff(fleet, train_reference(config, data, 6)) < 1e-5
+    assert max_weight_diff(fleet, train_reference(config, data, 6,
+                                                  last_stage_from=[(0, 11)])) < 1e-5
+
+
+def test_the_last_stage_timeline_follows_the_plans_a_run_took():
+    def plan(step: int, last_start: int) -> dict:
+        return {"type": "plan_changed", "resume_step": step,
+                "stages": [{"start": 0, "end": last_start}, {"start": last_start, "end": 12}]}
+
+    events = [plan(0, 6), {"type": "failure", "step": 7}, plan(5, 8), plan(3, 4), plan(9, 6)]
+    # the plan from step 5 was rolled back to step 3 by the next one: it never counted
+    assert last_stage_timeline(events) == [(0, 6), (3, 4), (9, 6)]
 
 
 def test_the_compensation_travels_with_the_config_and_an_older_config_keeps_none():

@@ -19,7 +19,7 @@ from helpers import MemoryJob, max_weight_diff
 
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.plan_codecs import CodecPolicy
-from ftpipe_iot.core.reference import train_reference
+from ftpipe_iot.core.reference import last_stage_timeline, train_reference
 from ftpipe_iot.device.agent import DeviceOptions
 from ftpipe_iot.errors import ConfigError
 from ftpipe_iot.planning.layouts import Layout
@@ -75,7 +75,8 @@ def test_every_cell_equals_its_yardstick_or_is_refused_before_it_starts(schedule
     assert job.run() is ControllerPhase.DONE
     controller = job.controller
     gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
-    expected = train_reference(train, controller.data, steps=TRAIN.max_steps)
+    expected = train_reference(train, controller.data, steps=TRAIN.max_steps,
+                               last_stage_from=last_stage_timeline(controller.summary.events))
     assert max_weight_diff(gathered, expected) < 1e-5
     summary = controller.summary
     assert summary.steps == TRAIN.max_steps
@@ -125,7 +126,8 @@ def test_every_cell_with_codecs_per_cut_equals_its_coded_yardstick(schedule, lay
     assert plan.cut_codecs == CODED
     gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
     expected = train_reference(train, controller.data, steps=TRAIN.max_steps, cuts=(3,),
-                               cut_codecs=CODED)
+                               cut_codecs=CODED,
+                               last_stage_from=last_stage_timeline(controller.summary.events))
     assert max_weight_diff(gathered, expected) < 1e-5
 
 

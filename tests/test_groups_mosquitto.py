@@ -12,7 +12,7 @@ from helpers import max_weight_diff
 
 from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.core.data import load_dataset
-from ftpipe_iot.core.reference import train_reference
+from ftpipe_iot.core.reference import last_stage_timeline, train_reference
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.specs import DataSpec
 from ftpipe_iot.protocol.vocab import ScheduleName
@@ -32,10 +32,12 @@ def _controller(processes, mosquitto, tmp_path, job: str, assignment: str, devic
                     "--summary-json", str(tmp_path / "summary.json"), *extra)
 
 
-def _reference(steps: int, schedule: ScheduleName = ScheduleName.SYNC):
+def _reference(steps: int, schedule: ScheduleName = ScheduleName.SYNC,
+               events: list[dict] = ()):
     train = TrainConfig(micro_batches=M, micro_batch_size=B, replicate_every=4,
                         schedule=schedule)
-    return train_reference(train, load_dataset(DataSpec("digits")), steps)
+    return train_reference(train, load_dataset(DataSpec("digits")), steps,
+                           last_stage_from=last_stage_timeline(events))
 
 
 def test_groups_of_two_and_three_train_like_one_process(mosquitto, processes, tmp_path):
@@ -76,4 +78,5 @@ def test_a_dead_member_leaves_its_share_to_its_peers(mosquitto, processes, tmp_p
     assert [[d["device"] for d in s["devices"]] for s in summary["stages"]] == \
         [["dev0"], ["dev2"]]
     assert [(s["start"], s["end"]) for s in summary["stages"]] == [(0, 5), (5, 12)]
-    assert max_weight_diff(load_weights(tmp_path / "w.npz"), _reference(steps, schedule)) < 1e-5
+    assert max_weight_diff(load_weights(tmp_path / "w.npz"),
+                           _reference(steps, schedule, summary["events"])) < 1e-5

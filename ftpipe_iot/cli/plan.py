@@ -88,7 +88,8 @@ def _stability_text(bounds: StabilityBounds, compensation: DelayCompensation) ->
             f"below {mine / bounds.lr:.3g} (sync: {bounds.sync / bounds.lr:.3g}); it grows "
             f"during training (the digits CNN: 0.3 at the start, about 28 after two epochs "
             f"at lr 0.05), so async may need a smaller --lr than sync; for a curvature h it "
-            f"needs --lr below {mine:g} / h.")
+            f"needs --lr below {mine:g} / h. The bound is for the layers before the last "
+            f"stage: the last stage computes every step at the newest weights, as sync.")
 
 
 def _resilience_table(options: list[ResilienceOption], source: str, micro_batches: int) -> str:

@@ -3,19 +3,20 @@
 This is the yardstick of the exactness contract: after K steps the pipeline's weights must equal
 what this produces (to float tolerance). For ``--schedule async`` it is a simulator of the
 asynchronous schedule: each step computes with the weight version ``StepVersions`` gives it
-(held by a ``WeightStash`` over the whole model, as each stage holds one over its layers, with
-the same delay compensation), so a fleet that never drains between steps still has one
-single-process answer. Gradients are summed in float64 in micro-batch order and cast once, as
-every stage sums them (``core.grouping``), through the same versioning a stage has. With a wire
-codec (``--wire-codec``, or per cut and direction: ``Plan.cut_codecs``) it simulates the coded
-wire too: what crosses each cut between stages, activations forward and their gradients back,
-passes through that cut's and direction's codec round trip, as the receiving stage gets it
-(``protocol.codecs``).
+(held by a ``WeightStash`` over the layers before the pipeline's last stage, as each stage
+holds one over its layers, with the same delay compensation; the last stage's layers compute
+with the newest version, as that stage does: ``last_stage_from``), so a fleet that never
+drains between steps still has one single-process answer. Gradients are summed in float64 in
+micro-batch order and cast once, as every stage sums them (``core.grouping``), through the
+same versioning a stage has. With a wire codec (``--wire-codec``, or per cut and direction:
+``Plan.cut_codecs``) it simulates the coded wire too: what crosses each cut between stages,
+activations forward and their gradients back, passes through that cut's and direction's codec
+round trip, as the receiving stage gets it (``protocol.codecs``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,9 +50,24 @@ class _WireCut(torch.autograd.Function):
         return torch.from_numpy(roundtrip(grad.detach().contiguous().numpy(), ctx.codec)), None
 
 
+def last_stage_timeline(events: Iterable[Mapping[str, Any]]) -> list[tuple[int, int]]:
+    """Where the pipeline's last stage started under each plan a run took, as
+    ``train_reference``'s ``last_stage_from``: from a run summary's events in order (a plan
+    that resumes at an earlier step, after a rollback, replaces what came after it)."""
+    timeline: list[tuple[int, int]] = []
+    for event in events:
+        if event.get("type") != "plan_changed" or not event.get("stages"):
+            continue
+        step = int(event["resume_step"])
+        timeline = [entry for entry in timeline if entry[0] < step]
+        timeline.append((step, int(event["stages"][-1]["start"])))
+    return timeline
+
+
 def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int = 1,
                     initial: Mapping[int, Mapping[str, np.ndarray]] | None = None,
-                    cuts: Sequence[int] = (), cut_codecs: Sequence[CutCodecs] = ()
+                    cuts: Sequence[int] = (), cut_codecs: Sequence[CutCodecs] = (),
+                    last_stage_from: Sequence[tuple[int, int]] = ()
                     ) -> list[dict[str, np.ndarray]]:
     """Train ``steps`` steps in one process; return each layer's state as numpy. The steps are
     synchronous or, with ``config.schedule`` async, the asynchronous schedule's.
@@ -63,6 +79,11 @@ def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int
     coded wire (``config.wire_codec``) crosses between stages; needed with a codec.
     ``cut_codecs``: one per cut, in the order of ``cuts`` (``Plan.wire``), the codecs of that
     cut's activations and gradients; () means ``config.wire_codec`` on every cut, both ways.
+    ``last_stage_from``: (step, layer) pairs, in step order: from ``step`` on, the pipeline's
+    last stage starts at ``layer`` (one pair per plan, ``last_stage_timeline``); its layers
+    compute every step with the newest version (``StepVersions.last_stage``). () runs every
+    layer by the schedule's own rule (plain PipeDream-2BW for async); the schedules without
+    stale steps do not need it.
     """
     if cut_codecs and len(cut_codecs) != len(cuts):
         raise PlanError(f"simulating per-cut codecs needs one per cut: {len(cut_codecs)} "
@@ -77,14 +98,65 @@ def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _train(config, data, steps, initial, coded)
+        return _train(config, data, steps, initial, coded, last_stage_from)
     finally:
         torch.set_num_threads(previous)
 
 
+class _Versionings:
+    """The simulator's versionings: one over the layers before the last stage (the schedule's
+    versions), one over the last stage's (always the newest)."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module],
+                 optimizers: Sequence[torch.optim.Optimizer | None], versions: StepVersions,
+                 step: int, tail: int) -> None:
+        self.tail = tail
+        self.parts = []
+        for part, part_versions in ((range(0, tail), versions),
+                                    (range(tail, len(layers)), versions.for_stage(last=True))):
+            part_layers = [layers[index] for index in part]
+            params = [p for layer in part_layers for p in layer.parameters() if p.requires_grad]
+            self.parts.append((part, versioning_for(part_layers, params, part_versions, step,
+                                                    [optimizers[index] for index in part],
+                                                    keep_each=False)))
+
+    def weights(self, step: int) -> list[Mapping[str, torch.Tensor] | None]:
+        """Per layer, the parameters it computes ``step`` with (None: its own)."""
+        out: list[Mapping[str, torch.Tensor] | None] = []
+        for part, versioning in self.parts:
+            weights = versioning.weights(step)
+            out += [None] * len(part) if weights is None else list(weights)
+        return out
+
+    def before(self, step: int, micro_batch: int) -> None:
+        for _, versioning in self.parts:
+            versioning.gradients(step).before(step, micro_batch)
+
+    def after(self, step: int, micro_batch: int) -> None:
+        for _, versioning in self.parts:
+            versioning.gradients(step).after(step, micro_batch)
+
+    def before_update(self, step: int) -> None:
+        for _, versioning in self.parts:
+            versioning.before_update(step)
+
+    def after_update(self, step: int) -> None:
+        for _, versioning in self.parts:
+            versioning.after_update(step)
+
+
+def _tail_at(last_stage_from: Sequence[tuple[int, int]], step: int, num_layers: int) -> int:
+    tail = num_layers
+    for first_step, layer in last_stage_from:
+        if first_step <= step:
+            tail = layer
+    return tail
+
+
 def _train(config: TrainConfig, data: Dataset, steps: int,
            initial: Mapping[int, Mapping[str, np.ndarray]] | None,
-           coded: Mapping[int, CutCodecs]) -> list[dict[str, np.ndarray]]:
+           coded: Mapping[int, CutCodecs],
+           last_stage_from: Sequence[tuple[int, int]]) -> list[dict[str, np.ndarray]]:
     layers = build_layers(config.model, data.input_shape, data.num_classes, config.seed)
     for index, state in (initial or {}).items():
         layers[index].load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in
@@ -94,9 +166,13 @@ def _train(config: TrainConfig, data: Dataset, steps: int,
     schedule = SyncSchedule(len(data.x_train), config.micro_batches, config.micro_batch_size,
                             config.seed)
     versions = StepVersions.of(config, schedule.steps_per_epoch)
-    params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
-    versioning = versioning_for(layers, params, versions, 0, optimizers, keep_each=False)
+    versioning: _Versionings | None = None
     for step in range(steps):
+        tail = _tail_at(last_stage_from, step, len(layers))
+        if versioning is None or versioning.tail != tail:
+            # a plan starts at a drain point, where every stage is built from the version
+            # as it is (WeightStash refuses any other step)
+            versioning = _Versionings(layers, optimizers, versions, step, tail)
         train_mode(layers, config.frozen_layers)
         weights = versioning.weights(step)
         for mb in schedule.micro_batches_of(step):
@@ -106,12 +182,11 @@ def _train(config: TrainConfig, data: Dataset, steps: int,
                 if index in coded:
                     h = _WireCut.apply(h, coded[index])
                 seed_layer(config.seed, step, mb.index, index)
-                h = layer(h) if weights is None else \
+                h = layer(h) if weights[index] is None else \
                     torch.func.functional_call(layer, weights[index], (h,))
-            gradients = versioning.gradients(step)
-            gradients.before(step, mb.index)
+            versioning.before(step, mb.index)
             micro_batch_loss(h, y, config.micro_batches).backward()
-            gradients.after(step, mb.index)
+            versioning.after(step, mb.index)
         versioning.before_update(step)
         for optimizer in optimizers:
             if optimizer is not None:

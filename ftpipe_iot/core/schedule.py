@@ -8,7 +8,7 @@ exactly the same samples.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -91,8 +91,12 @@ class StepVersions:
     Synchronous: every step drains, and step ``s`` uses version ``s`` (the weights after ``s``
     optimizer steps). PipeDream-2BW with periodic drains (docs/design.md §5): the feed drains
     only after the last step of an epoch and after every ``drain_every``-th step; in between,
-    step ``s`` uses version ``s - 1``. Every stage and the simulator derive the same versions
-    from these three values.
+    step ``s`` uses version ``s - 1``, except on the pipeline's last stage (``last_stage``):
+    it runs each micro-batch's backward right after its forward, so a step's last backward
+    there ends before the next step's first forward arrives, and every step there computes
+    with the newest version, whatever the schedule (the layers nearest the loss, where the
+    curvature is largest, never see a stale gradient). Every stage and the simulator derive
+    the same versions from these values.
     """
 
     schedule: Schedule
@@ -100,6 +104,8 @@ class StepVersions:
     drain_every: int = 0  # 0: only epoch ends drain
     # a stale step computes at predicted weights instead of the previous version's
     compensation: DelayCompensation = DelayCompensation.NONE
+    # the versions of the pipeline's last stage: always the newest
+    last_stage: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule.needs_steps_per_epoch and self.steps_per_epoch < 1:
@@ -112,10 +118,14 @@ class StepVersions:
         return cls(schedule_for(config.schedule), steps_per_epoch, config.replicate_every,
                    config.delay_compensation)
 
+    def for_stage(self, last: bool) -> StepVersions:
+        """The versions of a stage: the job's, or the last stage's (always the newest)."""
+        return replace(self, last_stage=last)
+
     @property
     def stashes_weights(self) -> bool:
         """Whether a stage keeps the previous weight version for steps still computing."""
-        return self.schedule.stashes_weights
+        return self.schedule.stashes_weights and not self.last_stage
 
     @property
     def predicts_weights(self) -> bool:
@@ -132,6 +142,8 @@ class StepVersions:
 
     def forward_version(self, step: int) -> int:
         """The version step ``step``'s forwards (and so its backwards) use."""
+        if self.last_stage:
+            return step
         return self.schedule.forward_version(step, self.steps_per_epoch, self.drain_every)
 
     def may_start(self, step: int, next_to_complete: int) -> bool:

@@ -157,6 +157,8 @@ class Stage:
         self.named = trainable(self.layers, self.first_layer)
         self.reducer = reducer_for(self.group_size, self.config.micro_batches,
                                    takes_over=self.config.resiliency >= 1)
+        if self.versions is not None:
+            self.versions = self.versions.for_stage(last=self.is_last)
         self.versioning = versioning_for(self.layers, [p for _, p in self.named], self.versions,
                                          self.start_step, self.optimizers,
                                          keep_each=isinstance(self.reducer, GroupExchange))

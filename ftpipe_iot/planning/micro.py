@@ -205,7 +205,8 @@ class MicroBatchingProblem:
         return tuple(self.schedule.stage_memory_bytes(costs.stage_param_bytes(start, end),
                                                       activations, n, limit,
                                                       self.optimizer_copies,
-                                                      self.predicted_weights)
+                                                      self.predicted_weights,
+                                                      last_stage=k == len(self.stages) - 1)
                      for n in self.counts(k, micro_batches, size))
 
     def stage_memory(self, k: int, micro_batches: int, size: int) -> float:

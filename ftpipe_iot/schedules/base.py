@@ -147,12 +147,14 @@ class Schedule(ABC):
     @abstractmethod
     def stage_memory_bytes(self, param_bytes: float, activation_bytes: float,
                            micro_batches: int, max_in_flight: int,
-                           optimizer_copies: int, predicted_weights: bool = False) -> float:
+                           optimizer_copies: int, predicted_weights: bool = False,
+                           last_stage: bool = False) -> float:
         """Predicted bytes a stage holds: ``param_bytes`` of parameters times the copies
         training keeps, plus ``activation_bytes`` (one micro-batch's layer outputs) for each
         micro-batch in flight on it. ``predicted_weights``: stale steps compute at predicted
         weights (``--delay-compensation predict``), which a schedule without stale steps
-        ignores."""
+        ignores. ``last_stage``: the pipeline's last stage, which computes every step with
+        the newest weights (``core.schedule.StepVersions``)."""
 
     @abstractmethod
     def supports(self, shape: PlanShape, options: JobOptions) -> Refusal | None:

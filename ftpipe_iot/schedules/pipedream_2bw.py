@@ -46,12 +46,14 @@ class PipeDream2BW(Schedule):
 
     def stage_memory_bytes(self, param_bytes: float, activation_bytes: float,
                            micro_batches: int, max_in_flight: int,
-                           optimizer_copies: int, predicted_weights: bool = False) -> float:
+                           optimizer_copies: int, predicted_weights: bool = False,
+                           last_stage: bool = False) -> float:
         # one more weight copy (the stashed version), or two with prediction (the predicted
         # weights of the step in flight and of the next; the first-moment snapshot of an update
         # lives only after the applied step's predicted weights are released); the feed keeps
         # max_in_flight in flight across step boundaries
-        copies = 4 if predicted_weights else 3
+        # the last stage keeps none of them: every step there computes at the newest weights
+        copies = 2 if last_stage else 4 if predicted_weights else 3
         return param_bytes * (copies + optimizer_copies) + max_in_flight * activation_bytes
 
     def supports(self, shape: PlanShape, options: JobOptions) -> Refusal | None:

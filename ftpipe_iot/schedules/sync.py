@@ -33,7 +33,8 @@ class Synchronous(Schedule):
 
     def stage_memory_bytes(self, param_bytes: float, activation_bytes: float,
                            micro_batches: int, max_in_flight: int,
-                           optimizer_copies: int, predicted_weights: bool = False) -> float:
+                           optimizer_copies: int, predicted_weights: bool = False,
+                           last_stage: bool = False) -> float:
         # weights, gradients and the optimizer's state; a step never has more than M in flight
         return param_bytes * (2 + optimizer_copies) + \
             min(micro_batches, max_in_flight) * activation_bytes
