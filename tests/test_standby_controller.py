@@ -11,16 +11,23 @@ import time
 
 import pytest
 from helpers import max_weight_diff
+from prometheus_client import CollectorRegistry
 
+from ftpipe_iot.control.config import ControllerConfig
+from ftpipe_iot.control.controller import Controller
 from ftpipe_iot.control.lease import LeaseVerdict, LeaseWatch, fenced
 from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.core.data import load_dataset
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.observability.watch import JobWatcher
+from ftpipe_iot.protocol.messages import ControllerState, decode_message, envelope
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
+from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import ControllerStatus
+from ftpipe_iot.protocol.wire import decode, encode
 from ftpipe_iot.transport.connection import BrokerConfig
+from ftpipe_iot.transport.memory import MemoryBroker
 
 JOB = "standby"
 
@@ -37,6 +44,74 @@ def test_the_lease_passes_on_the_leader_s_last_will_and_only_to_a_newer_term():
     # terms are also seconds: a broker that forgot its retained state gives no old term
     assert LeaseWatch(clock=lambda: 1_800_000_000.5).next_term() == 1_800_000_000
     assert fenced(4, 5) and not fenced(5, 5) and not fenced(5, 4)
+
+
+def test_a_standby_takes_over_from_a_live_leader_that_stopped_beating():
+    now = [100.0]
+    watch = LeaseWatch(clock=lambda: now[0])
+    assert watch.observe(ControllerStatus.TRAINING, 1000, beat_s=0.5).verdict is LeaseVerdict.WAIT
+    now[0] += 2.9  # under six beats (1.5x a 2 s keepalive): still the leader's
+    assert watch.silence().verdict is LeaseVerdict.WAIT
+    assert watch.observe(ControllerStatus.TRAINING, 1000, beat_s=0.5).verdict is LeaseVerdict.WAIT
+    now[0] += 3.1  # six beats of silence since it was last heard
+    decision = watch.silence()
+    assert decision.verdict is LeaseVerdict.TAKE_OVER and decision.term == 1001
+    assert watch.silence().verdict is LeaseVerdict.WAIT  # decided once
+    # a leader that promised no beats (or one that is done) is left to its Last Will
+    quiet = LeaseWatch(clock=lambda: now[0])
+    quiet.observe(ControllerStatus.TRAINING, 3)
+    now[0] += 1000
+    assert quiet.silence().verdict is LeaseVerdict.WAIT
+    done = LeaseWatch(clock=lambda: now[0])
+    done.observe(ControllerStatus.DONE, 3, beat_s=0.5)
+    now[0] += 1000
+    assert done.silence().verdict is LeaseVerdict.WAIT
+
+
+def _retained_state(broker: MemoryBroker) -> ControllerState:
+    message = decode_message(decode(broker.retained[Topics("t").state])).message
+    assert isinstance(message, ControllerState)
+    return message
+
+
+def test_the_leader_beats_from_its_loop_and_keeps_the_lease_record_its_own():
+    now = [10.0]
+    broker = MemoryBroker()
+    controller = Controller("t", ControllerConfig(train=TrainConfig(model=ModelSpec("mlp")),
+                                                  devices=2, term=7, beat_s=0.5),
+                            broker.transport("controller"), CollectorRegistry(),
+                            clock=lambda: now[0])
+    controller.start()
+    state = _retained_state(broker)
+    assert (state.state, state.term, state.beat_s) == (ControllerStatus.ONLINE, 7, 0.5)
+    listener = broker.transport("listener")
+    listener.connect()
+    listener.subscribe(Topics("t").state)
+    while not listener.inbox.empty():
+        listener.inbox.get()
+    controller.tick()
+    assert listener.inbox.empty()  # nothing to say yet
+    now[0] += 0.5  # a beat later, waiting for devices, nothing changed: the state again
+    controller.tick()
+    assert not listener.inbox.empty()
+    # the Last Will of the leader this one took over from (term 6) comes late, retained:
+    # the lease record must name the newest term again
+    listener.publish(Topics("t").state, encode(envelope(
+        ControllerState(ControllerStatus.OFFLINE, "t", term=6), "t", "controller"))[0],
+        retain=True)
+    assert _retained_state(broker).term == 6
+    while not controller.transport.inbox.empty():
+        controller.handle(controller.transport.inbox.get())
+    assert _retained_state(broker).term == 7 and not controller.fenced
+    # a newer term fences it, and it says nothing more
+    listener.publish(Topics("t").state, encode(envelope(
+        ControllerState(ControllerStatus.TRAINING, "t", term=8), "t", "controller"))[0],
+        retain=True)
+    while not controller.transport.inbox.empty():
+        controller.handle(controller.transport.inbox.get())
+    now[0] += 5
+    controller.tick()
+    assert controller.fenced and _retained_state(broker).term == 8
 
 
 def _controller_args(url: str, tmp_path, name: str, steps: int) -> list[str]:

@@ -38,6 +38,8 @@ class ControllerConfig:
     stop_devices: bool = False
     resume: bool = False
     term: int = 1  # the lease term this controller leads with (control/lease.py)
+    # the lease's heartbeat: the state is republished at least this often (0: on changes only)
+    beat_s: float = 0.0
     repartition: bool = True
     repartition_threshold: float = 0.10
     repartition_cooldown_steps: int = 10

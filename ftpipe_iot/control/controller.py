@@ -125,6 +125,9 @@ class Controller:
         self._failures_in_a_row = 0
         self._resume_settle: float | None = None
         self.fenced = False  # another controller took the lease (a newer term): publish nothing
+        # the state last published and when: republished every ``beat_s`` (the lease's beat)
+        self._state: ControllerStatus | None = None
+        self._state_at = 0.0
         self._since: int | None = None
         # devices of the plan whose failure peers covered: not watched until the next plan
         self.excluded: set[str] = set()
@@ -276,11 +279,20 @@ class Controller:
             self.messenger.drops.drop(DropReason.UNEXPECTED_KIND, inbound.kind.value)
 
     def _on_state(self, inbound: Inbound, state: ControllerState) -> None:
-        """A controller state on our topic: ours echoed back, or a newer leader's (fenced)."""
-        if inbound.sender == "controller" and fenced(self.config.term, state.term):
+        """A controller state on our topic: ours echoed back, a newer leader's (fenced), or
+        an older leader's late word (its Last Will, after a standby took over from it while
+        it hung), which must not stay the retained record: ours is published again."""
+        if inbound.sender != "controller":
+            return
+        if fenced(self.config.term, state.term):
             self.fenced = True
             self.fail(f"fenced: another controller leads job {self.job} with term "
                       f"{state.term} (ours: {self.config.term}); this one stops")
+        elif state.term < self.config.term and self._state is not None and \
+                self.phase not in (Phase.DONE, Phase.FAILED):
+            log.info("an older leader's state (term %d, %s) replaced ours: publishing ours "
+                     "again", state.term, state.state.value)
+            self._publish_state(self._state)
 
     def _on_status(self, inbound: Inbound, status: DeviceStatus) -> None:
         device = Topics.device_of(inbound.topic)
@@ -379,9 +391,13 @@ class Controller:
 
     # -- periodic -------------------------------------------------------------------------------
     def tick(self) -> None:
-        """Periodic work: deploy when devices are there, feed, detect failures."""
+        """Periodic work: deploy when devices are there, feed, detect failures; the lease's
+        beat (from here, so a leader whose decisions hang stops beating)."""
         now = self.clock()
         self.tracer.tick()
+        if self.config.beat_s > 0 and self._state is not None and not self.fenced and \
+                now - self._state_at >= self.config.beat_s:
+            self._publish_state(self._state)
         if self.messenger.tick_trust(now):
             # Statuses of identities the old roster did not know were dropped: take them again.
             self.transport.unsubscribe(Topics.ALL_STATUS)
@@ -695,8 +711,9 @@ class Controller:
 
     def _publish_state(self, state: ControllerStatus) -> None:
         known = self.model is not None
+        self._state, self._state_at = state, self.clock()
         self.out.state(ControllerState(state, self.job, self.phase,
                                        self.central.latest_complete() if known else None,
                                        dict(self.capacity.factors) if known else {},
-                                       self.config.term),
+                                       self.config.term, self.config.beat_s),
                        self.summary.steps)

@@ -9,6 +9,15 @@ the failure. An old leader that comes back and sees a newer term stops without p
 anything (fenced); devices follow the newest term only (``device.trust.PlanGate``). This is the
 etcd / Kubernetes lease idea on MQTT: the retained state is the lease record, the Last Will its
 expiry.
+
+A hung leader (stopped, or its decision loop stuck while paho's network thread keeps the
+connection alive) is seen without the Will: the leader republishes its state every ``beat_s``
+from the loop that makes its decisions (the state says how often), and a standby that hears
+nothing of a live leader for ``SILENT_BEATS`` beats takes over, on its own clock. The beat is a
+quarter of the MQTT keepalive, so the silence is the broker's own 1.5x the keepalive, without
+waiting for the broker's sweep to notice it (Mosquitto fired the Will of a stopped leader 5.6 s
+after a 2 s keepalive). The old leader's Will may then come after the take-over, with its older
+term: the new leader publishes its state again, so the retained record stays the newest term's.
 """
 
 from __future__ import annotations
@@ -19,6 +28,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ftpipe_iot.protocol.vocab import ControllerStatus
+
+# the beats a standby waits for before it takes over from a silent live leader: with the beat
+# at a quarter of the keepalive, 1.5x the keepalive, MQTT's rule for a silent client
+SILENT_BEATS = 6
 
 
 class LeaseVerdict(str, Enum):
@@ -44,6 +57,8 @@ class LeaseWatch:
     seen: bool = False
     live: bool = False  # the newest state seen says its leader is at work
     clock: Callable[[], float] = time.time
+    beat_s: float = 0.0  # how often the live leader promised its state (0: no promise)
+    heard_at: float = 0.0  # when its state came last, on ``clock``
 
     def next_term(self) -> int:
         """The term to lead with: newer than any seen, and than any issued before now (terms
@@ -51,18 +66,30 @@ class LeaseWatch:
         one)."""
         return max(self.term + 1, int(self.clock()))
 
-    def observe(self, status: ControllerStatus, term: int) -> LeaseDecision:
-        """The standby's decision after the retained state says ``status`` under ``term``."""
+    def observe(self, status: ControllerStatus, term: int, beat_s: float = 0.0
+                ) -> LeaseDecision:
+        """The standby's decision after the retained state says ``status`` under ``term``;
+        ``beat_s``: how often its leader republishes it."""
         if term < self.term:
             return LeaseDecision(LeaseVerdict.WAIT)  # an older leader's late word
         self.term, self.seen = term, True
         self.live = status not in (ControllerStatus.OFFLINE, ControllerStatus.DONE,
                                    ControllerStatus.FAILED)
+        self.beat_s, self.heard_at = beat_s, self.clock()
         if status is ControllerStatus.OFFLINE:
             return LeaseDecision(LeaseVerdict.TAKE_OVER, self.next_term())
         if status in (ControllerStatus.DONE, ControllerStatus.FAILED):
             return LeaseDecision(LeaseVerdict.JOB_ENDED, self.next_term(),
                                  done=status is ControllerStatus.DONE)
+        return LeaseDecision(LeaseVerdict.WAIT)
+
+    def silence(self) -> LeaseDecision:
+        """TAKE_OVER when the live leader promised beats and none came for ``SILENT_BEATS``
+        of them (it hangs: its Will is still to come); WAIT otherwise."""
+        if self.live and self.beat_s > 0 and \
+                self.clock() - self.heard_at > SILENT_BEATS * self.beat_s:
+            self.live = False
+            return LeaseDecision(LeaseVerdict.TAKE_OVER, self.next_term())
         return LeaseDecision(LeaseVerdict.WAIT)
 
 

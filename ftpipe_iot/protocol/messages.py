@@ -99,7 +99,9 @@ class Command:
 class ControllerState:
     """The controller's retained state: status, phase, step (in the envelope), newest complete
     checkpoint version, the capacity factor of each device, and the leader's term (the lease,
-    control/lease.py: a standby takes over with the next term; older terms are fenced)."""
+    control/lease.py: a standby takes over with the next term; older terms are fenced).
+    ``beat_s``: the leader publishes its state at least this often while it leads (0: only
+    when it changes), so a standby sees a hung leader without waiting for its Last Will."""
 
     KIND: ClassVar[MessageKind] = MessageKind.STATE
     state: ControllerStatus
@@ -108,12 +110,13 @@ class ControllerState:
     complete_version: int | None = None
     capacities: dict[str, float] = field(default_factory=dict)
     term: int = 0
+    beat_s: float = 0.0
 
     def to_body(self) -> dict[str, Any]:
         return {"state": self.state.value, "job": self.job,
                 "phase": None if self.phase is None else self.phase.value,
                 "complete_version": self.complete_version, "capacities": dict(self.capacities),
-                "term": self.term}
+                "term": self.term, "beat_s": self.beat_s}
 
     @classmethod
     def from_body(cls, raw: object) -> ControllerState:
@@ -121,7 +124,7 @@ class ControllerState:
         phase = f.enum("phase", ControllerPhase) if f.raw.get("phase") is not None else None
         return cls(f.enum("state", ControllerStatus), f.str("job"), phase,
                    f.optional_int("complete_version", low=0), f.numbers("capacities"),
-                   f.int("term", 0, low=0))
+                   f.int("term", 0, low=0), f.float("beat_s", 0.0, low=0.0))
 
 
 @dataclass(frozen=True)

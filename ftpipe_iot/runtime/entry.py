@@ -112,6 +112,12 @@ def watch_lease(broker: BrokerConfig, job: str, watch: LeaseWatch, client_id: st
             try:
                 incoming = transport.inbox.get(timeout=0.2)
             except queue.Empty:
+                silent = watch.silence() if wait else LeaseDecision(LeaseVerdict.WAIT)
+                if silent.verdict is LeaseVerdict.TAKE_OVER:
+                    log.warning("the leader of job %s (term %d) has published nothing for "
+                                "%.1f s: it hangs", job, watch.term,
+                                watch.clock() - watch.heard_at)
+                    return silent
                 continue
             if incoming.topic == topics.probe:
                 if incoming.payload == probe:
@@ -121,7 +127,8 @@ def watch_lease(broker: BrokerConfig, job: str, watch: LeaseWatch, client_id: st
             if inbound is None or inbound.sender != leader or \
                     not isinstance(inbound.message, ControllerState):
                 continue
-            decision = watch.observe(inbound.message.state, inbound.message.term)
+            decision = watch.observe(inbound.message.state, inbound.message.term,
+                                     inbound.message.beat_s)
             if decision.verdict is not LeaseVerdict.WAIT:
                 return decision
         return LeaseDecision(LeaseVerdict.WAIT, watch.next_term())
@@ -216,10 +223,12 @@ def _prepare_in_advance(config: ControllerConfig) -> JobModel | None:
 
 def _lead(controller: Controller, term: int, credentials: Credentials | None,
           summary_path: Path | None) -> RunSummary:
-    """Run ``controller`` with lease ``term`` (its state and its Last Will carry it)."""
-    controller.config = replace(controller.config, term=term)
+    """Run ``controller`` with lease ``term`` (its state and its Last Will carry it), its
+    state beating at a quarter of the keepalive (control/lease.py)."""
     transport = controller.transport
     assert isinstance(transport, MqttTransport)
+    controller.config = replace(controller.config, term=term,
+                                beat_s=transport.config.keepalive_s / 4)
     transport.will = controller_will(controller.job, credentials, term)
     stop = threading.Event()
 
