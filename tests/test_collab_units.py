@@ -463,3 +463,48 @@ def test_the_global_model_starts_from_the_given_weights(tmp_path):
     (tmp_path / "bad.pt").write_bytes(b"not a model")
     with pytest.raises(ModelError, match="--init-from"):
         coordinator(tmp_path / "bad.pt")
+
+
+def test_the_coordinator_beats_and_keeps_the_lease_record_its_own():
+    """As the pipeline's controller (control/lease.py): the state again every beat from the
+    coordinator's loop, and again at once when an older leader's late Will replaced it."""
+    from prometheus_client import CollectorRegistry
+
+    from ftpipe_iot.collab.config import CollabConfig
+    from ftpipe_iot.collab.coordinator import Coordinator
+    from ftpipe_iot.protocol.messages import ControllerState
+    from ftpipe_iot.protocol.topics import Topics
+    from ftpipe_iot.protocol.vocab import ControllerStatus
+    from ftpipe_iot.transport.memory import MemoryBroker
+
+    now = [50.0]
+    broker = MemoryBroker()
+    config = CollabConfig(devices=1, train=TrainConfig(model=ModelSpec("cnn")), term=9,
+                          beat_s=0.5)
+    coordinator = Coordinator("j", config, broker.transport("controller"), CollectorRegistry(),
+                              clock=lambda: now[0], data=load_dataset(DataSpec("digits")))
+    coordinator.start()
+
+    def retained() -> ControllerState:
+        message = decode_message(decode(broker.retained[Topics("j").state])).message
+        assert isinstance(message, ControllerState)
+        return message
+
+    assert (retained().term, retained().beat_s) == (9, 0.5)
+    listener = broker.transport("listener")
+    listener.connect()
+    listener.subscribe(Topics("j").state)
+    while not listener.inbox.empty():
+        listener.inbox.get()
+    coordinator.tick()
+    assert listener.inbox.empty()
+    now[0] += 0.5
+    coordinator.tick()
+    assert not listener.inbox.empty()  # the beat
+    listener.publish(Topics("j").state, encode(envelope(
+        ControllerState(ControllerStatus.OFFLINE, "j", term=8), "j", "coordinator"))[0],
+        retain=True)
+    assert retained().term == 8
+    while not coordinator.transport.inbox.empty():
+        coordinator.handle(coordinator.transport.inbox.get())
+    assert retained().term == 9 and not coordinator.fenced

@@ -48,6 +48,8 @@ class CollabConfig:
     standby_servers: int = 0
     resume: bool = False
     term: int = 1
+    # the lease's heartbeat: the state is republished at least this often (0: on changes only)
+    beat_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode is CollabMode.PIPELINE:

@@ -141,6 +141,9 @@ class Coordinator:
                                    options=WireOptions(compress=config.train.compress),
                                    credentials=credentials)
         self.clock = clock
+        # the state last published and when: republished every ``beat_s`` (control/lease.py)
+        self._state: ControllerStatus | None = None
+        self._state_at = 0.0
         self.fenced = False  # another coordinator took the lease (a newer term): publish nothing
         self.recorder = CollabRecorder(job, config.mode.value, self.metrics,
                                        progress or SilentProgress(), self._publish_event, clock)
@@ -294,12 +297,16 @@ class Coordinator:
             self._on_report(sender, inbound.step, message)
 
     def _on_state(self, sender: str, state: ControllerState) -> None:
-        """A coordinator state on our topic: ours echoed back, or a newer leader's (fenced)."""
-        if sender == COORDINATOR_NAME and fenced(self.config.term, state.term) \
-                and not self.finished:
+        """A coordinator state on our topic: ours echoed back, a newer leader's (fenced), or
+        an older leader's late Last Will, which must not stay the retained record."""
+        if sender != COORDINATOR_NAME or self.finished:
+            return
+        if fenced(self.config.term, state.term):
             self.fenced = True
             self.fail(f"fenced: another coordinator leads job {self.job} with term "
                       f"{state.term} (ours: {self.config.term}); this one stops")
+        elif state.term < self.config.term and self._state is not None:
+            self._publish_state(self._state)
 
     def _on_status(self, device: str, online: bool) -> None:
         if device in self.server_online:
@@ -494,6 +501,9 @@ class Coordinator:
     # -- periodic -------------------------------------------------------------------------------
     def tick(self) -> None:
         now = self.clock()
+        if self.config.beat_s > 0 and self._state is not None and not self.fenced and \
+                not self.finished and now - self._state_at >= self.config.beat_s:
+            self._publish_state(self._state)  # the lease's beat, from the deciding loop
         if self.messenger.tick_trust(now):
             # Statuses of identities the old roster did not know were dropped: take them again.
             self.transport.unsubscribe(Topics.ALL_STATUS)
@@ -747,9 +757,10 @@ class Coordinator:
     # -- publishing -----------------------------------------------------------------------------
     def _publish_state(self, state: ControllerStatus) -> None:
         capacities = {n: o.factor for n, o in self.offers.items()}
+        self._state, self._state_at = state, self.clock()
         self.messenger.send(self.topics.state,
                             ControllerState(state, self.job, self.phase, None, capacities,
-                                            self.config.term),
+                                            self.config.term, self.config.beat_s),
                             self.plan.version if self.plan else 0, self._fleet_iteration(),
                             retain=True)
 

@@ -145,9 +145,10 @@ def _lead(coordinator: Coordinator, term: int, credentials: Credentials | None,
           summary_path: Path | None) -> CollabSummary:
     """Run ``coordinator`` with lease ``term`` (its state, its rounds and its Last Will carry
     it)."""
-    coordinator.config = replace(coordinator.config, term=term)
     transport = coordinator.transport
     assert isinstance(transport, MqttTransport)
+    coordinator.config = replace(coordinator.config, term=term,
+                                 beat_s=transport.config.keepalive_s / 4)
     transport.will = coordinator_will(coordinator.job, credentials, term)
     _on_signals(coordinator.interrupt)
     try:
