@@ -53,6 +53,17 @@ class MemoryJob:
         return self.controller.phase
 
 
+def quiet_listener(broker: MemoryBroker, topic: str):
+    """A client of ``broker`` subscribed to ``topic``, with what the broker retains there
+    already taken: its inbox holds only what is published from now on."""
+    listener = broker.transport("listener")
+    listener.connect()
+    listener.subscribe(topic)
+    while not listener.inbox.empty():
+        listener.inbox.get()
+    return listener
+
+
 def max_weight_diff(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> float:
     """Largest absolute difference between two per-layer weight lists (same keys required)."""
     assert len(a) == len(b), f"{len(a)} layers vs {len(b)}"

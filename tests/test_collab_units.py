@@ -468,6 +468,7 @@ def test_the_global_model_starts_from_the_given_weights(tmp_path):
 def test_the_coordinator_beats_and_keeps_the_lease_record_its_own():
     """As the pipeline's controller (control/lease.py): the state again every beat from the
     coordinator's loop, and again at once when an older leader's late Will replaced it."""
+    from helpers import quiet_listener
     from prometheus_client import CollectorRegistry
 
     from ftpipe_iot.collab.config import CollabConfig
@@ -491,11 +492,7 @@ def test_the_coordinator_beats_and_keeps_the_lease_record_its_own():
         return message
 
     assert (retained().term, retained().beat_s) == (9, 0.5)
-    listener = broker.transport("listener")
-    listener.connect()
-    listener.subscribe(Topics("j").state)
-    while not listener.inbox.empty():
-        listener.inbox.get()
+    listener = quiet_listener(broker, Topics("j").state)
     coordinator.tick()
     assert listener.inbox.empty()
     now[0] += 0.5

@@ -10,7 +10,7 @@ import signal
 import time
 
 import pytest
-from helpers import max_weight_diff
+from helpers import max_weight_diff, quiet_listener
 from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.control.config import ControllerConfig
@@ -84,11 +84,7 @@ def test_the_leader_beats_from_its_loop_and_keeps_the_lease_record_its_own():
     controller.start()
     state = _retained_state(broker)
     assert (state.state, state.term, state.beat_s) == (ControllerStatus.ONLINE, 7, 0.5)
-    listener = broker.transport("listener")
-    listener.connect()
-    listener.subscribe(Topics("t").state)
-    while not listener.inbox.empty():
-        listener.inbox.get()
+    listener = quiet_listener(broker, Topics("t").state)
     controller.tick()
     assert listener.inbox.empty()  # nothing to say yet
     now[0] += 0.5  # a beat later, waiting for devices, nothing changed: the state again
