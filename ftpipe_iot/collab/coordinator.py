@@ -54,7 +54,7 @@ from ftpipe_iot.collab.rounds import (
     round_spans,
 )
 from ftpipe_iot.collab.summary import CollabRecorder, CollabSummary
-from ftpipe_iot.control.lease import fenced
+from ftpipe_iot.control.lease import LeaseBeat, fenced
 from ftpipe_iot.control.summary import INTERRUPTED
 from ftpipe_iot.core.data import Dataset, load_dataset
 from ftpipe_iot.core.models import build_layers, cut_shapes
@@ -141,9 +141,7 @@ class Coordinator:
                                    options=WireOptions(compress=config.train.compress),
                                    credentials=credentials)
         self.clock = clock
-        # the state last published and when: republished every ``beat_s`` (control/lease.py)
-        self._state: ControllerStatus | None = None
-        self._state_at = 0.0
+        self.beat = LeaseBeat()  # the lease's beat, every config.beat_s (control/lease.py)
         self.fenced = False  # another coordinator took the lease (a newer term): publish nothing
         self.recorder = CollabRecorder(job, config.mode.value, self.metrics,
                                        progress or SilentProgress(), self._publish_event, clock)
@@ -305,8 +303,10 @@ class Coordinator:
             self.fenced = True
             self.fail(f"fenced: another coordinator leads job {self.job} with term "
                       f"{state.term} (ours: {self.config.term}); this one stops")
-        elif state.term < self.config.term and self._state is not None:
-            self._publish_state(self._state)
+        else:
+            ours = self.beat.to_restore(self.config.term, state.term)
+            if ours is not None:
+                self._publish_state(ours)
 
     def _on_status(self, device: str, online: bool) -> None:
         if device in self.server_online:
@@ -501,9 +501,9 @@ class Coordinator:
     # -- periodic -------------------------------------------------------------------------------
     def tick(self) -> None:
         now = self.clock()
-        if self.config.beat_s > 0 and self._state is not None and not self.fenced and \
-                not self.finished and now - self._state_at >= self.config.beat_s:
-            self._publish_state(self._state)  # the lease's beat, from the deciding loop
+        beat = None if self.fenced or self.finished else self.beat.due(now, self.config.beat_s)
+        if beat is not None:
+            self._publish_state(beat)  # the lease's beat, from the deciding loop
         if self.messenger.tick_trust(now):
             # Statuses of identities the old roster did not know were dropped: take them again.
             self.transport.unsubscribe(Topics.ALL_STATUS)
@@ -757,7 +757,7 @@ class Coordinator:
     # -- publishing -----------------------------------------------------------------------------
     def _publish_state(self, state: ControllerStatus) -> None:
         capacities = {n: o.factor for n, o in self.offers.items()}
-        self._state, self._state_at = state, self.clock()
+        self.beat.published(state, self.clock())
         self.messenger.send(self.topics.state,
                             ControllerState(state, self.job, self.phase, None, capacities,
                                             self.config.term, self.config.beat_s),

@@ -22,7 +22,7 @@ from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.failures import FailureAction, FailureFacts, respond_to_failure
 from ftpipe_iot.control.forecast import predict
 from ftpipe_iot.control.job import JobModel, prepare_job
-from ftpipe_iot.control.lease import fenced
+from ftpipe_iot.control.lease import LeaseBeat, fenced
 from ftpipe_iot.control.liveness import Failure, LivenessTracker
 from ftpipe_iot.control.outbox import JobOutbox
 from ftpipe_iot.control.pacer import ReplicationPacer
@@ -125,9 +125,7 @@ class Controller:
         self._failures_in_a_row = 0
         self._resume_settle: float | None = None
         self.fenced = False  # another controller took the lease (a newer term): publish nothing
-        # the state last published and when: republished every ``beat_s`` (the lease's beat)
-        self._state: ControllerStatus | None = None
-        self._state_at = 0.0
+        self.beat = LeaseBeat()  # the lease's beat, every config.beat_s (control/lease.py)
         self._since: int | None = None
         # devices of the plan whose failure peers covered: not watched until the next plan
         self.excluded: set[str] = set()
@@ -288,11 +286,12 @@ class Controller:
             self.fenced = True
             self.fail(f"fenced: another controller leads job {self.job} with term "
                       f"{state.term} (ours: {self.config.term}); this one stops")
-        elif state.term < self.config.term and self._state is not None and \
-                self.phase not in (Phase.DONE, Phase.FAILED):
-            log.info("an older leader's state (term %d, %s) replaced ours: publishing ours "
-                     "again", state.term, state.state.value)
-            self._publish_state(self._state)
+        elif self.phase not in (Phase.DONE, Phase.FAILED):
+            ours = self.beat.to_restore(self.config.term, state.term)
+            if ours is not None:
+                log.info("an older leader's state (term %d, %s) replaced ours: publishing "
+                         "ours again", state.term, state.state.value)
+                self._publish_state(ours)
 
     def _on_status(self, inbound: Inbound, status: DeviceStatus) -> None:
         device = Topics.device_of(inbound.topic)
@@ -395,9 +394,9 @@ class Controller:
         beat (from here, so a leader whose decisions hang stops beating)."""
         now = self.clock()
         self.tracer.tick()
-        if self.config.beat_s > 0 and self._state is not None and not self.fenced and \
-                now - self._state_at >= self.config.beat_s:
-            self._publish_state(self._state)
+        beat = None if self.fenced else self.beat.due(now, self.config.beat_s)
+        if beat is not None:
+            self._publish_state(beat)
         if self.messenger.tick_trust(now):
             # Statuses of identities the old roster did not know were dropped: take them again.
             self.transport.unsubscribe(Topics.ALL_STATUS)
@@ -711,7 +710,7 @@ class Controller:
 
     def _publish_state(self, state: ControllerStatus) -> None:
         known = self.model is not None
-        self._state, self._state_at = state, self.clock()
+        self.beat.published(state, self.clock())
         self.out.state(ControllerState(state, self.job, self.phase,
                                        self.central.latest_complete() if known else None,
                                        dict(self.capacity.factors) if known else {},

@@ -93,6 +93,30 @@ class LeaseWatch:
         return LeaseDecision(LeaseVerdict.WAIT)
 
 
+@dataclass
+class LeaseBeat:
+    """A leader's side of the lease: the state it published last and when, so its decision
+    loop publishes it again every beat, and again at once when an older leader's late Will
+    replaced it as the retained record."""
+
+    status: ControllerStatus | None = None
+    at: float = 0.0
+
+    def published(self, status: ControllerStatus, now: float) -> None:
+        self.status, self.at = status, now
+
+    def due(self, now: float, beat_s: float) -> ControllerStatus | None:
+        """The state to publish again now for a beat every ``beat_s`` (0: never), or None."""
+        if beat_s > 0 and self.status is not None and now - self.at >= beat_s:
+            return self.status
+        return None
+
+    def to_restore(self, own_term: int, seen_term: int) -> ControllerStatus | None:
+        """The state to publish again after a state of ``seen_term`` came on our topic: ours,
+        when an older leader's word replaced it; None otherwise."""
+        return self.status if seen_term < own_term else None
+
+
 def fenced(own_term: int, seen_term: int) -> bool:
     """Whether a leader of ``own_term`` must stop: another took the lease with a newer term."""
     return seen_term > own_term
