@@ -3,9 +3,12 @@
 * ``frames``: per message of each size, encoding with and without a signature, and decoding
   with and without verification (one process, the wire module and the messenger's check;
   messages above 256 KiB are chunks, each signed and verified on its own);
-* ``demo``: the digits demo (`ftpipe-iot demo` defaults, CNN, 3 devices), signed against
-  ``--insecure-unsigned``, runs alternated; samples/s and the signing and verifying seconds
-  every process reported (heartbeats, the summary);
+* ``demo``: the digits demo (`ftpipe-iot demo` defaults, CNN, 3 devices, 6 epochs), signed
+  against ``--insecure-unsigned``, runs alternated; the layout is pinned to the pipeline the
+  demo's ``auto`` usually picks (which layout ``auto`` picks on identical devices is the host's
+  noise, and a group against a pipeline would measure the layout, not the signatures);
+  samples/s, the signing and verifying seconds every process reported (heartbeats, the
+  summary) and where they go, per direction and message kind;
 * ``mobilenetv2``: full-width MobileNetV2, 4 equal devices on the split of benchmarks/speed.py
   (micro-batches of 32, M = 8), signed against unsigned, alternated; samples/s after the
   warm-up and the signing seconds as a share of the CPU seconds every process used.
@@ -96,7 +99,9 @@ def frames() -> list[dict]:
     return rows
 
 
-def demo(pairs: int) -> dict:
+def demo(pairs: int, epochs: int) -> dict:
+    from ftpipe_iot.planning.layouts import Layout
+    from ftpipe_iot.protocol.plan import TrainConfig
     from ftpipe_iot.runtime.demo import Demo, DemoOptions
 
     runs: dict[str, list[dict]] = {"signed": [], "unsigned": []}
@@ -104,19 +109,34 @@ def demo(pairs: int) -> dict:
         for signed in (True, False):
             label = "signed" if signed else "unsigned"
             before = loadavg()
-            summary = Demo(DemoOptions(work_dir=Path(tempfile.mkdtemp(prefix="sign-demo-")),
-                                       signed=signed)).run()
+            options = DemoOptions(work_dir=Path(tempfile.mkdtemp(prefix="sign-demo-")),
+                                  signed=signed, layout=Layout.PIPELINE,
+                                  train=TrainConfig(epochs=epochs))
+            summary = Demo(options).run()
             crypto = summary.get("crypto_s", 0.0) + sum(
                 t.get("crypto_s", 0.0) for t in summary["device_traffic"].values())
             runs[label].append({"samples_per_s": summary["samples_per_s"],
                                 "steps": summary["steps"], "train_s": summary["train_s"],
                                 "crypto_s": round(crypto, 4),
                                 "crypto_s_per_step": crypto / max(1, summary["steps"]),
+                                "crypto_ms_per_step_by_kind": _by_kind(summary),
                                 "test_accuracy": summary["test_accuracy"],
                                 "loadavg_before": before, "loadavg_after": loadavg()})
             say(f"demo {label} #{index}: {summary['samples_per_s']:.0f} samples/s, "
                 f"crypto {crypto:.3f} s")
     return _compare(runs)
+
+
+def _by_kind(summary: dict) -> dict[str, float]:
+    """Milliseconds per step of signing and verifying, per direction and message kind, summed
+    over the job's processes (``crypto_by_kind`` of the summary), largest first."""
+    steps = max(1, summary["steps"])
+    totals: dict[str, float] = {}
+    for kinds in summary.get("crypto_by_kind", {}).values():
+        for key, (seconds, _frames) in kinds.items():
+            totals[key] = totals.get(key, 0.0) + seconds
+    return {key: round(1e3 * seconds / steps, 4)
+            for key, seconds in sorted(totals.items(), key=lambda item: -item[1])}
 
 
 def mobilenetv2(pairs: int, steps: int, warmup: int) -> dict:
@@ -187,6 +207,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["frames", "demo", "mobilenetv2"], default=None)
     parser.add_argument("--pairs", type=int, default=3, help="signed/unsigned runs of each job")
     parser.add_argument("--steps", type=int, default=6, help="MobileNetV2 timed steps per run")
+    parser.add_argument("--demo-epochs", type=int, default=6,
+                        help="epochs of each demo run (the CLI demo's default)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent /
                         "results" / "signing.json")
@@ -195,7 +217,7 @@ def main() -> None:
     if args.only in (None, "frames"):
         results["frames"] = frames()
     if args.only in (None, "demo"):
-        results["demo"] = demo(args.pairs)
+        results["demo"] = demo(args.pairs, args.demo_epochs)
     if args.only in (None, "mobilenetv2"):
         results["mobilenetv2"] = mobilenetv2(max(1, args.pairs - 1), args.steps, args.warmup)
     results["loadavg_end"] = loadavg()

@@ -380,3 +380,49 @@ def test_any_change_to_a_tagged_frame_is_refused(change, tmp_path):
     Reassembler(authenticate=check).feed(frame)  # the untouched frame passes
     with pytest.raises(BadSignature):
         Reassembler(authenticate=check).feed(_tamper(frame, **change))
+
+
+def test_a_replica_is_tagged_for_the_controller_and_signed_for_a_later_reader(tmp_path):
+    keys = LocalKeys(tmp_path)
+    paths = {name: keys.key_path(name) for name in ("controller", "dev0", "dev1")}
+    broker = MemoryBroker()
+    controller, dev0, replacement = (
+        _Process(broker, name, Credentials.load(paths[name], keys.roster_path))
+        for name in ("controller", "dev0", "dev1"))
+    topics = Topics(JOB)
+    topic = f"{topics.weights(0)}/0"
+    replica = LayerReplica(0, 10, {"w": np.arange(6, dtype=np.float32)}, None)
+    dev0.messenger.send_replica(topics, 1, replica, receivers=("controller",))
+    frame = broker.retained[topic]
+    assert {"mac", "sg"} <= set(msgpack.unpackb(frame, raw=False))
+    # A broken signature shows who checks what: the controller its tag (microseconds), a
+    # replacement device, which no tag names, the signature.
+    broker.retained[topic] = _tamper(frame, sg=bytes(64))
+    controller.transport.subscribe(topics.weights_all)
+    replacement.transport.subscribe(topics.weights_all)
+    assert [i.message.version for i in controller.received()] == [10]
+    assert replacement.received() == [] and replacement.dropped("bad_signature") == 1
+    broker.retained[topic] = frame
+    replacement.transport.unsubscribe(topics.weights_all)
+    replacement.transport.subscribe(topics.weights_all)
+    assert [i.message.version for i in replacement.received()] == [10]
+
+
+def test_what_signatures_cost_is_counted_per_direction_and_kind(tmp_path):
+    keys = LocalKeys(tmp_path)
+    broker = MemoryBroker()
+    sender, receiver = (_Process(broker, name, Credentials.load(keys.key_path(name),
+                                                                keys.roster_path))
+                        for name in ("dev0", "dev1"))
+    unsigned = _Process(broker, "dev2", Credentials.unsigned())
+    topic = Topics(JOB).stage_act(1, "dev1")
+    receiver.transport.subscribe(topic)
+    for _ in range(3):
+        sender.messenger.send(topic, Heartbeat(queue_depth=1), receivers=("dev1",))
+    unsigned.messenger.send(topic, Heartbeat(queue_depth=2))
+    assert len(receiver.received()) == 3  # the unsigned one is dropped
+    assert sender.messenger.crypto_frames == {"sent/hb": 3}
+    assert receiver.messenger.crypto_frames == {"received/hb": 4}  # the drop was checked too
+    assert sender.messenger.crypto_by_kind["sent/hb"] > 0
+    assert unsigned.messenger.crypto_frames == {}
+    assert sender.metrics.crypto_seconds.labels(direction="sent", kind="hb")._value.get() > 0

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.control.central import CentralReplicas
 from ftpipe_iot.control.config import ControllerConfig
+from ftpipe_iot.control.curvature_watch import CurvatureWatch
 from ftpipe_iot.control.failures import FailureAction, FailureFacts, respond_to_failure
 from ftpipe_iot.control.forecast import predict
 from ftpipe_iot.control.job import JobModel, prepare_job
@@ -81,6 +82,9 @@ log = logging.getLogger("ftpipe_iot.controller")
 
 Phase = ControllerPhase
 _ACTIVE = (Phase.DEPLOYING, Phase.TRAINING, Phase.REPLICATING)
+# at the job's end, how long to wait for a curvature probe still under way (its reading goes
+# in the summary); a probe of a large model that needs longer is left out
+_CURVATURE_WAIT_S = 2.0
 
 
 class Controller:
@@ -134,6 +138,7 @@ class Controller:
         # what a step of a plan takes, fitted to the plans measured (``planning.calibration``)
         self.step_model = StepModel(max_in_flight=config.train.max_in_flight)
         self.model: JobModel | None = None
+        self.curvature: CurvatureWatch | None = None
         if not config.resume:
             self._setup(config.train)
 
@@ -157,6 +162,12 @@ class Controller:
             # Version 0 is the given weights (fresh optimizer state), not the seed's.
             self.central.start_from(self.config.init_from)
         self.capacity = CapacityEstimator.for_costs(self.model.cost_model)
+        if self.curvature is not None:
+            self.curvature.close()
+        # is the learning rate inside the schedule's stable region? (control/curvature_watch.py)
+        self.curvature = CurvatureWatch(self.model)
+        if self.curvature.why_off is not None:
+            log.info("%s", self.curvature.why_off)
 
     @property
     def data(self) -> Dataset:
@@ -196,6 +207,8 @@ class Controller:
             serve(self.transport.inbox, self.handle, self.tick,
                   lambda: self.phase in (Phase.DONE, Phase.FAILED), poll_s)
         finally:
+            if self.curvature is not None:
+                self.curvature.close()
             self.recorder.progress.close()
             if not self.fenced:  # the lease is another's: its retained state stays
                 self._publish_state(ControllerStatus.DONE if self.phase is Phase.DONE
@@ -367,6 +380,8 @@ class Controller:
             return  # before our first plan, or a left-over of an earlier run of this job name
         if not self.central.offer(replica):
             return
+        if self.central.complete(replica.version):
+            self._probe_curvature(replica.version)
         if self._resume_settle is not None:
             self._resume_settle = self.clock()
         replan = self.replanner.pending
@@ -401,6 +416,9 @@ class Controller:
             # Statuses of identities the old roster did not know were dropped: take them again.
             self.transport.unsubscribe(Topics.ALL_STATUS)
             self.transport.subscribe(Topics.ALL_STATUS)
+        if self.curvature is not None:
+            for reading in self.curvature.readings_ready():
+                self.recorder.curvature_read(reading, self.train)
         if self.phase is Phase.RESUMING:
             self._tick_resume(now)
         elif self.phase is Phase.WAITING_DEVICES:
@@ -480,6 +498,7 @@ class Controller:
         self.out.plan(self.plan)
         self.recorder.plan_changed(self.plan, self.roster.online)
         self._predict(self.plan.stages, resume_step)
+        self._probe_curvature(resume_step)
 
     def _start_training(self) -> None:
         assert self.plan is not None and self.model is not None
@@ -588,6 +607,20 @@ class Controller:
         else:
             current = list(self.plan.devices) if self.plan else []
             self._deploy(self.roster.for_recovery(current), version)
+
+    def _probe_curvature(self, version: int) -> None:
+        """Measure the loss's curvature on the weights of ``version`` when one is due (the
+        start of training, then about once an epoch): in the background."""
+        watch = self.curvature
+        if watch is None or self.plan is None or not watch.due(version):
+            return
+        if self.central.complete(version):
+            weights = self.central.weights_at(version)
+        elif version == 0:
+            weights = None  # the seed's initial weights, which every stage starts from
+        else:
+            return
+        watch.probe(version, version, self.plan.stages, weights)
 
     # -- feeding --------------------------------------------------------------------------------
     def _feed(self, batch: Activation, step: int, index: int, device: str) -> None:
@@ -700,6 +733,11 @@ class Controller:
             for device in sorted(self.roster.online | set(self.plan.devices)):
                 self.out.command(device, Command(CommandOp.SHUTDOWN))
         self.summary.crypto_s = round(self.messenger.crypto_s, 6)
+        if self.curvature is not None:
+            for reading in self.curvature.readings_ready(wait_s=_CURVATURE_WAIT_S):
+                self.recorder.curvature_read(reading, self.train)
+        self.recorder.crypto_by_kind(self.messenger.name, self.messenger.crypto_by_kind,
+                                     self.messenger.crypto_frames)
         self.recorder.job_done(self.messenger.drops.counts)
         self.phase = Phase.DONE
 

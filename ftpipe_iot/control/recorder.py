@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from ftpipe_iot.control.curvature_watch import CurvatureReading, describe_reading
 from ftpipe_iot.control.forecast import ForecastCheck, Prediction
 from ftpipe_iot.control.liveness import Failure
 from ftpipe_iot.control.summary import RunSummary, ThroughputMeter
@@ -17,7 +18,7 @@ from ftpipe_iot.observability.progress import ProgressReporter
 from ftpipe_iot.planning.calibration import Calibration
 from ftpipe_iot.planning.replication import ReplicationChoice
 from ftpipe_iot.protocol.messages import Event, Heartbeat
-from ftpipe_iot.protocol.plan import Plan, StageAssignment
+from ftpipe_iot.protocol.plan import Plan, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.vocab import DropReason, EventType
 
 
@@ -54,6 +55,7 @@ class Recorder:
         self._publish = publish
         self._clock = clock
         self._started = clock()
+        self._curvature_stable = True  # the last curvature reading was inside the region
 
     @property
     def elapsed_s(self) -> float:
@@ -150,6 +152,20 @@ class Recorder:
             f"{calibration.measured_step_s or 0:.4f} s"
             + (f", {before:+.0%} off without it)" if before is not None else ")"))
 
+    def curvature_read(self, reading: CurvatureReading, train: TrainConfig) -> None:
+        """A curvature probe's reading: in the summary and the metrics; said when it is the
+        first one (before training, on the initial weights) and whenever the curvature leaves
+        the stable region (once per crossing: a warning, not a line per epoch)."""
+        self.summary.curvature.append(reading.to_dict())
+        self.metrics.loss_curvature.set(reading.curvature.value)
+        self.metrics.stable_curvature.set(reading.verdict.largest_stable)
+        first = len(self.summary.curvature) == 1
+        crossed = not reading.verdict.stable and self._curvature_stable
+        self._curvature_stable = reading.verdict.stable
+        if first or crossed:
+            self.progress.message(("warning: " if crossed else "")
+                                  + describe_reading(reading, train))
+
     def epoch_evaluated(self, result: EpochResult) -> None:
         self.summary.test_accuracy, self.summary.test_loss = result.accuracy, result.loss
         self.summary.epochs = result.epoch + 1
@@ -228,6 +244,14 @@ class Recorder:
     def devices_online(self, count: int) -> None:
         self.metrics.devices_online.set(count)
 
+    def crypto_by_kind(self, process: str, seconds: dict[str, float],
+                       frames: dict[str, int]) -> None:
+        """What signing and verifying cost ``process``, per direction and message kind."""
+        if seconds:
+            self.summary.crypto_by_kind[process] = {
+                key: [round(value, 6), frames.get(key, 0)]
+                for key, value in sorted(seconds.items())}
+
     def heartbeat(self, device: str, beat: Heartbeat) -> None:
         self.metrics.fleet.update(device, heartbeat_unix_s=time.time(),
                                   step_compute_s=beat.compute_s)
@@ -235,6 +259,7 @@ class Recorder:
             "sent_bytes": beat.sent_bytes, "received_bytes": beat.received_bytes,
             "takeovers": beat.takeovers, "late": beat.drops.get(DropReason.LATE.value, 0),
             "crypto_s": round(beat.crypto_s, 6)}
+        self.crypto_by_kind(device, beat.crypto_by_kind, beat.crypto_frames)
         if beat.link_bytes_per_s > 0:
             self.summary.device_links[device] = {"bytes_per_s": beat.link_bytes_per_s,
                                                  "latency_s": beat.link_latency_s}

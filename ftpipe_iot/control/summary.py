@@ -33,6 +33,9 @@ class RunSummary:
     layout_reverts: int = 0  # layer moves taken back because they measured slower
     # the step model fitted to measured plans (``planning.calibration``), in order
     calibrations: list[dict] = field(default_factory=list)
+    # the loss's largest curvature against the schedule's stable region, at the start and
+    # about once an epoch (control/curvature_watch.py)
+    curvature: list[dict] = field(default_factory=list)
     detect_s: list[float] = field(default_factory=list)
     recover_s: list[float] = field(default_factory=list)
     recomputed_steps: int = 0
@@ -44,6 +47,9 @@ class RunSummary:
     wire_bytes_per_step: float = 0.0
     device_traffic: dict[str, dict[str, float]] = field(default_factory=dict)
     crypto_s: float = 0.0  # the controller's seconds spent signing and verifying
+    # per process (the controller, each device as last heartbeated): seconds and frames of
+    # signing and verifying per direction and message kind ({"sent/state": [s, frames]})
+    crypto_by_kind: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     replicated_bytes: int = 0
     # the replication interval in force and what it costs each device (planning/replication.py;
     # every change is a replication_paced event)

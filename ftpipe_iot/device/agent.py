@@ -479,7 +479,9 @@ class DeviceAgent:
 
     def _publish_replica(self, replica: LayerReplica) -> int:
         assert self.plan is not None
-        return self.messenger.send_replica(self.topics, self.plan.version, replica)
+        # signed for whoever reads it later; tagged for the controller, which keeps them all
+        return self.messenger.send_replica(self.topics, self.plan.version, replica,
+                                           receivers=(self.options.controller,))
 
     def _resend_layers(self, version: int, layers: tuple[int, ...]) -> None:
         for layer in layers:
@@ -587,6 +589,8 @@ class DeviceAgent:
             upload_bytes_per_s=self.transport.bulk_stats().peak_bytes_per_s,
             sent_bytes=self.messenger.sent_bytes, received_bytes=self.messenger.received_bytes,
             takeovers=self.takeovers, crypto_s=self.messenger.crypto_s,
+            crypto_by_kind=self.messenger.crypto_by_kind,
+            crypto_frames=dict(self.messenger.crypto_frames),
             clock_sent=probe_sent, clock_received=probe_received)
         self.messenger.send(Topics.dev_heartbeat(self.name), beat,
                             self.plan.version if self.plan else 0, self._last_step, qos=0)

@@ -46,6 +46,10 @@ class MessagingMetrics:
                                registry=registry)
         for reason in DropReason:
             self.dropped.labels(reason=reason.value)
+        self.crypto_seconds = Counter(
+            "ftpipe_crypto_seconds_total",
+            "Seconds spent signing or tagging sent frames and verifying received ones",
+            ["direction", "kind"], registry=registry)
         self.queue_depth = Gauge("ftpipe_inbox_queue_depth",
                                  "Messages waiting in the inbox for the worker thread",
                                  registry=registry)
@@ -123,6 +127,14 @@ class ControllerMetrics(MessagingMetrics):
             "ftpipe_plan_prediction_error_ratio",
             "Measured over predicted step time of the plan in force, minus 1 (median step "
             "after the warm-up)", registry=registry)
+        self.loss_curvature = Gauge(
+            "ftpipe_loss_curvature",
+            "Largest curvature of the loss along the layers the schedule's stability bound is "
+            "about (control/curvature_watch.py)", registry=registry)
+        self.stable_curvature = Gauge(
+            "ftpipe_stable_curvature",
+            "Largest curvature the schedule tolerates at the job's learning rate",
+            registry=registry)
         self.message_cost_seconds = Gauge(
             "ftpipe_plan_message_cost_seconds",
             "The per-message cost the step model was fitted to (planning/calibration.py)",

@@ -108,3 +108,37 @@ class StabilityBounds:
                     "sync": round(self.sync / self.lr, 3),
                     "async_none": round(self.async_none / self.lr, 3),
                     "async_predict": round(self.async_predict / self.lr, 3)}}
+
+
+@dataclass(frozen=True)
+class CurvatureVerdict:
+    """A measured curvature against the schedule's stable region at the job's learning rate:
+    ``largest_stable`` is the curvature the schedule tolerates (its lr * h bound / lr), and
+    ``safe_lr`` the learning rate below which the measured curvature would be inside it."""
+
+    curvature: float
+    largest_stable: float
+    lr: float
+    bound: float
+
+    @property
+    def stable(self) -> bool:
+        return self.curvature < self.largest_stable
+
+    @property
+    def safe_lr(self) -> float:
+        return self.bound / self.curvature if self.curvature > 0 else float("inf")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"curvature": round(self.curvature, 4),
+                "largest_stable_curvature": round(self.largest_stable, 4),
+                "stable": self.stable, "safe_lr": round(self.safe_lr, 6)
+                if self.curvature > 0 else None}
+
+
+def judge_curvature(curvature: float, lr: float, momentum: float, schedule: ScheduleName,
+                    compensation: DelayCompensation) -> CurvatureVerdict:
+    """Whether heavy-ball SGD at ``lr`` and ``momentum`` stays stable along a direction of
+    ``curvature`` under ``schedule`` (``stable_lr_curvature``)."""
+    bound = stable_lr_curvature(momentum, schedule, compensation)
+    return CurvatureVerdict(curvature, bound / lr, lr, bound)

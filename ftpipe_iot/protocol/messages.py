@@ -419,6 +419,10 @@ class Heartbeat:
     received_bytes: int = 0
     takeovers: int = 0
     crypto_s: float = 0.0  # seconds spent signing and verifying since the start
+    # the same seconds and the frames they covered, per direction and message kind
+    # ("sent/heartbeat", "received/activation": ``Messenger.crypto_by_kind``)
+    crypto_by_kind: dict[str, float] = field(default_factory=dict)
+    crypto_frames: dict[str, int] = field(default_factory=dict)
     # the controller's send time of the newest controller message this device received, and
     # the device's wall clock when it arrived: with this heartbeat's own send and arrival
     # times, the four timestamps of a clock-offset estimate (``observability.timeline``)
@@ -438,6 +442,8 @@ class Heartbeat:
                 "upload_bytes_per_s": self.upload_bytes_per_s,
                 "sent_bytes": self.sent_bytes, "received_bytes": self.received_bytes,
                 "takeovers": self.takeovers, "crypto_s": self.crypto_s,
+                "crypto_by_kind": dict(self.crypto_by_kind),
+                "crypto_frames": dict(self.crypto_frames),
                 "clock_sent": self.clock_sent, "clock_received": self.clock_received}
 
     @classmethod
@@ -450,6 +456,7 @@ class Heartbeat:
                    f.float("upload_bytes_per_s", 0.0, low=0),
                    f.int("sent_bytes", 0, low=0), f.int("received_bytes", 0, low=0),
                    f.int("takeovers", 0, low=0), f.float("crypto_s", 0.0, low=0),
+                   f.numbers("crypto_by_kind"), f.counts("crypto_frames"),
                    f.float("clock_sent", 0.0, low=0), f.float("clock_received", 0.0, low=0))
 
 
