@@ -7,8 +7,10 @@
   against ``--insecure-unsigned``, runs alternated; the layout is pinned to the pipeline the
   demo's ``auto`` usually picks (which layout ``auto`` picks on identical devices is the host's
   noise, and a group against a pipeline would measure the layout, not the signatures);
-  samples/s, the signing and verifying seconds every process reported (heartbeats, the
-  summary) and where they go, per direction and message kind;
+  samples/s, the CPU seconds every process of the demo used (the children's rusage), the
+  signing and verifying CPU seconds every process reported (heartbeats, the summary) and where
+  they go, per direction and message kind: on a shared 2-core host the wall-clock rate moves by
+  10-20 % between runs, the CPU per step much less;
 * ``mobilenetv2``: full-width MobileNetV2, 4 equal devices on the split of benchmarks/speed.py
   (micro-batches of 32, M = 8), signed against unsigned, alternated; samples/s after the
   warm-up and the signing seconds as a share of the CPU seconds every process used.
@@ -22,6 +24,7 @@ measured here; the CPU share is the figure that does not depend on the host's lo
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import tempfile
@@ -112,7 +115,10 @@ def demo(pairs: int, epochs: int) -> dict:
             options = DemoOptions(work_dir=Path(tempfile.mkdtemp(prefix="sign-demo-")),
                                   signed=signed, layout=Layout.PIPELINE,
                                   train=TrainConfig(epochs=epochs))
+            children_before = _children_cpu_s()
             summary = Demo(options).run()
+            # every process of the demo (broker, controller, devices) is a child, waited for
+            cpu_s = _children_cpu_s() - children_before
             crypto = summary.get("crypto_s", 0.0) + sum(
                 t.get("crypto_s", 0.0) for t in summary["device_traffic"].values())
             runs[label].append({"samples_per_s": summary["samples_per_s"],
@@ -120,11 +126,28 @@ def demo(pairs: int, epochs: int) -> dict:
                                 "crypto_s": round(crypto, 4),
                                 "crypto_s_per_step": crypto / max(1, summary["steps"]),
                                 "crypto_ms_per_step_by_kind": _by_kind(summary),
+                                "processes_cpu_s": round(cpu_s, 3),
+                                "processes_cpu_ms_per_step": round(
+                                    1e3 * cpu_s / max(1, summary["steps"]), 3),
+                                "crypto_cpu_share": round(crypto / cpu_s, 4) if cpu_s else 0,
                                 "test_accuracy": summary["test_accuracy"],
                                 "loadavg_before": before, "loadavg_after": loadavg()})
             say(f"demo {label} #{index}: {summary['samples_per_s']:.0f} samples/s, "
-                f"crypto {crypto:.3f} s")
-    return _compare(runs)
+                f"crypto {crypto:.3f} CPU-s of {cpu_s:.1f}")
+    result = _compare(runs)
+    cpu = {label: statistics.median(r["processes_cpu_ms_per_step"] for r in rows)
+           for label, rows in runs.items()}
+    result["median_cpu_ms_per_step"] = cpu
+    result["cpu_cost_pct"] = round(100 * (cpu["signed"] / cpu["unsigned"] - 1), 2)
+    result["median_crypto_cpu_share"] = statistics.median(
+        r["crypto_cpu_share"] for r in runs["signed"])
+    return result
+
+
+def _children_cpu_s() -> float:
+    """User and system CPU seconds of every child process waited for so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _by_kind(summary: dict) -> dict[str, float]:

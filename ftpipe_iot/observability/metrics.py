@@ -48,7 +48,7 @@ class MessagingMetrics:
             self.dropped.labels(reason=reason.value)
         self.crypto_seconds = Counter(
             "ftpipe_crypto_seconds_total",
-            "Seconds spent signing or tagging sent frames and verifying received ones",
+            "CPU seconds spent signing or tagging sent frames and verifying received ones",
             ["direction", "kind"], registry=registry)
         self.queue_depth = Gauge("ftpipe_inbox_queue_depth",
                                  "Messages waiting in the inbox for the worker thread",

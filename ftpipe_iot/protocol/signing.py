@@ -286,7 +286,9 @@ class Signer:
         self.public = public_text(key)
         self.agreement = agreement_key(key)
         self.previous_agreement: X25519PrivateKey | None = None  # until peers know the new key
-        self.busy_s = 0.0  # seconds spent hashing, signing and tagging (what signatures cost)
+        # CPU seconds spent hashing, signing and tagging (what signatures cost; the thread's
+        # CPU clock, so time the process spent preempted by others does not count)
+        self.busy_s = 0.0
         # Millisecond of the process start: a restarted sender's messages are newer than the
         # last incarnation's (device clocks must not go back: NTP before the agent starts).
         self.session = int(clock() * 1000)
@@ -300,10 +302,10 @@ class Signer:
 
     def seal(self, header: list[object], payload: bytes) -> dict[str, object]:
         """The frame fields that prove one frame: the key id and the Ed25519 signature of
-        ``signed_content``; the time it took is added to ``busy_s``."""
-        started = time.perf_counter()
+        ``signed_content``; the CPU time it took is added to ``busy_s``."""
+        started = time.thread_time()
         signature = self._key.sign(signed_content(header, payload))
-        self.busy_s += time.perf_counter() - started
+        self.busy_s += time.thread_time() - started
         return {"kid": self.key_id, "sg": signature}
 
     def reload_if_changed(self, accepted: Callable[[str], bool] = lambda _public: True) -> bool:
@@ -429,7 +431,7 @@ class _PairwiseSeal:
         self.also_sign = also_sign
 
     def seal(self, header: list[object], payload: bytes) -> dict[str, object]:
-        started = time.perf_counter()
+        started = time.thread_time()
         content = tag_content(header, payload)
         nonce = os.urandom(NONCE_BYTES)
         own = self.signer.agreement
@@ -438,7 +440,7 @@ class _PairwiseSeal:
         fields: dict[str, object] = {"kid": self.signer.key_id, "mac": tags, "mn": nonce}
         if self.also_sign:
             fields["sg"] = self.signer.sign(signed_content(header, payload))
-        self.signer.busy_s += time.perf_counter() - started
+        self.signer.busy_s += time.thread_time() - started
         return fields
 
 

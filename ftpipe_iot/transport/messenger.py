@@ -84,7 +84,7 @@ class Messenger:
         signer = self.credentials.signer
         self.session = signer.session if signer is not None else int(time.time() * 1000)
         self.replays = ReplayGuard()
-        self.verify_s = 0.0  # seconds spent hashing and verifying received frames
+        self.verify_s = 0.0  # CPU seconds spent hashing and verifying received frames
         # what the signatures cost, per message kind and direction ("sent/state",
         # "received/activation"): seconds and frames (``crypto_by_kind``)
         self.crypto_seconds: dict[str, float] = {}
@@ -226,13 +226,13 @@ class Messenger:
     # -- trust ----------------------------------------------------------------------------------
     @property
     def crypto_s(self) -> float:
-        """Seconds this process spent signing and verifying: what signatures cost it."""
+        """CPU seconds this process spent signing and verifying: what signatures cost it."""
         signer = self.credentials.signer
         return self.verify_s + (signer.busy_s if signer is not None else 0.0)
 
     @property
     def crypto_by_kind(self) -> dict[str, float]:
-        """Seconds spent proving and checking frames, per direction and message kind
+        """CPU seconds spent proving and checking frames, per direction and message kind
         ("sent/state", "received/activation"; a received chunk is counted as "received/chunk":
         which message it belongs to is known only once its body is unpacked)."""
         return dict(self.crypto_seconds)
@@ -270,7 +270,7 @@ class Messenger:
         verifier = self.credentials.verifier
         if verifier is None:
             return  # an unsigned job: nothing to check, only the sender to remember
-        started = time.perf_counter()
+        started = time.thread_time()
         try:
             if header.tags is not None and (header.signature is None or
                                             self.name in header.tags):
@@ -280,7 +280,7 @@ class Messenger:
                 verifier.verify(header.env.sender, header.key_id, header.signed_content(),
                                 header.signature)
         finally:
-            seconds = time.perf_counter() - started
+            seconds = time.thread_time() - started
             self.verify_s += seconds
             self._count_crypto("received", header.env.kind, seconds, 1)
 
