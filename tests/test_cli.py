@@ -149,3 +149,30 @@ def test_collaborative_fault_specs_parse_and_each_demo_refuses_the_others():
 def test_standby_servers_and_server_faults_are_refused_where_there_is_no_server(args, message):
     result = CliRunner().invoke(main, args)
     assert result.exit_code != 0 and message in result.output, result.output
+
+
+def test_the_lazy_command_table_names_every_command_where_its_module_defines_it():
+    import importlib
+
+    from ftpipe_iot.cli import COMMAND_MODULES
+
+    defined = {}
+    for module_name in sorted(set(COMMAND_MODULES.values())):
+        module = importlib.import_module(f"ftpipe_iot.cli.{module_name}")
+        defined.update({command.name: module_name for command in module.COMMANDS})
+    assert defined == COMMAND_MODULES
+    listed = _run("--help").output
+    assert all(f"  {name} " in listed for name in COMMAND_MODULES), listed
+
+
+def test_a_device_process_imports_neither_the_controller_nor_the_fleet_tools():
+    import subprocess
+    import sys
+
+    probe = ("import sys; from ftpipe_iot.cli import main; "
+             "main.get_command(None, 'device'); import ftpipe_iot.runtime.entry; "
+             "print(sorted(m for m in sys.modules if m.startswith(('ftpipe_iot.control.'"
+             "'controller', 'ftpipe_iot.fleet', 'ftpipe_iot.cli.plan'))))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    assert loaded == "[]"

@@ -191,10 +191,10 @@ def test_plan_with_micro_batches_auto_chooses_for_the_groups_it_prints(tmp_path)
 def test_the_controller_chooses_for_the_layout_its_options_fix(monkeypatch, options, fewest,
                                                                whole):
     from ftpipe_iot.cli import main
-    from ftpipe_iot.runtime import entry
+    from ftpipe_iot.runtime import controller_entry
 
     started = []
-    monkeypatch.setattr(entry, "run_controller",
+    monkeypatch.setattr(controller_entry, "run_controller",
                         lambda job, broker, config, *args, **kwargs: started.append(config))
     result = CliRunner().invoke(main, ["controller", "--broker", "mqtt://127.0.0.1:1",
                                        "--insecure-unsigned", "--micro-batches", "auto",

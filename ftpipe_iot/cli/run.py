@@ -228,7 +228,8 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
         _refuse_what_the_schedule_cannot_run(
             train, Layout(layout), devices, parse_assignment(assignment) if assignment else ())
     # only now: the process entry points import torch, seconds on a small device
-    from ftpipe_iot.runtime.entry import ProcessOptions, run_controller
+    from ftpipe_iot.runtime.controller_entry import run_controller
+    from ftpipe_iot.runtime.entry import ProcessOptions
 
     train = _auto_micro_batching(train, training, devices, collab.pipeline, Layout(layout),
                                  parse_assignment(assignment) if assignment else ())
@@ -263,7 +264,7 @@ def controller(ctx: click.Context, job: str | None, devices: int, device_names: 
     process = ProcessOptions(metrics_port, threads, log_level)
     summary_path = Path(summary_json) if summary_json else None
     if standby:
-        from ftpipe_iot.runtime.entry import run_standby_controller
+        from ftpipe_iot.runtime.controller_entry import run_standby_controller
 
         keys()  # a missing key is said now, not when the leader fails
         summary = run_standby_controller(job, config, ctrl_config, process, default_progress(),

@@ -1,7 +1,8 @@
 """Process entry points of the collaborative modes: a data device, the server, the coordinator.
 Each wires a real MQTT transport, a metrics server and signals to the library objects, like
-``runtime.entry`` does for the pipeline's processes; the coordinator leads with a lease term and
-may stand by for another (control/lease.py), as the pipeline's controller does."""
+``runtime.entry`` and ``runtime.controller_entry`` do for the pipeline's processes; the
+coordinator leads with a lease term and may stand by for another (control/lease.py), as the
+pipeline's controller does."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from ftpipe_iot.observability.progress import ProgressReporter
 from ftpipe_iot.planning.profiles import DeviceProfile
 from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.topics import check_name
-from ftpipe_iot.runtime.entry import ProcessOptions, _on_signals, setup_process, watch_lease
+from ftpipe_iot.runtime.controller_entry import watch_lease
+from ftpipe_iot.runtime.entry import ProcessOptions, on_signals, setup_process
 from ftpipe_iot.transport.base import Will
 from ftpipe_iot.transport.connection import BrokerConfig
 from ftpipe_iot.transport.mqtt import MqttTransport
@@ -61,7 +63,7 @@ def run_collab_device(name: str, job: str, broker: BrokerConfig, options: Proces
     else:
         assert server
         agent = ServerAgent(name, job, transport, registry, profile, agent_options, credentials)
-    _on_signals(agent.stopped.set)
+    on_signals(agent.stopped.set)
     agent.serve_until_shutdown()
     return 0
 
@@ -123,7 +125,7 @@ def _stand_by(job: str, broker: BrokerConfig, config: CollabConfig, progress: Pr
               credentials: Callable[[], Credentials | None], watch: LeaseWatch
               ) -> CollabSummary | None:
     stop = threading.Event()
-    _on_signals(stop.set)
+    on_signals(stop.set)
     log.info("standby coordinator for job %s: waiting for the leader's lease to lapse", job)
     decision = watch_lease(broker, job, watch, f"{name}-standby", credentials(), stop=stop,
                            leader=COORDINATOR_NAME)
@@ -150,7 +152,7 @@ def _lead(coordinator: Coordinator, term: int, credentials: Credentials | None,
     coordinator.config = replace(coordinator.config, term=term,
                                  beat_s=transport.config.keepalive_s / 4)
     transport.will = coordinator_will(coordinator.job, credentials, term)
-    _on_signals(coordinator.interrupt)
+    on_signals(coordinator.interrupt)
     try:
         summary = coordinator.run()
     finally:
