@@ -14,6 +14,7 @@ from ftpipe_iot.planning.rebalance import (
     propose_rebalance,
 )
 from ftpipe_iot.planning.solver import LayerCosts
+from ftpipe_iot.protocol.messages import Capabilities
 
 COSTS = LayerCosts.from_dict({"layer_cost_s": [0.01] * 8, "activation_bytes": [1000] * 8,
                               "layer_memory_bytes": [1] * 8})
@@ -51,6 +52,24 @@ def test_noise_among_equal_devices_does_not_move_layers():
     assert est.factor("b") == pytest.approx(1.5) and est.factor("a") == pytest.approx(1.0)
     assert propose_rebalance(COSTS, [("a", 0, 4), ("b", 4, 8)], ["a", "b"], est, {},
                              RepartitionPolicy(), AT) is None
+
+
+def test_a_device_never_measured_counts_as_the_slowest_measured_one_when_work_moves():
+    # a, measured at 4, holds the whole model behind a slow link (a cut costs more than it
+    # saves); idle c never ran. At the reference 1.0 c would take the whole model (0.08 s a
+    # micro-batch against 0.32), a gamble on a device nobody has seen compute; priced as the
+    # slowest measured device nothing pays and nothing moves
+    links = {d: Capabilities(bandwidth_bytes_per_s=5000.0) for d in "ac"}
+    est = _estimator({"a": [4, 4, 4]})
+    current = [("a", 0, 8)]
+    assert propose_rebalance(COSTS, current, ["a", "c"], est, links, RepartitionPolicy(),
+                             AT) is None
+    # measured, c is what it is: fast, it takes the model
+    for _ in range(3):
+        est.observe("c", 0, 8, compute_s=1 * 0.08 * 4, micro_batches=4)
+    better = propose_rebalance(COSTS, current, ["a", "c"], est, links, RepartitionPolicy(),
+                               AT)
+    assert better is not None and better.assignment == [("c", 0, 8)]
 
 
 def test_no_rebalance_when_the_job_is_nearly_over():

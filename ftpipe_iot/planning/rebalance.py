@@ -39,13 +39,19 @@ def device_specs(devices: Sequence[str], capacity: CapacityEstimator,
     return specs
 
 
-def comparable_specs(specs: Sequence[DeviceSpec], capacity: CapacityEstimator
-                     ) -> list[DeviceSpec]:
-    """Specs whose unmeasured devices count as the median measured one (1.0 when none is).
+def comparable_specs(specs: Sequence[DeviceSpec], capacity: CapacityEstimator,
+                     moving_work: bool = False) -> list[DeviceSpec]:
+    """Specs whose unmeasured devices count as the median measured one (1.0 when none is), or
+    with ``moving_work`` as the slowest measured one.
 
     A measured factor includes everything that slowed the device on this host, the reference
     1.0 of a device that has not run yet nothing: after a failure the newcomer would look
-    faster than every survivor and the planner would give it the whole model.
+    faster than every survivor and the planner would give it the whole model. A voluntary move
+    of layers (``moving_work``: a running plan rebalanced or regrouped) must pay even if the
+    devices it has never seen compute are as slow as the slowest it has: priced at the median,
+    every idle device of a mixed fleet looked as fast as the fast half, and on fleet L8 the
+    controller moved the whole model onto a device 7x slower than the one it left (the guard
+    took the move back after it measured it, 7 steps later).
     """
     def known(name: str) -> bool:
         return name in capacity.history or name in capacity.prior
@@ -53,8 +59,8 @@ def comparable_specs(specs: Sequence[DeviceSpec], capacity: CapacityEstimator
     measured = [s.factor for s in specs if known(s.name)]
     if not measured:
         return list(specs)
-    typical = statistics.median(measured)
-    return [s if known(s.name) else replace(s, factor=typical) for s in specs]
+    stand_in = max(measured) if moving_work else statistics.median(measured)
+    return [s if known(s.name) else replace(s, factor=stand_in) for s in specs]
 
 
 def new_assignment(cost_model: LayerCosts, specs: Sequence[DeviceSpec]) -> tuple[Assignment,
@@ -115,20 +121,23 @@ def propose_rebalance(cost_model: LayerCosts, current: Assignment, candidates: S
     cooldown, and saves more time over the rest of the job than a re-plan costs.
 
     The current plan is judged with each device's best recent speed and the proposal with its
-    worst, so measurement noise among equal devices does not move layers back and forth.
+    worst, so measurement noise among equal devices does not move layers back and forth; a
+    device never measured counts as the slowest measured one (``comparable_specs``).
     """
     if not capacity.settled([d for d, _, _ in current]) or \
             policy.cooling_down(at.step, at.last_change_step):
         return None  # checked first: solving is the costly part at large fleets
+    def specs(bound: int | None) -> list[DeviceSpec]:
+        return comparable_specs(device_specs(candidates, capacity, capabilities, bound),
+                                capacity, moving_work=True)
+
     try:
-        proposed = solve_partition(cost_model, device_specs(candidates, capacity, capabilities))
+        proposed = solve_partition(cost_model, specs(None))
         new = [(s.device, s.start, s.end) for s in proposed.stages]
         if new == list(current):
             return None
-        current_s = predict_bottleneck(current, cost_model,
-                                       device_specs(candidates, capacity, capabilities, 0))
-        proposed_s = predict_bottleneck(new, cost_model,
-                                        device_specs(candidates, capacity, capabilities, 1))
+        current_s = predict_bottleneck(current, cost_model, specs(0))
+        proposed_s = predict_bottleneck(new, cost_model, specs(1))
     except PartitionError:
         return None
     # bottlenecks are per micro-batch: a step of the pipeline is micro_batches of them

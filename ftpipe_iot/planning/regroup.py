@@ -66,7 +66,8 @@ def plan_stages(plan: GroupPlan) -> tuple[StageAssignment, ...]:
 
 def _specs(devices: Sequence[str], capacity: CapacityEstimator,
            capabilities: Mapping[str, Capabilities], bound: int | None) -> list[DeviceSpec]:
-    return comparable_specs(device_specs(devices, capacity, capabilities, bound), capacity)
+    return comparable_specs(device_specs(devices, capacity, capabilities, bound), capacity,
+                            moving_work=True)
 
 
 def propose_regroup(costs: LayerCosts, stages: Sequence[StageAssignment],
