@@ -293,9 +293,11 @@ def test_the_messenger_classifies_by_kind():
     assert traffic_of(MessageKind.ACTIVATION) is Traffic.STAGE_DATA
     assert traffic_of(MessageKind.GRADIENT) is Traffic.STAGE_DATA
     assert traffic_of(MessageKind.REDUCE) is Traffic.STAGE_DATA
+    assert traffic_of(MessageKind.SMASHED) is Traffic.STAGE_DATA
+    assert traffic_of(MessageKind.COLLAB_UPDATE) is Traffic.STAGE_DATA
     assert traffic_of(MessageKind.WEIGHTS) is Traffic.REPLICA
     bulk = {MessageKind.ACTIVATION, MessageKind.GRADIENT, MessageKind.REDUCE,
-            MessageKind.WEIGHTS}
+            MessageKind.SMASHED, MessageKind.COLLAB_UPDATE, MessageKind.WEIGHTS}
     for kind in MessageKind:
         if kind not in bulk:
             assert traffic_of(kind) is Traffic.CONTROL, kind

@@ -34,15 +34,21 @@ log = logging.getLogger(__name__)
 # Kinds every job's processes may see from devices of other jobs (fleet-wide topics).
 _FLEET_KINDS = (MessageKind.STATUS, MessageKind.HEARTBEAT)
 # The bulk kinds (docs/design.md §4); every other kind is control traffic and leaves at once.
+# The collaborative modes' cut tensors and a round's model parts are their stage data: a
+# device's 9 MB FedAvg update sent as control held its heartbeats for 7 s on a 10 Mbit/s link,
+# and the coordinator dropped it from the round (fleet L8, stop 34).
 _BULK_KINDS = {MessageKind.ACTIVATION: Traffic.STAGE_DATA,
                MessageKind.GRADIENT: Traffic.STAGE_DATA,
                MessageKind.REDUCE: Traffic.STAGE_DATA,
+               MessageKind.SMASHED: Traffic.STAGE_DATA,
+               MessageKind.COLLAB_UPDATE: Traffic.STAGE_DATA,
                MessageKind.WEIGHTS: Traffic.REPLICA}
 
 
 def traffic_of(kind: MessageKind) -> Traffic:
-    """The traffic class of a message kind: activations, gradients and group partials are
-    stage data, layer replicas are replica traffic, everything else is control."""
+    """The traffic class of a message kind: activations, gradients, group partials and the
+    collaborative modes' cut tensors and round updates are stage data, layer replicas are
+    replica traffic, everything else is control."""
     return _BULK_KINDS.get(kind, Traffic.CONTROL)
 # How often a process looks whether its key or (the controller) its roster file changed.
 _TRUST_CHECK_S = 1.0
