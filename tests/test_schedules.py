@@ -345,7 +345,7 @@ def test_a_1f1b_job_trains_like_one_process_and_never_holds_more_than_n_micro_ba
 @pytest.fixture
 def nothing_starts(monkeypatch):
     """Fail the test if the demo, a broker or a controller would start."""
-    from ftpipe_iot.runtime import broker, demo, entry
+    from ftpipe_iot.runtime import broker, controller_entry, demo
 
     started: list[str] = []
 
@@ -357,7 +357,7 @@ def nothing_starts(monkeypatch):
 
     monkeypatch.setattr(demo.Demo, "run", record("demo"))
     monkeypatch.setattr(broker.BrokerProcess, "start", record("broker"))
-    monkeypatch.setattr(entry, "run_controller", record("controller"))
+    monkeypatch.setattr(controller_entry, "run_controller", record("controller"))
     return started
 
 
