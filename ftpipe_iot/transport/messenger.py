@@ -36,7 +36,7 @@ _FLEET_KINDS = (MessageKind.STATUS, MessageKind.HEARTBEAT)
 # The bulk kinds (docs/design.md §4); every other kind is control traffic and leaves at once.
 # The collaborative modes' cut tensors and a round's model parts are their stage data: a
 # device's 9 MB FedAvg update sent as control held its heartbeats for 7 s on a 10 Mbit/s link,
-# and the coordinator dropped it from the round (fleet L8, stop 34).
+# and the coordinator dropped it from the round (fleet L8, benchmarks/links_l8.py).
 _BULK_KINDS = {MessageKind.ACTIVATION: Traffic.STAGE_DATA,
                MessageKind.GRADIENT: Traffic.STAGE_DATA,
                MessageKind.REDUCE: Traffic.STAGE_DATA,
