@@ -24,13 +24,25 @@ accuracy per epoch with its time, the final accuracy, bytes on the wire per step
 detected (default liveness settings: every one on these links is a false one), and for the
 pipeline runs the replication interval the controller paced to the links and the share of
 the training time replication took (the steps at which a replica went out against the median
-step). Targets (issue "real IoT links"): the best ftpipe-iot configuration reaches the target
-at least 2x sooner than the fastest device alone; int8 cuts activation bytes at least 3.5x with
-its final accuracy within 0.5 points of none's; no false failure; replication at most 10 % of
-the time at 10 Mbit/s. Needs root (CAP_NET_ADMIN); says so and stops without it.
+step). Bytes per cut: the wire message of one micro-batch's activations (and of its gradient)
+at every cut of the model, encoded as the messenger encodes it (``protocol.wire.encode``) from
+the real activations of a batch of the training data, for each codec. Wire bytes per step are
+kept as run facts but compare different plans (other cuts, other replicas), so the codec's
+verdict is taken per cut.
+
+Targets (issue "real IoT links"): the best ftpipe-iot configuration reaches the target at least
+2x sooner than the fastest device alone (also reported: the speed-up at equal epochs, the
+training time of the same number of steps, which does not depend on where an evaluation falls);
+int8 cuts activation bytes at least 3.5x at every cut with its final accuracy within 0.5
+points of none's; no false failure; replication at most 10 % of the time at 10 Mbit/s. Needs
+root (CAP_NET_ADMIN); says so and stops without it.
 
     python benchmarks/links_l8.py [--epochs 4] [--target 0.9] [--codecs none,fp16,int8,auto]
+                                  [--skip alone,fedavg,ftpipe-CODEC] [--merge]
                                   [--out benchmarks/results/links_l8.json]
+
+``--merge`` keeps the runs of the existing ``--out`` file that this invocation does not run
+(one configuration re-run, or none: the verdicts recomputed) and records which came from where.
 """
 
 from __future__ import annotations
@@ -196,6 +208,58 @@ def fedavg_result(summary: dict, target: float) -> dict:
     return out
 
 
+def bytes_per_cut(data: Path, codecs: list[str]) -> list[dict]:
+    """Wire bytes of one micro-batch's activation and gradient messages at every cut, per
+    codec: the model built as the jobs build it (seed 0), its training-mode forward over the
+    first micro-batch of the training data, each cut's tensor and the gradient of the loss
+    with respect to it encoded by ``protocol.wire.encode`` (msgpack, the codec, lz4 where it
+    pays; one frame, no chunking)."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from ftpipe_iot.core.data import load_dataset
+    from ftpipe_iot.core.models import build_layers
+    from ftpipe_iot.protocol.messages import Activation, Gradient
+    from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
+    from ftpipe_iot.protocol.vocab import MessageKind, WireCodec
+    from ftpipe_iot.protocol.wire import Envelope, WireOptions, encode
+
+    dataset = load_dataset(DataSpec(f"npz:{data}"))
+    layers = build_layers(ModelSpec("mobilenetv2"), dataset.input_shape, dataset.num_classes,
+                          seed=0)
+    x = torch.from_numpy(np.asarray(dataset.x_train[:MB], dtype=np.float32))
+    y = np.asarray(dataset.y_train[:MB], dtype=np.int64)
+    cuts = []
+    for layer in layers:
+        layer.train()
+        x = layer(x)
+        x.retain_grad()
+        cuts.append(x)
+    nn.functional.cross_entropy(cuts[-1], torch.from_numpy(y)).backward()
+
+    def wire_bytes(kind: MessageKind, body: dict, codec: str) -> int:
+        options = WireOptions(codec=WireCodec(codec), max_message_bytes=1 << 30)
+        return sum(len(f) for f in encode(Envelope(kind, "l8", "dev", body=body), options))
+
+    rows = []
+    for cut, tensor in enumerate(cuts[:-1], start=1):
+        activation = Activation(tensor.detach().numpy(), y, True).to_body()
+        gradient = Gradient(tensor.grad.numpy()).to_body()
+        rows.append({"cut": cut, "shape": list(tensor.shape[1:]),
+                     "activation_bytes": {c: wire_bytes(MessageKind.ACTIVATION, activation, c)
+                                          for c in codecs},
+                     "gradient_bytes": {c: wire_bytes(MessageKind.GRADIENT, gradient, c)
+                                        for c in codecs}})
+    return rows
+
+
+def used_cuts(results: dict) -> set[int]:
+    """The cuts the pipeline runs trained across (stage boundaries of their last plans)."""
+    return {stage["end"] for name, run in results["runs"].items()
+            if name.startswith("ftpipe-") for stage in (run.get("stages") or [])[:-1]}
+
+
 def verdicts(results: dict, target: float) -> dict:
     """The issue's targets, as measured."""
     runs = results["runs"]
@@ -209,12 +273,27 @@ def verdicts(results: dict, target: float) -> dict:
                  "best_speedup_over_alone": round(alone / reached[best], 2)
                  if best and alone else None,
                  "false_failures": {k: v.get("failures_detected") for k, v in runs.items()}}
-    if none and int8 and none.get("wire_bytes_per_step") and int8.get("wire_bytes_per_step"):
-        out["int8_wire_bytes_ratio"] = round(none["wire_bytes_per_step"] /
-                                             int8["wire_bytes_per_step"], 2)
-        if none["final_accuracy"] is not None and int8["final_accuracy"] is not None:
-            out["int8_accuracy_points_below_none"] = round(
-                100 * (none["final_accuracy"] - int8["final_accuracy"]), 2)
+    same_steps = {k: v["train_s"] for k, v in pipeline.items()
+                  if v.get("train_s") and v.get("steps") == runs["alone"].get("steps")}
+    if same_steps and runs["alone"].get("train_s"):
+        fastest = min(same_steps, key=same_steps.get)
+        out["speedup_at_equal_epochs"] = {
+            "config": fastest,
+            "speedup": round(runs["alone"]["train_s"] / same_steps[fastest], 2)}
+    cuts = results.get("bytes_per_cut") or []
+    used = used_cuts(results)
+    if cuts and "int8" in cuts[0]["activation_bytes"]:
+        def ratios(rows: list[dict]) -> list[float]:
+            return [r["activation_bytes"]["none"] / r["activation_bytes"]["int8"] for r in rows]
+
+        out["int8_activation_bytes_ratio"] = {
+            "worst_cut": round(min(ratios(cuts)), 2),
+            "worst_cut_used": round(min(ratios([r for r in cuts if r["cut"] in used])), 2)
+            if used else None}
+    if none and int8 and none["final_accuracy"] is not None \
+            and int8["final_accuracy"] is not None:
+        out["int8_accuracy_points_below_none"] = round(
+            100 * (none["final_accuracy"] - int8["final_accuracy"]), 2)
     slow_link = [v.get("replication", {}).get("share_of_training") for v in pipeline.values()]
     out["replication_share_of_training"] = slow_link
     return out
@@ -226,7 +305,7 @@ def plot(results: dict, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (left, right, cuts) = plt.subplots(1, 3, figsize=(19, 4.5))
     for name, run in results["runs"].items():
         points = run["curve"]
         if points:
@@ -241,7 +320,48 @@ def plot(results: dict, png: Path) -> None:
     right.set_ylabel(f"seconds to {results['target_accuracy']}")
     right.set_title("time to the target")
     right.tick_params(axis="x", labelrotation=30)
+    rows = results.get("bytes_per_cut") or []
+    for codec in (rows[0]["activation_bytes"] if rows else {}):
+        cuts.plot([r["cut"] for r in rows], [r["activation_bytes"][codec] / 1e3 for r in rows],
+                  marker=".", label=codec)
+    for cut in sorted(used_cuts(results)):
+        cuts.axvline(cut, color="grey", linewidth=0.8, linestyle=":")
+    cuts.set_yscale("log")
+    cuts.set_xlabel("cut (after layer)")
+    cuts.set_ylabel("kB per micro-batch of 8 on the wire")
+    cuts.set_title("activation message per cut (dotted: cuts trained across)")
+    cuts.legend(fontsize=7)
     save_figure(fig, png)
+
+
+def run_configurations(work: Path, data: Path, args: argparse.Namespace, codecs: list[str],
+                       skip: set[str]) -> dict:
+    """Every configuration not skipped, one after another, in one lab of namespaces."""
+    runs: dict = {}
+    profiles = write_profiles(work)
+    with NetLab(tag="l8") as lab:
+        nodes = {name: lab.add_node(name, mbit * 1e6) for name, _, mbit in FLEET}
+        training = training_args(data, args.epochs, args.lr)
+        if "alone" not in skip:
+            fastest = FLEET[0][0]
+            say(f"alone: {fastest}")
+            summary = pipeline_run(lab, nodes, work, "l8-alone", [fastest], profiles,
+                                   [*training, "--layout", "pipeline"])
+            runs["alone"] = result_of("alone", summary, args.target)
+        for codec in codecs:
+            name = f"ftpipe-{codec}"
+            say(f"{name}: 8 devices, --layout auto")
+            summary = pipeline_run(lab, nodes, work, f"l8-{codec}", [d for d, _, _ in FLEET],
+                                   profiles,
+                                   [*training, "--layout", "auto", "--wire-codec", codec])
+            runs[name] = result_of(name, summary, args.target, {
+                "stages": summary.get("stages"), "replication": replication_share(summary)})
+        if "fedavg" not in skip:
+            say("fedavg: 8 devices, each its own data")
+            runs["fedavg"] = fedavg_result(
+                fedavg_run(lab, nodes, work, data, profiles, args.epochs, args.lr,
+                           args.aggregate_every), args.target)
+    return runs
 
 
 def main() -> None:
@@ -258,50 +378,41 @@ def main() -> None:
                              "ftpipe-<codec>)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" /
                         "links_l8.json")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the runs of the existing --out file that are not run now")
     args = parser.parse_args()
     if args.epochs < 1 or not 0 < args.target <= 1:
         parser.error("--epochs must be >= 1 and --target in (0, 1]")
-    reason = unavailable()
+    skip = {s for s in args.skip.split(",") if s}
+    codecs = [c for c in args.codecs.split(",") if c and f"ftpipe-{c}" not in skip]
+    earlier = json.loads(args.out.read_text()) if args.merge and args.out.exists() else {}
+    reason = unavailable() if codecs or not {"alone", "fedavg"} <= skip else None
     if reason is not None:
         print(json.dumps({"skipped": f"network namespaces unavailable: {reason}"}))
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the lab is removed
-    skip = {s for s in args.skip.split(",") if s}
     started, load_before = time.monotonic(), os.getloadavg()
     runs: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-l8-") as tmp:
         work = Path(tmp)
         data = upscaled_digits(work)
-        profiles = write_profiles(work)
-        with NetLab(tag="l8") as lab:
-            nodes = {name: lab.add_node(name, mbit * 1e6) for name, _, mbit in FLEET}
-            training = training_args(data, args.epochs, args.lr)
-            if "alone" not in skip:
-                fastest = FLEET[0][0]
-                say(f"alone: {fastest}")
-                summary = pipeline_run(lab, nodes, work, "l8-alone", [fastest], profiles,
-                                       [*training, "--layout", "pipeline"])
-                runs["alone"] = result_of("alone", summary, args.target)
-            for codec in [c for c in args.codecs.split(",") if c]:
-                name = f"ftpipe-{codec}"
-                if name in skip:
-                    continue
-                say(f"{name}: 8 devices, --layout auto")
-                summary = pipeline_run(lab, nodes, work, f"l8-{codec}",
-                                       [d for d, _, _ in FLEET], profiles,
-                                       [*training, "--layout", "auto", "--wire-codec", codec])
-                runs[name] = result_of(name, summary, args.target, {
-                    "stages": summary.get("stages"),
-                    "replication": replication_share(summary)})
-            if "fedavg" not in skip:
-                say("fedavg: 8 devices, each its own data")
-                runs["fedavg"] = fedavg_result(
-                    fedavg_run(lab, nodes, work, data, profiles, args.epochs, args.lr,
-                               args.aggregate_every), args.target)
+        cut_rows = bytes_per_cut(data, ["none", "fp16", "int8", "int4"])
+        if codecs or not {"alone", "fedavg"} <= skip:
+            runs = run_configurations(work, data, args, codecs, skip)
+    run_at = time.strftime("%Y-%m-%d %H:%M")
+    kept = {k: v for k, v in earlier.get("runs", {}).items() if k not in runs}
+    provenance = {k: f"kept from the earlier {args.out.name}" for k in kept}
+    if isinstance(earlier.get("provenance"), str):
+        provenance["earlier"] = earlier["provenance"]
+    provenance.update({k: f"this run, {run_at}" for k in runs})
     results = {"fleet": [{"device": n, "factor": f, "mbit_each_way": c} for n, f, c in FLEET],
                "model": "mobilenetv2(width=1.0), digits upscaled to 3x32x32",
                "micro_batch_size": MB, "micro_batches": M, "lr": args.lr,
-               "epochs": args.epochs, "target_accuracy": args.target, "runs": runs}
+               "epochs": args.epochs, "target_accuracy": args.target,
+               "runs": {**kept, **runs}, "bytes_per_cut": cut_rows, "provenance": provenance}
+    runs = results["runs"]
+    if "fedavg" not in runs and "fedavg" in earlier:
+        results["fedavg"] = earlier["fedavg"]  # an earlier note on a baseline never finished
     results["verdicts"] = verdicts(results, args.target) if "alone" in runs else {}
     results.update(loadavg_before=load_before, loadavg_after=os.getloadavg(),
                    wall_s=round(time.monotonic() - started, 1))

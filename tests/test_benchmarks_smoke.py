@@ -166,3 +166,49 @@ def test_links_refuses_a_window_it_cannot_measure():
     cannot be made it prints a ``skipped`` JSON and exits 0 by design."""
     result = _start("links.py", "--steps", "2", timeout=120)
     assert result.returncode == 2 and "--steps must be at least 4" in result.stderr
+
+
+def _links_l8(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    import benchmarks.links_l8 as links_l8
+
+    return links_l8
+
+
+def test_l8_verdicts_compare_equal_epochs_and_the_codec_per_cut(monkeypatch):
+    """A run reaching the target an evaluation sooner does not inflate the equal-epochs
+    speed-up; the codec's ratio is taken per cut (worst of all cuts and of the cuts trained
+    across), not from wire bytes per step of different plans."""
+    links_l8 = _links_l8(monkeypatch)
+    run = {"failures_detected": 0, "steps": 176}
+    results = {"runs": {
+        "alone": {**run, "time_to_target_s": 900.0, "train_s": 1000.0},
+        "ftpipe-none": {**run, "time_to_target_s": 500.0, "train_s": 600.0,
+                        "final_accuracy": 0.97, "stages": [{"end": 8}, {"end": 22}]},
+        "ftpipe-int8": {**run, "time_to_target_s": 300.0, "train_s": 620.0,
+                        "final_accuracy": 0.99, "stages": [{"end": 5}, {"end": 22}]},
+        "ftpipe-fp16": {**run, "steps": 100, "time_to_target_s": None, "train_s": 100.0}},
+        "bytes_per_cut": [
+            {"cut": 1, "activation_bytes": {"none": 100, "int8": 50}},
+            {"cut": 5, "activation_bytes": {"none": 400, "int8": 100}},
+            {"cut": 8, "activation_bytes": {"none": 450, "int8": 100}}]}
+    verdicts = links_l8.verdicts(results, 0.9)
+    assert verdicts["best"] == "ftpipe-int8"
+    assert verdicts["best_speedup_over_alone"] == 3.0
+    assert verdicts["speedup_at_equal_epochs"] == {"config": "ftpipe-none", "speedup": 1.67}
+    assert verdicts["int8_activation_bytes_ratio"] == {"worst_cut": 2.0, "worst_cut_used": 4.0}
+    assert verdicts["int8_accuracy_points_below_none"] == -2.0
+
+
+def test_l8_bytes_per_cut_encodes_every_cut_as_the_messenger_does(monkeypatch, tmp_path):
+    links_l8 = _links_l8(monkeypatch)
+    from benchmarks.speed import upscaled_digits
+
+    rows = links_l8.bytes_per_cut(upscaled_digits(tmp_path), ["none", "fp16", "int8", "int4"])
+    assert [r["cut"] for r in rows] == list(range(1, 22))
+    for row in rows:
+        for kind in ("activation_bytes", "gradient_bytes"):
+            sizes = row[kind]
+            assert sizes["none"] > sizes["fp16"] > sizes["int8"] > sizes["int4"], row
+    dense = next(r for r in rows if r["cut"] == 8)  # after a linear bottleneck: no zeros
+    assert dense["activation_bytes"]["none"] / dense["activation_bytes"]["int8"] > 3.5
