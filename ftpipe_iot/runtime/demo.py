@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 # The demo's controller processes: the first leader and the standby of --standby-controller.
 _CONTROLLERS = ("controller", "standby")
+# How long an interrupted demo's controller may take to write its summary before it is killed
+# (it takes about 0.1 s on an idle host with its devices still running).
+CONTROLLER_STOP_GRACE_S = 20.0
 
 # Restarts of one kind of process after which the demo gives up (a crash loop is not recovery).
 MAX_RESTARTS = 10  # per kind of process, also in the collaborative demo
@@ -256,7 +259,12 @@ class Demo:
                 summary["report_png"] = str(paths.png)
             return summary
         except KeyboardInterrupt:
-            # Stop the controller first (it writes what it had done), then report that.
+            # Stop the controllers first, while the devices still run: a controller sends
+            # its final state, takes in the devices' last spans and writes what it had done.
+            # Stopped together, it would wait for spans from devices already gone, and on a
+            # loaded host the grace ran out before it wrote the summary. Then the rest.
+            self.children.stop([n for n in self.children.procs if n in _CONTROLLERS],
+                               grace_s=CONTROLLER_STOP_GRACE_S)
             self.stop()
             raise DemoInterrupted(interrupted_summary(self.summary_path, self.work_dir,
                                                       started)) from None

@@ -168,6 +168,10 @@ class ProcessGroup:
         """Wait for a child's exit code; raises ``subprocess.TimeoutExpired``."""
         return self.procs[name].wait(timeout_s)
 
+    def stop(self, names: Iterable[str], grace_s: float = 5.0) -> None:
+        """Stop the named children (``stop_process_groups``) and leave the others running."""
+        stop_process_groups([self.procs[n] for n in names if n in self.procs], grace_s)
+
     def stop_all(self, grace_s: float = 5.0) -> None:
         """Stop every child (``stop_process_groups``) and close their logs."""
         stop_process_groups(self.procs.values(), grace_s)
