@@ -37,6 +37,8 @@ from ftpipe_iot.protocol.collab import CollabStatus
 from ftpipe_iot.protocol.vocab import CollabMode
 from ftpipe_iot.runtime.broker import BrokerKind, BrokerProcess
 from ftpipe_iot.runtime.demo import (
+    CONTROLLER_NAMES,
+    CONTROLLER_STOP_GRACE_S,
     MAX_RESTARTS,
     DemoInterrupted,
     JobFailed,
@@ -197,7 +199,10 @@ class CollabDemo:
                 self._start(shards, common)
                 self._supervise(started + self.options.timeout_s)
             except KeyboardInterrupt:
-                # The coordinator is stopped first: it writes what it had done.
+                # The coordinators are stopped first, while the devices still run: each
+                # writes what it had done (as the pipeline demo's controller does).
+                self.children.stop([n for n in self.children.procs if n in CONTROLLER_NAMES],
+                                   grace_s=CONTROLLER_STOP_GRACE_S)
                 self.stop()
                 raise DemoInterrupted(self._interrupted(started)) from None
             finally:

@@ -34,10 +34,11 @@ from ftpipe_iot.transport.connection import BrokerConfig, parse_protocol
 
 log = logging.getLogger(__name__)
 
-# The demo's controller processes: the first leader and the standby of --standby-controller.
-_CONTROLLERS = ("controller", "standby")
+# The demos' controller processes (coordinators in the collaborative modes): the first leader
+# and the standby of --standby-controller.
+CONTROLLER_NAMES = ("controller", "standby")
 # How long an interrupted demo's controller may take to write its summary before it is killed
-# (it takes about 0.1 s on an idle host with its devices still running).
+# (about 1 s on an idle host with its devices still running).
 CONTROLLER_STOP_GRACE_S = 20.0
 
 # Restarts of one kind of process after which the demo gives up (a crash loop is not recovery).
@@ -263,7 +264,7 @@ class Demo:
             # its final state, takes in the devices' last spans and writes what it had done.
             # Stopped together, it would wait for spans from devices already gone, and on a
             # loaded host the grace ran out before it wrote the summary. Then the rest.
-            self.children.stop([n for n in self.children.procs if n in _CONTROLLERS],
+            self.children.stop([n for n in self.children.procs if n in CONTROLLER_NAMES],
                                grace_s=CONTROLLER_STOP_GRACE_S)
             self.stop()
             raise DemoInterrupted(interrupted_summary(self.summary_path, self.work_dir,
@@ -333,7 +334,7 @@ class Demo:
     def _check_devices(self) -> None:
         for name, proc in list(self.children.procs.items()):
             code = proc.poll()
-            if name in _CONTROLLERS or name in self.gone or code in (None, 0):
+            if name in CONTROLLER_NAMES or name in self.gone or code in (None, 0):
                 continue
             reason = last_error(self.children.log(name))
             why = exit_text(code) + (f" ({reason})" if reason else "")
@@ -346,7 +347,7 @@ class Demo:
             if name not in self.expected_exit:
                 self._say(f"{name} {why}; the controller goes on without it")
         running = [n for n, p in self.children.procs.items()
-                   if n not in _CONTROLLERS and n not in self.gone]
+                   if n not in CONTROLLER_NAMES and n not in self.gone]
         if not running:
             last = next(reversed(self.gone.items()))
             raise DemoError(f"every device has exited; {last[0]} {last[1]}")
