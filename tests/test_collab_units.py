@@ -61,6 +61,27 @@ def test_fedavg_does_not_depend_on_arrival_order_and_keeps_counters():
     assert int(first[0]["n"]) == 7  # an integer buffer is a counter: the largest, not a mean
 
 
+def test_a_merged_batchnorm_layer_goes_out_as_a_valid_weights_message():
+    """BatchNorm's counter is a 0-d array; the merged model the coordinator publishes must keep
+    it an array, or every device drops the new global weights as a bad body (full-width
+    MobileNetV2 under --mode fedavg stalled after its first round)."""
+    import torch
+
+    from ftpipe_iot.protocol.messages import LayerReplica
+
+    layer = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    state = {k: v.numpy().copy() for k, v in layer.state_dict().items()}
+    other = {k: v + 1 for k, v in state.items()}
+    merged = weighted_mean([(2, state), (1, other)])
+    for name, value in merged.items():
+        assert isinstance(value, np.ndarray) and value.shape == state[name].shape, name
+        assert value.dtype == state[name].dtype, name
+    replica = decode_message(decode(encode(envelope(LayerReplica(0, 1, merged, None), "j",
+                                                    "coordinator"))[0])).message
+    assert int(replica.state["1.num_batches_tracked"]) == 1
+    np.testing.assert_array_equal(replica.state["1.running_var"], merged["1.running_var"])
+
+
 def test_fedavg_refuses_mismatched_updates():
     with pytest.raises(CollabError, match="shape"):
         weighted_mean([(1, {"w": np.zeros(2)}), (1, {"w": np.zeros(3)})])

@@ -42,9 +42,11 @@ def weighted_mean(states: Sequence[tuple[int, State]]) -> dict[str, np.ndarray]:
             acc = np.zeros(first.shape, dtype=np.float64)
             for weight, state in states:
                 acc += weight * state[name].astype(np.float64)
-            merged[name] = (acc / total).astype(first.dtype)
+            mean = acc / total
         else:
-            merged[name] = np.max(np.stack([state[name] for _, state in states]), axis=0)
+            mean = np.max(np.stack([state[name] for _, state in states]), axis=0)
+        # numpy gives a 0-d array's arithmetic back as a scalar; the wire carries arrays
+        merged[name] = np.asarray(mean, dtype=first.dtype)
     return merged
 
 

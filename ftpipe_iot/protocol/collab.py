@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ftpipe_iot.errors import BadBody, PlanError, PrivacyError
-from ftpipe_iot.protocol.fields import REQUIRED, BodyReader
+from ftpipe_iot.protocol.fields import REQUIRED, BodyReader, check_array_map
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.vocab import CollabMode, CollabRole, MemberState, MessageKind
 
@@ -315,13 +315,18 @@ class RoundRestart:
 # -- end of a round -----------------------------------------------------------------------------
 def _layers(f: BodyReader) -> dict[int, dict[str, np.ndarray]]:
     value = f._get("layers", REQUIRED)
-    if not isinstance(value, Mapping) or not all(
-            isinstance(k, int) and not isinstance(k, bool) and k >= 0 and isinstance(v, Mapping)
-            and all(isinstance(n, str) and isinstance(a, np.ndarray) for n, a in v.items())
-            for k, v in value.items()):
-        raise f.fail("layers", "a map of layer indices to maps of names to arrays",
-                     type(value).__name__)
-    return {int(k): dict(v) for k, v in value.items()}
+
+    def fail(got: str) -> BadBody:
+        return f.fail("layers", "a map of layer indices to maps of names to arrays", got)
+
+    if not isinstance(value, Mapping):
+        raise fail(type(value).__name__)
+    layers = {}
+    for index, state in value.items():
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise fail(f"layer {index!r}")
+        layers[int(index)] = check_array_map(state, lambda got, i=index: fail(f"layer {i}, {got}"))
+    return layers
 
 
 @dataclass(frozen=True)

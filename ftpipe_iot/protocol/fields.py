@@ -41,6 +41,12 @@ class BodyReader:
             raise self.fail(key, f"an integer >= {low}", value)
         return int(value)
 
+    def array_map(self, key: str, default: Any = REQUIRED) -> dict[str, np.ndarray]:
+        """A map of names to arrays (a state dict, gradients); a failure names the entry."""
+        value = self._get(key, default)
+        return check_array_map(value, lambda got: self.fail(key, "a map of names to arrays",
+                                                            got))
+
     def optional_int(self, key: str, low: int | None = None) -> int | None:
         return None if self.raw.get(key) is None else self.int(key, low=low)
 
@@ -126,3 +132,14 @@ class BodyReader:
                 and math.isfinite(v) for k, v in value.items()):
             raise self.fail(key, "a map of names to finite numbers", value)
         return {k: float(v) for k, v in value.items()}
+
+
+def check_array_map(value: object, fail: Any) -> dict[str, np.ndarray]:
+    """``value`` as a dict of names to arrays, or raise ``fail(what was found)``: the whole
+    value when it is no map, else the first entry that is not a name and an array."""
+    if not isinstance(value, Mapping):
+        raise fail(type(value).__name__)
+    for name, array in value.items():
+        if not isinstance(name, str) or not isinstance(array, np.ndarray):
+            raise fail(f"{name!r}: {type(array).__name__}")
+    return dict(value)

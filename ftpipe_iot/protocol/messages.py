@@ -283,16 +283,13 @@ class LayerReplica:
     @classmethod
     def from_body(cls, raw: object) -> LayerReplica:
         f = BodyReader(raw, "weights")
-        state = f._get("state", REQUIRED)
-        if not isinstance(state, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, np.ndarray) for k, v in state.items()):
-            raise f.fail("state", "a map of names to arrays", type(state).__name__)
+        state = f.array_map("state")
         optim = f.raw.get("optim")
         if optim is not None and not (isinstance(optim, Mapping)
                                       and isinstance(optim.get("state", {}), Mapping)
                                       and isinstance(optim.get("param_groups", []), list)):
             raise f.fail("optim", "an optimizer state map", type(optim).__name__)
-        return cls(f.int("layer", low=0), f.int("version", low=0), dict(state),
+        return cls(f.int("layer", low=0), f.int("version", low=0), state,
                    None if optim is None else dict(optim))
 
 
@@ -327,11 +324,7 @@ class GroupPartial:
         f = BodyReader(raw, "partial")
         arrays = {}
         for key in ("grads", "batch_norm"):
-            value = f._get(key, REQUIRED if key == "grads" else {})
-            if not isinstance(value, Mapping) or not all(
-                    isinstance(k, str) and isinstance(v, np.ndarray) for k, v in value.items()):
-                raise f.fail(key, "a map of names to arrays", type(value).__name__)
-            arrays[key] = dict(value)
+            arrays[key] = f.array_map(key, REQUIRED if key == "grads" else {})
         covers = f.int_list("covers", [])
         if any(m < 0 for m in covers) or len(set(covers)) != len(covers):
             raise f.fail("covers", "distinct micro-batch indices >= 0", covers)
