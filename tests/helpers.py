@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.control.controller import Controller, ControllerConfig
 from ftpipe_iot.device.agent import DeviceAgent, DeviceOptions, device_will
+from ftpipe_iot.planning.profiles import DeviceProfile
 from ftpipe_iot.protocol.vocab import ControllerPhase as Phase
 from ftpipe_iot.runtime.supervise import ProcessGroup
 from ftpipe_iot.transport.memory import MemoryBroker
@@ -19,13 +20,15 @@ class MemoryJob:
     """A controller and devices on an in-memory broker, pumped in one thread."""
 
     def __init__(self, config: ControllerConfig, devices: int = 3, job: str = "t",
-                 options: DeviceOptions = DeviceOptions()) -> None:
+                 options: DeviceOptions = DeviceOptions(),
+                 profiles: dict[str, DeviceProfile] | None = None) -> None:
+        """``profiles``: the emulated device class of some devices (by name, ``d0``...)."""
         self.broker = MemoryBroker()
         self.controller = Controller(job, config, self.broker.transport("controller"),
                                      CollectorRegistry())
         self.devices = [
             DeviceAgent(f"d{i}", job, self.broker.transport(f"d{i}", device_will(f"d{i}", job)),
-                        CollectorRegistry(), options)
+                        CollectorRegistry(), options, (profiles or {}).get(f"d{i}"))
             for i in range(devices)
         ]
 

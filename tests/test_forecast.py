@@ -13,6 +13,7 @@ from ftpipe_iot.core.models import ModelSpec
 from ftpipe_iot.planning.calibration import StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.groups import evaluate_groups
+from ftpipe_iot.planning.profiles import DeviceProfile
 from ftpipe_iot.planning.rebalance import Rebalance
 from ftpipe_iot.planning.solver import DeviceSpec, LayerCosts
 from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
@@ -109,3 +110,22 @@ def test_the_step_model_is_fitted_to_the_first_plan_and_predicts_the_next_one_be
     before, after = summary.predictions[0], summary.predictions[1]
     assert before["message_cost_s"] == 0 and after["message_cost_s"] == fit["message_cost_s"]
     assert abs(after["error"]) < abs(after["closed_form_error"])
+
+
+def test_the_fit_plays_the_plan_out_at_the_speeds_measured_while_it_ran():
+    # d1 runs 40 times slower than it computes; when the first plan was predicted nobody had
+    # measured it (the reference speed). Fitted at that speed, the whole gap became a cost of
+    # every message; fitted at the measured speeds, the model without message costs already
+    # plays the step out far longer than the first prediction did.
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=4, micro_batch_size=8,
+                        max_steps=2 + FIT_AFTER_INTERVALS + 2, lr=0.05)
+    pinned = (StageAssignment.single(0, "d0", 0, 3), StageAssignment.single(1, "d1", 3, 6))
+    job = MemoryJob(ControllerConfig(train=train, devices=2, assignment=pinned,
+                                     repartition=False), devices=2,
+                    profiles={"d1": DeviceProfile("slow", factor=40.0)})
+    job.start()
+    job.run()
+    summary = job.controller.summary
+    (fit, *_) = summary.calibrations
+    first = summary.predictions[0]
+    assert fit["uncalibrated_step_s"] > 3 * first["predicted_step_s"]

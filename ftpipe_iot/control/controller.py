@@ -21,7 +21,7 @@ from ftpipe_iot.control.central import CentralReplicas
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.curvature_watch import CurvatureWatch
 from ftpipe_iot.control.failures import FailureAction, FailureFacts, respond_to_failure
-from ftpipe_iot.control.forecast import predict
+from ftpipe_iot.control.forecast import Prediction, predict
 from ftpipe_iot.control.job import JobModel, prepare_job
 from ftpipe_iot.control.lease import LeaseBeat, fenced
 from ftpipe_iot.control.liveness import Failure, LivenessTracker
@@ -44,6 +44,7 @@ from ftpipe_iot.planning.calibration import StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.codec_choice import priced
 from ftpipe_iot.planning.partition import RepartitionPolicy
+from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.messages import (
     Activation,
     Command,
@@ -139,6 +140,8 @@ class Controller:
         self.step_model = StepModel(max_in_flight=config.train.max_in_flight)
         self.model: JobModel | None = None
         self.curvature: CurvatureWatch | None = None
+        # the stages of the prediction in force (the plan's, or its retuned shares)
+        self._forecast_stages: tuple[StageAssignment, ...] = ()
         if not config.resume:
             self._setup(config.train)
 
@@ -697,28 +700,45 @@ class Controller:
         self.recorder.layout_reverted(step, revert.before_s, revert.after_s, revert.stages)
         self.replanner.request(ReplanReason.REBALANCE, revert.stages)
 
-    def _predict(self, stages: Sequence[StageAssignment], from_step: int) -> None:
-        """Tell the recorder the step model's time for ``stages`` (to measure it against)."""
+    def _costs_of(self, stages: Sequence[StageAssignment]) -> LayerCosts:
+        """The cost model ``stages`` are priced with: the plan's cuts at their codecs."""
         assert self.model is not None and self.plan is not None
         costs = self.model.cost_model
-        if len(stages) == self.plan.n_stages:  # the plan's cuts, priced at their codecs
+        if len(stages) == self.plan.n_stages:
             costs = priced(costs, tuple(s.start for s in stages[1:]), self.plan.wire)
-        self.recorder.predicted(self.plan.version, from_step, predict(
-            stages, costs, self.capacity, self.roster.capabilities,
-            self.train.micro_batches, self.train.micro_batch_size, self.step_model),
-            self.step_model.calibration.message_cost_s)
+        return costs
+
+    def _prediction(self, stages: Sequence[StageAssignment]) -> Prediction | None:
+        """The step model's time for ``stages`` at the devices' speeds as estimated now."""
+        return predict(stages, self._costs_of(stages), self.capacity, self.roster.capabilities,
+                       self.train.micro_batches, self.train.micro_batch_size, self.step_model)
+
+    def _predict(self, stages: Sequence[StageAssignment], from_step: int) -> None:
+        """Tell the recorder the step model's time for ``stages`` (to measure it against)."""
+        assert self.plan is not None
+        self._forecast_stages = tuple(stages)
+        self.recorder.predicted(self.plan.version, from_step, self._prediction(stages),
+                                self.step_model.calibration.message_cost_s)
 
     def _calibrate(self) -> None:
         """Fit the step model to the plan in force once it has been measured: later plans,
-        layout choices and moves are predicted with it (``planning.calibration``)."""
+        layout choices and moves are predicted with it (``planning.calibration``).
+
+        The fit plays the plan out at the speeds measured while it ran, not at those it was
+        predicted with: a device not yet measured then counted at the reference speed, and a
+        fit at that speed took the device's slowness for a cost of every message (on fleet L8,
+        300-400 ms a message, which then priced every extra stage out of every plan)."""
         ready = self.recorder.forecast.ready_to_fit()
         if ready is None or self.model is None or self.plan is None:
             return
-        prediction, measured = ready
+        predicted, measured = ready
+        basis = self._prediction(self._forecast_stages) if self._forecast_stages else None
+        if basis is None:
+            basis = predicted
         try:
             self.step_model = self.step_model.fitted(
-                self.plan.version, prediction.plan, self.model.cost_model,
-                prediction.devices, measured)
+                self.plan.version, basis.plan, self._costs_of(self._forecast_stages),
+                basis.devices, measured)
         except PartitionError as exc:
             log.warning("the step model could not be fitted to plan %d: %s",
                         self.plan.version, exc)
