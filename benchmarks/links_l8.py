@@ -401,9 +401,11 @@ def main() -> None:
             runs = run_configurations(work, data, args, codecs, skip)
     run_at = time.strftime("%Y-%m-%d %H:%M")
     kept = {k: v for k, v in earlier.get("runs", {}).items() if k not in runs}
-    provenance = {k: f"kept from the earlier {args.out.name}" for k in kept}
-    if isinstance(earlier.get("provenance"), str):
-        provenance["earlier"] = earlier["provenance"]
+    said = earlier.get("provenance")
+    said = said if isinstance(said, dict) else {"earlier": said} if said else {}
+    provenance = {k: said.get(k, f"kept from the earlier {args.out.name}") for k in kept}
+    provenance.update({k: v for k, v in said.items() if k not in kept and k not in runs
+                       and k not in earlier.get("runs", {})})
     provenance.update({k: f"this run, {run_at}" for k in runs})
     results = {"fleet": [{"device": n, "factor": f, "mbit_each_way": c} for n, f, c in FLEET],
                "model": "mobilenetv2(width=1.0), digits upscaled to 3x32x32",
@@ -413,6 +415,8 @@ def main() -> None:
     runs = results["runs"]
     if "fedavg" not in runs and "fedavg" in earlier:
         results["fedavg"] = earlier["fedavg"]  # an earlier note on a baseline never finished
+    if "other_host_runs" in earlier:  # runs set aside: measured on another host, not compared
+        results["other_host_runs"] = earlier["other_host_runs"]
     results["verdicts"] = verdicts(results, args.target) if "alone" in runs else {}
     results.update(loadavg_before=load_before, loadavg_after=os.getloadavg(),
                    wall_s=round(time.monotonic() - started, 1))
