@@ -45,7 +45,7 @@ def test_device_slowed_mid_run_gets_fewer_layers_and_weights_stay_exact(mosquitt
     profile = tmp_path / "slows.json"
     profile.write_text(json.dumps({"version": 1, "name": "slows", "factor": 1,
                                    "step_schedule": [{"from_step": 0, "factor": 1},
-                                                     {"from_step": 12, "factor": 12}]}))
+                                                     {"from_step": 12, "factor": 30}]}))
     job, steps = "rebalance", 60
     for i in range(3):
         extra = ["--profile", str(profile)] if i == 2 else []
