@@ -15,7 +15,8 @@ lr 0.05 with momentum 0.9, evaluated after every epoch. Configurations, one afte
 
 * ``alone``: the fastest device (slow-down 3, 40 Mbit/s) holds the whole model;
 * ``ftpipe-<codec>``: all 8 devices, ``--layout auto``, ``--wire-codec <codec>`` for every
-  codec of ``--codecs`` (default none, fp16, int8, auto);
+  codec of ``--codecs`` (default none, fp16, int8, auto), under ``--schedule`` (default sync;
+  another schedule's runs are named ``ftpipe-<codec>-<schedule>``);
 * ``fedavg``: every device trains the whole model on its eighth of the training set (IID) and
   the coordinator averages every ``--aggregate-every`` iterations (``--mode fedavg``).
 
@@ -334,6 +335,11 @@ def plot(results: dict, png: Path) -> None:
     save_figure(fig, png)
 
 
+def run_name(codec: str, schedule: str) -> str:
+    """A pipeline run's name: ``ftpipe-<codec>``, with ``-<schedule>`` unless it is sync."""
+    return f"ftpipe-{codec}" + ("" if schedule == "sync" else f"-{schedule}")
+
+
 def run_configurations(work: Path, data: Path, args: argparse.Namespace, codecs: list[str],
                        skip: set[str]) -> dict:
     """Every configuration not skipped, one after another, in one lab of namespaces."""
@@ -349,11 +355,12 @@ def run_configurations(work: Path, data: Path, args: argparse.Namespace, codecs:
                                    [*training, "--layout", "pipeline"])
             runs["alone"] = result_of("alone", summary, args.target)
         for codec in codecs:
-            name = f"ftpipe-{codec}"
-            say(f"{name}: 8 devices, --layout auto")
-            summary = pipeline_run(lab, nodes, work, f"l8-{codec}", [d for d, _, _ in FLEET],
-                                   profiles,
-                                   [*training, "--layout", "auto", "--wire-codec", codec])
+            name = run_name(codec, args.schedule)
+            say(f"{name}: 8 devices, --layout auto, --schedule {args.schedule}")
+            summary = pipeline_run(lab, nodes, work, name.replace("ftpipe-", "l8-"),
+                                   [d for d, _, _ in FLEET], profiles,
+                                   [*training, "--layout", "auto", "--wire-codec", codec,
+                                    "--schedule", args.schedule])
             runs[name] = result_of(name, summary, args.target, {
                 "stages": summary.get("stages"), "replication": replication_share(summary)})
         if "fedavg" not in skip:
@@ -371,6 +378,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--codecs", default="none,fp16,int8,auto",
                         help="comma-separated --wire-codec values for the 8-device runs")
+    parser.add_argument("--schedule", default="sync", choices=["sync", "1f1b", "async"],
+                        help="the 8-device runs' --schedule (runs other than sync are named "
+                             "ftpipe-<codec>-<schedule>)")
     parser.add_argument("--aggregate-every", type=int, default=5,
                         help="fedavg: iterations between averages")
     parser.add_argument("--skip", default="",
@@ -384,7 +394,8 @@ def main() -> None:
     if args.epochs < 1 or not 0 < args.target <= 1:
         parser.error("--epochs must be >= 1 and --target in (0, 1]")
     skip = {s for s in args.skip.split(",") if s}
-    codecs = [c for c in args.codecs.split(",") if c and f"ftpipe-{c}" not in skip]
+    codecs = [c for c in args.codecs.split(",")
+              if c and run_name(c, args.schedule) not in skip]
     earlier = json.loads(args.out.read_text()) if args.merge and args.out.exists() else {}
     reason = unavailable() if codecs or not {"alone", "fedavg"} <= skip else None
     if reason is not None:
