@@ -47,6 +47,16 @@ def test_the_prediction_is_the_step_played_out_at_the_measured_speeds():
     assert step_s(alone, capacity, fitted) > step_s(alone, capacity)
 
 
+def test_a_prediction_names_the_devices_it_had_to_guess():
+    capacity = CapacityEstimator([0.01] * 4)
+    capacity.observe("a", 0, 2, 0.08, 4)
+    two = (StageAssignment.single(0, "a", 0, 2), StageAssignment.single(1, "b", 2, 4))
+    assert predict(two, COSTS, capacity, {}, 4, 8, StepModel()).unmeasured == ("b",)
+    capacity.observe("b", 2, 4, 0.08, 4)
+    capacity.restart(["a"])  # new work for a: measured afresh, its old estimate stands in
+    assert predict(two, COSTS, capacity, {}, 4, 8, StepModel()).unmeasured == ()
+
+
 def prediction(seconds: float) -> Prediction:
     plan = evaluate_groups([(0, 4, ("a",))], COSTS, [DeviceSpec("a")], 4)
     return Prediction(seconds, seconds, plan, (DeviceSpec("a"),))
@@ -109,6 +119,8 @@ def test_the_step_model_is_fitted_to_the_first_plan_and_predicts_the_next_one_be
     assert fit["calibrated_step_s"] == pytest.approx(fit["measured_step_s"], rel=1e-3)
     before, after = summary.predictions[0], summary.predictions[1]
     assert before["message_cost_s"] == 0 and after["message_cost_s"] == fit["message_cost_s"]
+    # the first plan was predicted before any device ran; the second only knew d2 not
+    assert list(before["unmeasured"]) == ["d0", "d1"] and list(after["unmeasured"]) == ["d2"]
     assert abs(after["error"]) < abs(after["closed_form_error"])
 
 

@@ -45,6 +45,8 @@ class Prediction:
     closed_form_s: float
     plan: GroupPlan
     devices: tuple[DeviceSpec, ...]
+    # devices no step had measured yet: their speed in the prediction is a stand-in
+    unmeasured: tuple[str, ...] = ()
 
 
 def predict(stages: Sequence[StageAssignment], costs: LayerCosts,
@@ -53,13 +55,15 @@ def predict(stages: Sequence[StageAssignment], costs: LayerCosts,
             ) -> Prediction | None:
     """The step time of ``stages`` with their shares, at the devices' estimated speeds and
     declared links (None when the model cannot evaluate the plan)."""
-    devices = tuple(device_specs([d for s in stages for d in s.devices], capacity,
-                                 capabilities))
+    names = [d for s in stages for d in s.devices]
+    devices = tuple(device_specs(names, capacity, capabilities))
+    unmeasured = tuple(d for d in names if d not in capacity.history and d not in capacity.prior)
     assignment = [(s.start, s.end, s.devices) for s in stages]
     try:
         plan = evaluate_groups(assignment, costs, devices, micro_batches, micro_batch_size,
                                counts=plan_counts(stages, micro_batches))
-        return Prediction(model.step_s(plan, costs, devices), plan.step_s, plan, devices)
+        return Prediction(model.step_s(plan, costs, devices), plan.step_s, plan, devices,
+                          unmeasured)
     except PartitionError:
         return None
 
@@ -77,6 +81,9 @@ class Forecast:
     steps_measured: int = 0
     error: float | None = None  # measured / predicted - 1
     closed_form_error: float | None = None  # measured / closed form - 1
+    # the plan's devices predicted at a stand-in speed (never measured): an error that comes
+    # from not knowing them yet, not from the step model
+    unmeasured: tuple[str, ...] = ()
 
 
 @dataclass
@@ -99,7 +106,8 @@ class ForecastCheck:
         self._close()
         usable = prediction is not None and prediction.step_s > 0
         self.current = Forecast(plan, from_step, prediction.step_s,
-                                prediction.closed_form_s or None, message_cost_s) \
+                                prediction.closed_form_s or None, message_cost_s,
+                                unmeasured=prediction.unmeasured) \
             if usable and prediction is not None else None
         self.prediction = prediction if usable else None
         self._last_step_at = None
