@@ -94,9 +94,11 @@ def write_profiles(folder: Path) -> dict[str, Path]:
     return paths
 
 
-def training_args(data: Path, epochs: int, lr: float) -> list[str]:
-    return ["--model", "mobilenetv2", "--data", f"npz:{data}", "--micro-batches", str(M),
-            "--micro-batch-size", str(MB), "--lr", str(lr), "--momentum", "0.9",
+def training_args(data: Path, epochs: int, lr: float, micro_batches: int = M) -> list[str]:
+    """The jobs' training options: a step is always BATCH samples, in ``micro_batches``."""
+    return ["--model", "mobilenetv2", "--data", f"npz:{data}", "--micro-batches",
+            str(micro_batches), "--micro-batch-size", str(BATCH // micro_batches),
+            "--lr", str(lr), "--momentum", "0.9",
             "--epochs", str(epochs), "--wait-devices", "600"]
 
 
@@ -155,7 +157,7 @@ def pipeline_run(lab: NetLab, nodes: dict, work: Path, name: str, devices: list[
 
 
 def fedavg_run(lab: NetLab, nodes: dict, work: Path, data: Path, profiles: dict[str, Path],
-               epochs: int, lr: float, aggregate_every: int) -> dict:
+               epochs: int, lr: float, aggregate_every: int, micro_batches: int = M) -> dict:
     """Federated averaging over the same links: each device its eighth of the data."""
     import numpy as np
 
@@ -183,7 +185,8 @@ def fedavg_run(lab: NetLab, nodes: dict, work: Path, data: Path, profiles: dict[
                         f"mqtt://127.0.0.1:{PORT}", "--mode", "fedavg", "--devices",
                         str(len(FLEET)), "--aggregate-every", str(aggregate_every),
                         "--stop-devices", "--summary-json", str(summary_path),
-                        "--log-level", "WARNING", *training_args(data, epochs, lr),
+                        "--log-level", "WARNING",
+                        *training_args(data, epochs, lr, micro_batches),
                         netns=lab.hub)
             deadline = time.monotonic() + 3600
             while group.procs["controller"].poll() is None:
@@ -347,7 +350,7 @@ def run_configurations(work: Path, data: Path, args: argparse.Namespace, codecs:
     profiles = write_profiles(work)
     with NetLab(tag="l8") as lab:
         nodes = {name: lab.add_node(name, mbit * 1e6) for name, _, mbit in FLEET}
-        training = training_args(data, args.epochs, args.lr)
+        training = training_args(data, args.epochs, args.lr, args.micro_batches)
         if "alone" not in skip:
             fastest = FLEET[0][0]
             say(f"alone: {fastest}")
@@ -367,7 +370,7 @@ def run_configurations(work: Path, data: Path, args: argparse.Namespace, codecs:
             say("fedavg: 8 devices, each its own data")
             runs["fedavg"] = fedavg_result(
                 fedavg_run(lab, nodes, work, data, profiles, args.epochs, args.lr,
-                           args.aggregate_every), args.target)
+                           args.aggregate_every, args.micro_batches), args.target)
     return runs
 
 
@@ -381,6 +384,9 @@ def main() -> None:
     parser.add_argument("--schedule", default="sync", choices=["sync", "1f1b", "async"],
                         help="the 8-device runs' --schedule (runs other than sync are named "
                              "ftpipe-<codec>-<schedule>)")
+    parser.add_argument("--micro-batches", type=int, default=M, choices=[1, 2, 4, 8, 16, 32],
+                        help=f"micro-batches of every step of {BATCH} samples (alone and "
+                             "pipeline runs)")
     parser.add_argument("--aggregate-every", type=int, default=5,
                         help="fedavg: iterations between averages")
     parser.add_argument("--skip", default="",
@@ -420,7 +426,8 @@ def main() -> None:
     provenance.update({k: f"this run, {run_at}" for k in runs})
     results = {"fleet": [{"device": n, "factor": f, "mbit_each_way": c} for n, f, c in FLEET],
                "model": "mobilenetv2(width=1.0), digits upscaled to 3x32x32",
-               "micro_batch_size": MB, "micro_batches": M, "lr": args.lr,
+               "micro_batch_size": BATCH // args.micro_batches,
+               "micro_batches": args.micro_batches, "lr": args.lr,
                "epochs": args.epochs, "target_accuracy": args.target,
                "runs": {**kept, **runs}, "bytes_per_cut": cut_rows, "provenance": provenance}
     runs = results["runs"]
