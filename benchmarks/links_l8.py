@@ -403,7 +403,8 @@ def main() -> None:
     codecs = [c for c in args.codecs.split(",")
               if c and run_name(c, args.schedule) not in skip]
     earlier = json.loads(args.out.read_text()) if args.merge and args.out.exists() else {}
-    reason = unavailable() if codecs or not {"alone", "fedavg"} <= skip else None
+    anything_to_run = bool(codecs) or not {"alone", "fedavg"} <= skip
+    reason = unavailable() if anything_to_run else None
     if reason is not None:
         print(json.dumps({"skipped": f"network namespaces unavailable: {reason}"}))
         return
@@ -414,15 +415,15 @@ def main() -> None:
         work = Path(tmp)
         data = upscaled_digits(work)
         cut_rows = bytes_per_cut(data, ["none", "fp16", "int8", "int4"])
-        if codecs or not {"alone", "fedavg"} <= skip:
+        if anything_to_run:
             runs = run_configurations(work, data, args, codecs, skip)
     run_at = time.strftime("%Y-%m-%d %H:%M")
     kept = {k: v for k, v in earlier.get("runs", {}).items() if k not in runs}
     said = earlier.get("provenance")
     said = said if isinstance(said, dict) else {"earlier": said} if said else {}
-    provenance = {k: said.get(k, f"kept from the earlier {args.out.name}") for k in kept}
-    provenance.update({k: v for k, v in said.items() if k not in kept and k not in runs
-                       and k not in earlier.get("runs", {})})
+    provenance = {k: v for k, v in said.items() if k not in runs}
+    for name in kept:
+        provenance.setdefault(name, f"kept from the earlier {args.out.name}")
     provenance.update({k: f"this run, {run_at}" for k in runs})
     results = {"fleet": [{"device": n, "factor": f, "mbit_each_way": c} for n, f, c in FLEET],
                "model": "mobilenetv2(width=1.0), digits upscaled to 3x32x32",

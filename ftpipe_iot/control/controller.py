@@ -732,9 +732,7 @@ class Controller:
         if ready is None or self.model is None or self.plan is None:
             return
         predicted, measured = ready
-        basis = self._prediction(self._forecast_stages) if self._forecast_stages else None
-        if basis is None:
-            basis = predicted
+        basis = self._prediction(self._forecast_stages) or predicted
         try:
             self.step_model = self.step_model.fitted(
                 self.plan.version, basis.plan, self._costs_of(self._forecast_stages),

@@ -57,7 +57,7 @@ def predict(stages: Sequence[StageAssignment], costs: LayerCosts,
     declared links (None when the model cannot evaluate the plan)."""
     names = [d for s in stages for d in s.devices]
     devices = tuple(device_specs(names, capacity, capabilities))
-    unmeasured = tuple(d for d in names if d not in capacity.history and d not in capacity.prior)
+    unmeasured = tuple(d for d in names if not capacity.measured(d))
     assignment = [(s.start, s.end, s.devices) for s in stages]
     try:
         plan = evaluate_groups(assignment, costs, devices, micro_batches, micro_batch_size,

@@ -82,6 +82,10 @@ class CapacityEstimator:
         quartiles = statistics.quantiles(values, n=4, method="inclusive")
         return quartiles[0], quartiles[2]
 
+    def measured(self, device: str) -> bool:
+        """Whether any step has measured ``device`` (on its current layers or earlier ones)."""
+        return device in self.history or device in self.prior
+
     @property
     def factors(self) -> dict[str, float]:
         return {device: self.factor(device) for device in self.history}

@@ -4,7 +4,7 @@ every failure is one ``BadBody`` naming the body and the field (counted as a ``b
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -134,7 +134,7 @@ class BodyReader:
         return {k: float(v) for k, v in value.items()}
 
 
-def check_array_map(value: object, fail: Any) -> dict[str, np.ndarray]:
+def check_array_map(value: object, fail: Callable[[str], BadBody]) -> dict[str, np.ndarray]:
     """``value`` as a dict of names to arrays, or raise ``fail(what was found)``: the whole
     value when it is no map, else the first entry that is not a name and an array."""
     if not isinstance(value, Mapping):
