@@ -56,12 +56,12 @@ def test_demo_runs_end_to_end_and_prints_json(broker, tmp_path):
         pytest.fail("mosquitto is not installed; .ci/run installs it")
     job = _job()
     saved = tmp_path / "trained.pt"
-    # the embedded run also chooses where the model goes; the other keeps the default and
-    # writes the run's timeline
-    extra = ["--embedded-broker", "--save-model", str(saved)] if broker == "embedded" \
-        else ["--trace"]
+    # the embedded run also chooses where the model goes and lays a pipeline out; the other
+    # keeps the defaults (on identical devices, one group); both write the run's timeline
+    extra = ["--embedded-broker", "--save-model", str(saved), "--layout", "pipeline"] \
+        if broker == "embedded" else []
     result = _run_demo("--json", "--job", job, "--devices", "3", "--epochs", "1",
-                       "--max-steps", "25", "--work-dir", str(tmp_path), *extra)
+                       "--max-steps", "25", "--work-dir", str(tmp_path), "--trace", *extra)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     for key in ("test_accuracy", "samples_per_s", "steps", "devices", "broker", "wall_s"):
@@ -80,8 +80,7 @@ def test_demo_runs_end_to_end_and_prints_json(broker, tmp_path):
     expected = saved if broker == "embedded" else tmp_path / "model.pt"
     assert summary["model"] == str(expected) and expected.is_file()
     assert _leftovers(job) == []
-    if broker == "mosquitto":
-        _check_the_timeline(tmp_path, summary)
+    _check_the_timeline(tmp_path, summary)
 
 
 def _check_the_timeline(run_dir, summary) -> None:
@@ -93,7 +92,10 @@ def _check_the_timeline(run_dir, summary) -> None:
     trace = load_trace(run_dir)
     names = {p.name for p in trace.processes}
     devices = {d["device"] for stage in summary["stages"] for d in stage["devices"]}
-    assert names == {"controller"} | devices
+    assert {"controller"} | devices <= names
+    for idle in (p for p in trace.processes if p.name not in devices | {"controller"}):
+        # a device the plan left out (--layout auto) only hears the controller
+        assert idle.stage == -1 and set(idle.kinds) <= {SpanKind.RECEIVE}, idle.name
     micro_batches = json.loads((run_dir / "train.json").read_text())["micro_batches"]
     everything = sorted((step, mb) for step in range(25) for mb in range(micro_batches))
     for stage in summary["stages"]:
@@ -102,10 +104,18 @@ def _check_the_timeline(run_dir, summary) -> None:
                           if k is SpanKind.FORWARD)
         assert computed == everything, stage
     assert sorted(trace.step_bounds()) == list(range(25))
-    # the first stage waits for gradients, the last one for inputs (named by what came)
+    # the waits are named by what came: in a pipeline the first stage waits for gradients
+    # and the last one for inputs; the members of a group wait for inputs and for each other
     last = max(stage["stage"] for stage in summary["stages"])
-    waits = {p.stage: set(p.kinds) for p in trace.processes if p.name != "controller"}
-    assert SpanKind.WAIT_GRADIENT in waits[0] and SpanKind.WAIT_INPUT in waits[last]
+    waits: dict[int, set[SpanKind]] = {}
+    for process in trace.processes:
+        if process.name != "controller":
+            waits.setdefault(process.stage, set()).update(process.kinds)
+    if last > 0:
+        assert SpanKind.WAIT_GRADIENT in waits[0] and SpanKind.WAIT_INPUT in waits[last]
+    for stage in summary["stages"]:
+        if len(stage["devices"]) > 1:
+            assert {SpanKind.WAIT_INPUT, SpanKind.WAIT_EXCHANGE} <= waits[stage["stage"]]
     for process in trace.processes:
         if process.name == "controller":
             continue

@@ -10,7 +10,7 @@ from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.forecast import FIT_AFTER_INTERVALS, ForecastCheck, Prediction, predict
 from ftpipe_iot.control.replan import ReplanReason
 from ftpipe_iot.core.models import ModelSpec
-from ftpipe_iot.planning.calibration import StepModel
+from ftpipe_iot.planning.calibration import MESSAGE_COST_PRIOR_S, StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.groups import evaluate_groups
 from ftpipe_iot.planning.profiles import DeviceProfile
@@ -118,7 +118,9 @@ def test_the_step_model_is_fitted_to_the_first_plan_and_predicts_the_next_one_be
     assert fit["message_cost_s"] > 0
     assert fit["calibrated_step_s"] == pytest.approx(fit["measured_step_s"], rel=1e-3)
     before, after = summary.predictions[0], summary.predictions[1]
-    assert before["message_cost_s"] == 0 and after["message_cost_s"] == fit["message_cost_s"]
+    # the first plan was priced at the prior, the next at the fitted cost
+    assert before["message_cost_s"] == MESSAGE_COST_PRIOR_S
+    assert after["message_cost_s"] == fit["message_cost_s"] != MESSAGE_COST_PRIOR_S
     # the first plan was predicted before any device ran; the second only knew d2 not
     assert list(before["unmeasured"]) == ["d0", "d1"] and list(after["unmeasured"]) == ["d2"]
     assert abs(after["error"]) < abs(after["closed_form_error"])

@@ -116,6 +116,24 @@ def test_shares_follow_measured_speeds_without_moving_layers():
     assert retuned(retuned_stages, counts, capacity, costs, 8, 0.05) is None
 
 
+def test_a_share_change_is_weighed_against_the_measured_step_and_its_noise():
+    costs = LayerCosts.from_dict({"layer_cost_s": [0.01] * 2, "activation_bytes": [0] * 2,
+                                  "layer_memory_bytes": [0] * 2})
+    stages = (_group(0, 0, 2, "a", "b", shares=[0.5, 0.5]),)
+    capacity = CapacityEstimator([0.01] * 2)
+    for device, factor in (("a", 1.0), ("b", 3.0)) * capacity.noise_window:
+        capacity.observe(device, 0, 2, factor * 0.02 * 2, 2)
+    # b is 3x slower: 3:1 takes the slowest busy time from 120 ms to 60 ms
+    counts, _ = retuned(stages, ((2, 2),), capacity, costs, 4, 0.05)
+    assert counts == ((3, 1),)
+    assert retuned(stages, ((2, 2),), capacity, costs, 4, 0.05, (0.12, 0.01)) is not None
+    # but where the step measures 2 s (messages fill the rest), 60 ms is 3 % of it
+    assert retuned(stages, ((2, 2),), capacity, costs, 4, 0.05, (2.0, 0.01)) is None
+    assert retuned(stages, ((2, 2),), capacity, costs, 4, 0.02, (2.0, 0.01)) is not None
+    # and where steps spread over more than 60 ms, nothing could tell the gain from noise
+    assert retuned(stages, ((2, 2),), capacity, costs, 4, 0.02, (2.0, 0.07)) is None
+
+
 def test_shares_do_not_trade_back_and_forth_on_noise_but_follow_a_real_slow_down():
     costs = LayerCosts.from_dict({"layer_cost_s": [0.01] * 2, "activation_bytes": [0] * 2,
                                   "layer_memory_bytes": [0] * 2})
@@ -217,6 +235,20 @@ def test_a_retune_that_measures_no_slower_stays_and_a_change_without_history_is_
     assert verdicts[4] is TrialVerdict.KEEP and not guard.blocked(11)
     early, _ = _guard_after([0.1 * s for s in range(3)], 2)  # 1 interval before: no trial
     assert early.trial is None and not early.blocked(3)
+
+
+def test_the_guard_gives_the_recent_step_and_its_spread_once_it_has_seen_enough_steps():
+    guard = ShareGuard(judge_steps=4)
+    at = 0.0
+    for step, interval in enumerate([0.0, 0.10, 0.12, 0.10, 0.14, 0.10, 0.12, 0.10, 0.16]):
+        at += interval
+        guard.step_done(step, at)
+        if step < 8:
+            assert guard.recent_steps(step) is None  # fewer than 8 intervals
+    median, spread = guard.recent_steps(8)
+    assert median == pytest.approx(0.11) and spread == pytest.approx(0.025)
+    guard.step_done(9, at + 2.0)  # an evaluation's pause is one long interval
+    assert guard.recent_steps(9)[0] == pytest.approx(0.12)
 
 
 # -- the exchange in partial sums (docs/design.md §8) ---------------------------------------------

@@ -5,6 +5,8 @@ plan out that way still trains like one process."""
 from __future__ import annotations
 
 import itertools
+import random
+from dataclasses import replace
 
 import click
 import pytest
@@ -15,12 +17,21 @@ from ftpipe_iot.control.plan_stages import LayoutInputs, choose_stages
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.core.routing import counts_from_shares, plan_counts
 from ftpipe_iot.errors import ConfigError
+from ftpipe_iot.planning.calibration import Calibration, StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
 from ftpipe_iot.planning.layouts import Layout, choose_layout
-from ftpipe_iot.protocol.plan import TrainConfig
+from ftpipe_iot.protocol.messages import Capabilities
+from ftpipe_iot.protocol.plan import Member, Plan, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.specs import ModelSpec
 from ftpipe_iot.protocol.vocab import ControllerPhase
+
+# The digits demo's CNN as the controller profiles it (micro-batches of 8, one thread): the
+# microseconds of each layer's forward and backward, its output and its parameters in bytes.
+DEMO_LAYER_US = (221, 35, 414, 55, 70, 410, 36, 53, 20, 115, 27, 87)
+DEMO_ACTIVATION_BYTES = (32768.0, 32768.0, 65536.0, 65536.0, 16384.0, 32768.0, 32768.0, 8192.0,
+                         8192.0, 2048.0, 2048.0, 320.0)
+DEMO_PARAM_BYTES = (640.0, 0.0, 18560.0, 0.0, 0.0, 73984.0, 0.0, 0.0, 0.0, 65792.0, 0.0, 2600.0)
 
 
 def _costs(params: float) -> LayerCosts:
@@ -46,6 +57,29 @@ def test_auto_takes_groups_only_when_the_planner_predicts_them_faster():
     margin = 1 - fast.planner_step_s / fast.pipeline_step_s
     assert not choose_layout(_costs(1000.0), _devices(4), 8, Layout.AUTO,
                              min_gain=min(0.99, margin + 0.01)).grouped
+
+
+def test_priced_messages_make_auto_choose_the_layout_that_sends_fewest_whatever_the_noise():
+    # The digits demo's situation: a model of a few ms on three identical devices. Messages
+    # free, which of pipeline and hybrid is predicted 10 % faster is up to the profile's noise;
+    # every message priced at the prior, data parallelism (inputs in, partial sums out, no
+    # cut) wins in every draw of the noise.
+    rng = random.Random(3)
+    model = StepModel(Calibration.prior())
+    kinds_unpriced, kinds_priced = set(), set()
+    for _ in range(20):
+        costs = LayerCosts(tuple(t * 1e-6 * rng.uniform(0.8, 1.2) for t in DEMO_LAYER_US),
+                           DEMO_ACTIVATION_BYTES, (1.0,) * 12, param_bytes=DEMO_PARAM_BYTES,
+                           stage_overhead_s=3e-5, head_overhead_s=6e-5)
+        kinds_unpriced.add(choose_layout(costs, _devices(3), 4, Layout.AUTO,
+                                         step_model=StepModel(Calibration())).kind)
+        priced = choose_layout(costs, _devices(3), 4, Layout.AUTO, step_model=model)
+        kinds_priced.add(priced.kind)
+        assert priced.planner_step_s < priced.pipeline_step_s * 0.9
+    assert len(kinds_unpriced) > 1 and kinds_priced == {"data"}
+    # data parallelism is a candidate only where a device holds the whole model
+    small = [DeviceSpec(f"d{i}", 1.0, memory_bytes=8.0) for i in range(3)]
+    assert choose_layout(costs, small, 4, Layout.AUTO, step_model=model).kind != "data"
 
 
 def test_pipeline_and_data_layouts_ignore_the_prediction():
@@ -78,6 +112,29 @@ def test_choose_stages_writes_the_planners_counts_as_shares():
         [(lo, hi, members) for lo, hi, members, _ in expected.stages]
     assert plan_counts(stages, 7) == tuple(counts for *_, counts in expected.stages)
     assert any(line.startswith(f"layout: {expected.kind} plan") for line in lines)
+
+
+def test_a_device_the_layout_left_idle_takes_the_place_of_a_member_that_is_gone():
+    costs = _costs(1000.0)  # 6 layers of 1 byte each
+    group = (StageAssignment(0, 0, 6, (Member("d0", 0.5), Member("d1", 0.5))),)
+    current = Plan(1, "j", group, TrainConfig(micro_batches=4), 6, (1, 8, 8), 10)
+    capacity = CapacityEstimator.for_costs(costs)
+    inputs = LayoutInputs(["d0", "d2", "d3"], current, (), costs, capacity, {},
+                          layout=Layout.AUTO, micro_batches=4)
+    stages, lines = choose_stages(inputs)  # d1 is gone, d2 and d3 held nothing
+    assert stages == (StageAssignment(0, 0, 6, (Member("d0", 0.5), Member("d2", 0.5))),)
+    assert any("d2, idle until now, takes the place" in line for line in lines)
+    # the fastest measured idle device first, and only one that holds the stage's layers
+    for device, factor in (("d2", 2.0), ("d3", 1.0)):
+        capacity.observe(device, 0, 6, factor * costs.stage_cost_s(0, 6), 1)
+    stages, _ = choose_stages(inputs)
+    assert stages[0].devices == ("d0", "d3")
+    small = {"d3": Capabilities(memory_bytes=5.0)}
+    stages, _ = choose_stages(replace(inputs, capabilities=small))
+    assert stages[0].devices == ("d0", "d2")
+    # no idle device that can: the gone member's share goes to its peers
+    stages, _ = choose_stages(replace(inputs, devices=["d0"]))
+    assert stages == (StageAssignment(0, 0, 6, (Member("d0", 1.0),)),)
 
 
 def test_shares_written_as_counts_give_the_counts_back():

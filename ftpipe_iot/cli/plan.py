@@ -12,7 +12,12 @@ import click
 
 from ftpipe_iot.cli.options import AUTO, COUNT_OR_AUTO, command
 from ftpipe_iot.errors import PartitionError
-from ftpipe_iot.planning.calibration import Calibration, StepModel, last_calibration
+from ftpipe_iot.planning.calibration import (
+    MESSAGE_COST_PRIOR_S,
+    Calibration,
+    StepModel,
+    last_calibration,
+)
 from ftpipe_iot.planning.codec_choice import (
     DEFAULT_BUDGET_POINTS,
     CodecChoice,
@@ -143,7 +148,9 @@ def _step_model_text(modelled_s: float, closed_s: float, calibration: Calibratio
     text = (f"step model: {modelled_s:.4f} s per step played out (the closed form above: "
             f"{closed_s:.4f} s)")
     if calibration is None:
-        return text + "; not calibrated (--calibration RUN_DIR fits it to a run's steps)"
+        return text + (f"; not calibrated: {MESSAGE_COST_PRIOR_S * 1e3:.2f} ms a message, the "
+                       "prior a controller plans its first plan with (--calibration RUN_DIR "
+                       "fits it to a run's steps)")
     before = calibration.uncalibrated_error
     after = (calibration.measured_step_s / calibration.calibrated_step_s - 1.0
              if calibration.measured_step_s and calibration.calibrated_step_s else None)
@@ -457,7 +464,7 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
                  if compare
                  else {})
     calibration = _calibration(calibration_from)
-    step_model = StepModel(calibration or Calibration(), max_in_flight)
+    step_model = StepModel(calibration or Calibration.prior(), max_in_flight)
     modelled_s = step_model.step_s(chosen, costs, devices)
     replication = choose_interval(
         drain_every, replication_budget, chosen.step_s,

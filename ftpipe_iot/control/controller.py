@@ -40,7 +40,7 @@ from ftpipe_iot.errors import PartitionError, TrainingDiverged
 from ftpipe_iot.observability.metrics import ControllerMetrics
 from ftpipe_iot.observability.progress import ProgressReporter, SilentProgress
 from ftpipe_iot.observability.trace import RunTracer, TraceStore
-from ftpipe_iot.planning.calibration import StepModel
+from ftpipe_iot.planning.calibration import Calibration, StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.codec_choice import priced
 from ftpipe_iot.planning.partition import RepartitionPolicy
@@ -136,8 +136,9 @@ class Controller:
         self.excluded: set[str] = set()
         self.train: TrainConfig = config.train
         self.pacer = ReplicationPacer(config.train.replicate_every, config.replication_budget)
-        # what a step of a plan takes, fitted to the plans measured (``planning.calibration``)
-        self.step_model = StepModel(max_in_flight=config.train.max_in_flight)
+        # what a step of a plan takes, fitted to the plans measured (``planning.calibration``);
+        # until the first fit, each message is priced at the prior
+        self.step_model = StepModel(Calibration.prior(), config.train.max_in_flight)
         self.model: JobModel | None = None
         self.curvature: CurvatureWatch | None = None
         # the stages of the prediction in force (the plan's, or its retuned shares)

@@ -1,6 +1,7 @@
-"""The stages of a new plan (pure): the pinned assignment, the running layout without the
-devices that are gone, or a fresh layout (``planning.layouts``: a single pipeline, one group
-of every device, or the fleet planner's plan); with warm standbys for the job's resiliency."""
+"""The stages of a new plan (pure): the pinned assignment, the running layout with the devices
+that are gone replaced by idle ones or their shares spread over their peers, or a fresh layout
+(``planning.layouts``: a single pipeline, one group of every device, or the fleet planner's
+plan); with warm standbys for the job's resiliency."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ftpipe_iot.planning.groups import exchange_for
 from ftpipe_iot.planning.layouts import Layout, LayoutChoice, choose_layout
 from ftpipe_iot.planning.rebalance import comparable_specs, device_specs
 from ftpipe_iot.planning.resilience import split_for_resiliency, with_standbys
+from ftpipe_iot.planning.solver import stage_for
 from ftpipe_iot.protocol.messages import Capabilities
 from ftpipe_iot.protocol.plan import Member, Plan, StageAssignment
 from ftpipe_iot.protocol.vocab import ScheduleName
@@ -77,8 +79,17 @@ def choose_stages(inputs: LayoutInputs) -> tuple[tuple[StageAssignment, ...], li
     if inputs.pinned and current is None:
         return tuple(inputs.pinned), warnings  # as the user wrote it, standbys included
     if current is not None and any(len(s.members) > 1 for s in current.stages):
-        # Groups and standbys keep their layout; members that are gone leave their share.
-        stages = without(current.stages, set(current.devices) - set(devices))
+        # Groups and standbys keep their layout: a device the layout left idle takes a gone
+        # member's place, and members that are gone with no one to take their place leave
+        # their share to their peers.
+        gone = set(current.devices) - set(devices)
+        stages = without(_replaced(current.stages, gone, devices, inputs), gone)
+        for stage in stages:
+            for member in stage.members:
+                if member.device not in current.devices:
+                    warnings.append(f"{member.device}, idle until now, takes the place of a "
+                                    f"gone holder of stage {stage.stage} (layers "
+                                    f"[{stage.start}, {stage.end}))")
     computing = devices
     spares: list[str] = []
     if not stages:
@@ -102,7 +113,14 @@ def choose_stages(inputs: LayoutInputs) -> tuple[tuple[StageAssignment, ...], li
             warnings.append(_described(choice))
         stages = group_stages(choice, inputs.micro_batches)
         used = {d for s in stages for d in s.devices}
-        spares += [d for d in computing if d not in used]  # more devices than layers
+        idle = [d for d in computing if d not in used]  # more devices than pay off, or layers
+        if idle and not inputs.resiliency:
+            warnings.append(f"layout: {', '.join(idle)} {'holds' if len(idle) == 1 else 'hold'} "
+                            "no stage of this plan (staying in the fleet: "
+                            f"{'it takes' if len(idle) == 1 else 'they take'} the place of a "
+                            "holder that leaves, and later plans may use "
+                            f"{'it' if len(idle) == 1 else 'them'})")
+        spares += idle
     else:
         used = {d for s in stages for d in s.devices}
         spares = [d for d in devices if d not in used]
@@ -112,6 +130,29 @@ def choose_stages(inputs: LayoutInputs) -> tuple[tuple[StageAssignment, ...], li
         if warning:
             warnings.append(warning)
     return stages, warnings
+
+
+def _replaced(stages: Sequence[StageAssignment], gone: set[str], devices: Sequence[str],
+              inputs: LayoutInputs) -> tuple[StageAssignment, ...]:
+    """``stages`` with each gone member's place (its share, or a standby's watch) taken by a
+    device no stage holds, the fastest measured first, when it holds the stage's layers in its
+    memory: the device the layout left idle (``--layout auto`` plans without a device that
+    adds nothing to the step) replaces the one that left, as a new device would."""
+    holding = {m.device for s in stages for m in s.members}
+    idle = sorted((d for d in devices if d not in holding), key=inputs.capacity.factor)
+    specs = {s.name: s for s in device_specs(idle, inputs.capacity, inputs.capabilities)}
+    replaced = []
+    for stage in stages:
+        members = []
+        for member in stage.members:
+            spare = next((d for d in idle if member.device in gone and stage_for(
+                inputs.costs, specs[d], stage.start, stage.end).fits_memory), None)
+            if spare is not None:
+                idle.remove(spare)
+                member = Member(spare, member.share)
+            members.append(member)
+        replaced.append(StageAssignment(stage.stage, stage.start, stage.end, tuple(members)))
+    return tuple(replaced)
 
 
 def _described(choice: LayoutChoice) -> str:

@@ -58,6 +58,13 @@ class ShareGuard:
         """A training step completed at ``at`` (the controller's clock)."""
         self._times.record(step, at)
 
+    def recent_steps(self, step: int) -> tuple[float, float] | None:
+        """The median step and its interquartile range over the intervals kept up to ``step``
+        (None until ``2 * judge_steps`` were measured): what a share change is weighed
+        against, and the least gain this guard could tell from noise."""
+        kept = 2 * self.judge_steps
+        return self._times.spread_s(step - kept, step, kept)
+
     def blocked(self, step: int) -> bool:
         """Whether no retune may be tried at this boundary (a trial runs, or a cooldown)."""
         return self.trial is not None or step < self._blocked_until

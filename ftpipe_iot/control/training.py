@@ -78,7 +78,7 @@ class PlanTraining:
         if self.guard.blocked(step):
             return None
         change = retuned(self.stages, self.counts, self._capacity, costs,
-                         self.train.micro_batches, threshold)
+                         self.train.micro_batches, threshold, self.guard.recent_steps(step))
         confirmed = change is not None and self._proposed is not None and \
             _same_way(self.counts, self._proposed, change[0])
         self._proposed = None if change is None or confirmed else change[0]

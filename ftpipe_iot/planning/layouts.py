@@ -6,7 +6,11 @@ pipeline the controller has always deployed (``rebalance.new_assignment``) and t
 planner's plan (``group_search.solve_groups``: pipeline, data parallelism or a hybrid). The
 planner's plan wins only when it is predicted at least ``min_gain`` faster per step: the model
 leaves out what it cannot see (the broker's own load, the cores the emulated devices share), so
-a marginal predicted gain is not worth the gradient traffic a group adds.
+a marginal predicted gain is not worth the gradient traffic a group adds. Given a step model
+(``planning.calibration``: the per-message cost fitted to the run, or its prior before the
+first fit), both sides are played out message by message, and the planner's side is the faster
+of its plan and data parallelism: the closed form counts no message, so on a model whose step
+is mostly messages (the digits demo) it ranks the layouts by noise in the profile.
 
 Every layout is asked of the job's schedule first (``Schedule.supports``): ``auto`` takes the
 best plan the schedule supports (under ``--schedule async`` a group plan is set aside for the
@@ -87,6 +91,20 @@ def _refusal(schedule: Schedule,
     return schedule.supports(shape, JobOptions())
 
 
+def _data_parallel(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches: int,
+                   schedule: Schedule, exchange: GradientExchange) -> list[GroupPlan]:
+    """Data parallelism as a candidate of its own, when some devices hold the whole model and
+    the schedule takes the group: the closed form ranks it by compute alone, and a played-out
+    step, which prices every message, can find it the fastest (it sends the fewest)."""
+    try:
+        plan = data_parallel_plan(costs, specs, micro_batches, exchange=exchange)
+    except PartitionError:
+        return []
+    if not plan.fits_memory or _refusal(schedule, _stages(plan)) is not None:
+        return []
+    return [plan]
+
+
 def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches: int,
                   layout: Layout, min_gain: float = 0.10, schedule: Schedule | None = None,
                   exchange: GradientExchange = GradientExchange.SUMS,
@@ -102,8 +120,9 @@ def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches:
     shorter than the single pipeline's and the schedule supports it, else the single pipeline
     (with a warning naming the plan the schedule refused). ``exchange``: what the run's groups
     will exchange (``groups.exchange_for`` its resiliency), which prices them. ``step_model``:
-    the two candidates found by the closed form are compared by playing their steps out with
-    the per-message cost fitted so far (``planning.calibration``), when one is given.
+    the candidates are compared by playing their steps out with the per-message cost fitted so
+    far (``planning.calibration``), when one is given: the closed form's two and, as a third
+    for the planner's side, data parallelism over the devices that hold the whole model.
     """
     if not 0 <= min_gain < 1:
         raise PartitionError(f"min_gain must be in [0, 1), got {min_gain}")
@@ -145,6 +164,9 @@ def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches:
     except PartitionError as exc:
         return LayoutChoice(single, "pipeline", _finite(step_s(pipeline)), None,
                             f"fleet planner: {exc}; a single pipeline instead")
+    if step_model is not None:
+        planned = min([planned, *_data_parallel(costs, specs, micro_batches, schedule,
+                                                exchange)], key=step_s)
     pipeline_s, planned_s = step_s(pipeline), step_s(planned)
     if planned_s < pipeline_s * (1 - min_gain):
         refusal = _refusal(schedule, _stages(planned))
