@@ -115,11 +115,9 @@ def choose_stages(inputs: LayoutInputs) -> tuple[tuple[StageAssignment, ...], li
         used = {d for s in stages for d in s.devices}
         idle = [d for d in computing if d not in used]  # more devices than pay off, or layers
         if idle and not inputs.resiliency:
-            warnings.append(f"layout: {', '.join(idle)} {'holds' if len(idle) == 1 else 'hold'} "
-                            "no stage of this plan (staying in the fleet: "
-                            f"{'it takes' if len(idle) == 1 else 'they take'} the place of a "
-                            "holder that leaves, and later plans may use "
-                            f"{'it' if len(idle) == 1 else 'them'})")
+            warnings.append(f"layout: left idle by this plan: {', '.join(idle)} (an idle "
+                            "device takes the place of a holder that leaves; later plans may "
+                            "use it)")
         spares += idle
     else:
         used = {d for s in stages for d in s.devices}
@@ -145,11 +143,12 @@ def _replaced(stages: Sequence[StageAssignment], gone: set[str], devices: Sequen
     for stage in stages:
         members = []
         for member in stage.members:
-            spare = next((d for d in idle if member.device in gone and stage_for(
-                inputs.costs, specs[d], stage.start, stage.end).fits_memory), None)
-            if spare is not None:
-                idle.remove(spare)
-                member = Member(spare, member.share)
+            if member.device in gone:
+                spare = next((d for d in idle if stage_for(
+                    inputs.costs, specs[d], stage.start, stage.end).fits_memory), None)
+                if spare is not None:
+                    idle.remove(spare)
+                    member = Member(spare, member.share)
             members.append(member)
         replaced.append(StageAssignment(stage.stage, stage.start, stage.end, tuple(members)))
     return tuple(replaced)

@@ -29,11 +29,11 @@ from ftpipe_iot.planning.step_simulation import HostShare, SimulationSettings, s
 #: plausible per-message cost explains is something else (a stall, a slow broker) that the
 #: planner should not learn as the cost of every message.
 MAX_MESSAGE_COST_S = 1.0
-#: What a message costs before a run has measured it (``Calibration.prior``): less than any
-#: fit on loopback Mosquitto has found (the digits demo's, 3.7-5.8 ms a message on two cores,
-#: and full-width MobileNetV2's, a few ms), so the prior never makes a message dearer than a
-#: run finds it, but not the zero of a model that counts no message, under which layouts that
-#: differ only in how many messages they send tie and the profile's noise picks one.
+#: What a message costs before a run has measured it (``Calibration.prior``). Below what the
+#: fit finds where messages are most of a step (the digits demo on loopback Mosquitto: 3.4-5.8
+#: ms a message on two cores), and on a model whose step takes seconds it changes no choice;
+#: but not the zero of a model that counts no message, under which layouts that differ only in
+#: how many messages they send tie and the noise of the profile picks one.
 MESSAGE_COST_PRIOR_S = 0.001
 #: Bisection steps of the fit (the interval shrinks 2^-n: sub-microsecond at n = 40).
 FIT_ITERATIONS = 40
