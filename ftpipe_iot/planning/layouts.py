@@ -164,10 +164,10 @@ def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches:
     except PartitionError as exc:
         return LayoutChoice(single, "pipeline", _finite(step_s(pipeline)), None,
                             f"fleet planner: {exc}; a single pipeline instead")
-    if step_model is not None:
-        planned = min([planned, *_data_parallel(costs, specs, micro_batches, schedule,
-                                                exchange)], key=step_s)
-    pipeline_s, planned_s = step_s(pipeline), step_s(planned)
+    candidates = [planned, *(_data_parallel(costs, specs, micro_batches, schedule, exchange)
+                             if step_model is not None else [])]
+    planned_s, planned = min(((step_s(p), p) for p in candidates), key=lambda c: c[0])
+    pipeline_s = step_s(pipeline)
     if planned_s < pipeline_s * (1 - min_gain):
         refusal = _refusal(schedule, _stages(planned))
         if refusal is None:

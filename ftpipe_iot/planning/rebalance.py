@@ -53,14 +53,11 @@ def comparable_specs(specs: Sequence[DeviceSpec], capacity: CapacityEstimator,
     controller moved the whole model onto a device 7x slower than the one it left (the guard
     took the move back after it measured it, 7 steps later).
     """
-    def known(name: str) -> bool:
-        return name in capacity.history or name in capacity.prior
-
-    measured = [s.factor for s in specs if known(s.name)]
+    measured = [s.factor for s in specs if capacity.measured(s.name)]
     if not measured:
         return list(specs)
     stand_in = max(measured) if moving_work else statistics.median(measured)
-    return [s if known(s.name) else replace(s, factor=stand_in) for s in specs]
+    return [s if capacity.measured(s.name) else replace(s, factor=stand_in) for s in specs]
 
 
 def new_assignment(cost_model: LayerCosts, specs: Sequence[DeviceSpec]) -> tuple[Assignment,
