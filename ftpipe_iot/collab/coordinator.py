@@ -717,6 +717,10 @@ class Coordinator:
         index, end = current.span.index, current.span.first + current.span.iterations
         self.recorder.round_completed(index, end, included, self.members, aggregation_s)
         self.current = None
+        # the round's record before its model: a coordinator that resumes from the retained
+        # model then finds who served every round the model holds (published after, a
+        # coordinator killed between the two left the round's servers unknown)
+        self._publish_status()
         self._publish_global(index + 1)
         load_states(dict(enumerate(self.layers)), self.global_states)
         accuracy, loss = evaluate(self.layers, self.data.x_test, self.data.y_test,
