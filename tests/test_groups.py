@@ -17,7 +17,7 @@ from ftpipe_iot.control.replan import retuned
 from ftpipe_iot.control.share_trial import ShareGuard, TrialVerdict
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.core.routing import StepRoutes, counts_from_shares, interleave
-from ftpipe_iot.device.agent import DeviceAgent, device_will
+from ftpipe_iot.device.agent import DeviceAgent, device_will, host_identity
 from ftpipe_iot.errors import PlanError
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.groups import apportion
@@ -181,6 +181,39 @@ def test_identical_members_on_noisy_cores_never_trade_shares_and_a_slow_down_mov
     assert counts == ((3, 1),)
 
 
+def test_members_sharing_a_host_are_compared_by_their_own_work_not_their_waits_for_a_core():
+    costs = LayerCosts.from_dict({"layer_cost_s": [0.01] * 2, "activation_bytes": [0] * 2,
+                                  "layer_memory_bytes": [0] * 2})
+    stages = (_group(0, 0, 3, "a", "b", "c", shares=[0.5, 0.25, 0.25]),)
+    counts = ((2, 1, 1),)
+
+    def measured(wall: dict[str, float], own: dict[str, float]) -> CapacityEstimator:
+        capacity = CapacityEstimator.for_costs(LayerCosts.from_dict(
+            {"layer_cost_s": [0.01] * 3, "activation_bytes": [0] * 3,
+             "layer_memory_bytes": [0] * 3}))
+        for _ in range(capacity.noise_window):
+            for index, device in enumerate("abc"):
+                n = counts[0][index]
+                capacity.observe(device, 0, 3, wall[device] * 0.03 * n, n,
+                                 own[device] * 0.03 * n)
+        return capacity
+
+    # a computes alongside the others' busiest moments and waits for a core: twice as slow on
+    # the wall clock, the same work on its own thread as b and c
+    waits = measured({"a": 2.0, "b": 1.0, "c": 1.0}, {"a": 1.0, "b": 1.0, "c": 1.0})
+    one_host = {"a": "h1", "b": "h1", "c": "h1"}
+    assert retuned(stages, counts, waits, costs, 4, 0.05, hosts=one_host) is None
+    # on hosts of their own the wall clock is the device's speed: the odd micro-batch moves
+    apart = {"a": "h1", "b": "h2", "c": "h3"}
+    moved, _ = retuned(stages, counts, waits, costs, 4, 0.05, hosts=apart)
+    assert moved[0][0] == 1
+    assert retuned(stages, counts, waits, costs, 4, 0.05) is not None  # hosts unknown: wall
+    # a slower in its own work too (an emulated slow-down, an interruption): shares follow
+    slowed = measured({"a": 6.0, "b": 1.0, "c": 1.0}, {"a": 4.0, "b": 1.0, "c": 1.0})
+    moved, _ = retuned(stages, counts, slowed, costs, 4, 0.05, hosts=one_host)
+    assert moved[0][0] < 2
+
+
 def test_a_slow_member_loses_share_once_and_training_stays_exact():
     train = TrainConfig(model=ModelSpec("mlp"), micro_batches=4, micro_batch_size=8,
                         max_steps=16, lr=0.05)
@@ -198,6 +231,9 @@ def test_a_slow_member_loses_share_once_and_training_stays_exact():
     assert len(changes) == 1 and changes[0]["step"] >= 12
     final = {d["device"]: d["share"] for d in summary.stages[0]["devices"]}
     assert final == {"d0": 0.75, "d1": 0.25}
+    # the members named one host (this machine): the slow-down was seen in their own work
+    assert {caps.host for caps in job.controller.roster.capabilities.values()} == \
+        {host_identity()}
     gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     assert max_weight_diff(gathered, train_reference(train, job.controller.data, 16)) < 1e-5
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -185,3 +188,37 @@ def test_a_stage_that_forwards_the_next_step_still_exports_the_boundary_it_passe
     # the live buffers did move: an export of them would not be the boundary's
     assert any(not np.array_equal(value, boundary[16 + int(key.split(".")[0])].state[
         key.split(".", 1)[1]]) for key, value in moved.items())
+
+
+def test_own_work_counts_an_emulated_slow_down_and_not_the_waits_for_a_busy_interpreter():
+    """What devices sharing a host are compared by (``StepDone.typical_own_s``): the
+    compute thread's CPU seconds and the emulated slow-down's sleep, not the time the thread
+    waited while another one held the interpreter (or another process the core)."""
+    layers = build_layers(CONFIG.model, (1, 8, 8), 10, seed=0)
+    shapes = cut_shapes(layers, (1, 8, 8), 10)
+    first = Stage(0, 2, layers[:3], 0, CONFIG, shapes[0], 10,
+                  compute_hook=lambda cpu_s: time.sleep(0.01))
+    last = Stage(1, 2, layers[3:], 3, CONFIG, shapes[3], 10)
+    stop = threading.Event()
+
+    def hold_the_interpreter() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    busy = threading.Thread(target=hold_the_interpreter)
+    busy.start()
+    try:
+        for mb in range(2):
+            x, y = _batch(mb)
+            (act,) = first.forward(0, mb, x, y, True)
+            out = last.forward(0, mb, act.x, act.y, True)
+            grad = next(o for o in out if isinstance(o, SendGradient))
+            back = first.backward(0, mb, grad.grad)
+    finally:
+        stop.set()
+        busy.join()
+    done = [o for o in back if isinstance(o, StepDone)][0]
+    # a forward and a backward per micro-batch, each slept 10 ms: 2 x 20 ms at least
+    assert done.typical_own_s >= 0.04
+    # the waits for the interpreter are in the wall time, not in the device's own work
+    assert done.typical_own_s < 0.9 * done.typical_s

@@ -676,8 +676,9 @@ class Controller:
                 self.recorder.rebalancing(step, better.current_s, better.proposed_s,
                                           better.per)
             else:
-                changed = self.training.retune(step, self.model.cost_model,
-                                               self.config.retune_threshold)
+                changed = self.training.retune(
+                    step, self.model.cost_model, self.config.retune_threshold,
+                    {device: caps.host for device, caps in self.roster.capabilities.items()})
                 if changed is not None:
                     self.recorder.shares_changed(
                         step, self.training.stages, self.training.guard.last_revert

@@ -280,7 +280,8 @@ def next_plan(job: str, model: JobModel, stages: Sequence[StageAssignment],
 
 def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: CapacityEstimator,
             costs: LayerCosts, micro_batches: int, threshold: float,
-            steps: tuple[float, float] | None = None
+            steps: tuple[float, float] | None = None,
+            hosts: Mapping[str, str | None] | None = None
             ) -> tuple[Counts, tuple[StageAssignment, ...]] | None:
     """Cheaper shares for the groups (no layer moves): each group's micro-batches apportioned
     to its members' measured speeds, when that shortens the slowest stage's busy time per step
@@ -300,14 +301,23 @@ def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: Capacit
     its slow end (``CapacityEstimator.bounds``): members whose measurements differ only by
     noise (identical devices on shared cores) keep their counts, while a slow-down that lasts
     most of the window moves shares.
+
+    A group whose members share a host (``hosts``: device -> the host its status names) is
+    judged on its members' own work (``CapacityEstimator.own``): they draw on the same cores,
+    so whichever of them computes alongside the others' busiest moments waits for a core and
+    measures slower in wall time, and moving work to another member moves the waiting with it.
+    The members' own work shows what differs between them: an emulated slow-down, a device
+    interrupted, layers that cost them more.
     """
     computing = [[i for i, m in enumerate(s.members) if m.share > 0] for s in stages]
-    members = [s.members[i].device for s, active in zip(stages, computing) if len(active) > 1
-               for i in active]
-    if not members or not capacity.settled(members):
+    judged = [_estimator_of(capacity, [s.members[i].device for i in active], hosts or {})
+              for s, active in zip(stages, computing)]
+    if not any(len(active) > 1 for active in computing) or not all(
+            estimator.settled([s.members[i].device for i in active])
+            for s, active, estimator in zip(stages, computing, judged) if len(active) > 1):
         return None
     new_counts, busy_now, busy_new = [], 0.0, 0.0
-    for stage, current, active in zip(stages, counts, computing):
+    for stage, current, active, capacity in zip(stages, counts, computing, judged):
         cost = costs.stage_cost_s(stage.start, stage.end)
         times = [capacity.factor(m.device) * cost for m in stage.members]
         fastest = [capacity.bounds(m.device)[0] * cost for m in stage.members]
@@ -327,6 +337,16 @@ def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: Capacit
         Member(m.device, n / micro_batches) for m, n in zip(s.members, c)))
         for s, c in zip(stages, new_counts))
     return tuple(new_counts), shares
+
+
+def _estimator_of(capacity: CapacityEstimator, members: Sequence[str],
+                  hosts: Mapping[str, str | None]) -> CapacityEstimator:
+    """The estimate a group's members are compared by: their own work where two of them
+    name the same host, their wall times otherwise (``retuned``)."""
+    named = [hosts.get(device) for device in members if hosts.get(device) is not None]
+    if capacity.own is None or len(set(named)) == len(named):
+        return capacity
+    return capacity.own
 
 
 def changed_work(before: Sequence[StageAssignment], after: Sequence[StageAssignment]

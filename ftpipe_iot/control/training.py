@@ -6,7 +6,7 @@ reached, where the controller may re-plan."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ftpipe_iot.control.job import JobModel
 from ftpipe_iot.control.recorder import EpochResult, Recorder
@@ -60,7 +60,8 @@ class PlanTraining:
         self._routes: dict[int, StepRoutes] = {}
         self._eval_sent: dict[int, tuple[int, ...]] = {}  # evaluation batch -> its route
 
-    def retune(self, step: int, costs: LayerCosts, threshold: float) -> TrialVerdict | None:
+    def retune(self, step: int, costs: LayerCosts, threshold: float,
+               hosts: Mapping[str, str | None] | None = None) -> TrialVerdict | None:
         """Cheap rebalancing first, at the boundary after ``step``: a group's micro-batches
         follow its members' measured speeds (no layer moves). Returns what changed the shares
         (``NONE``: a retune; ``REVERT``: a retune that measured slower was taken back), None
@@ -78,7 +79,8 @@ class PlanTraining:
         if self.guard.blocked(step):
             return None
         change = retuned(self.stages, self.counts, self._capacity, costs,
-                         self.train.micro_batches, threshold, self.guard.recent_steps(step))
+                         self.train.micro_batches, threshold, self.guard.recent_steps(step),
+                         hosts)
         confirmed = change is not None and self._proposed is not None and \
             _same_way(self.counts, self._proposed, change[0])
         self._proposed = None if change is None or confirmed else change[0]
@@ -187,7 +189,7 @@ class PlanTraining:
                 self._recorder.layer_seconds(sender, stage.start, done.layer_times)
             factor = self._capacity.observe(sender, stage.start, stage.end,
                                             done.typical_s or done.compute_s,
-                                            done.micro_batches)
+                                            done.micro_batches, done.typical_own_s)
             if factor is not None:
                 self._recorder.capacity(sender, factor)
         summary = self.feed.on_stage_step_done(step, stage.stage, done.compute_s)

@@ -78,6 +78,7 @@ class StepDone:
     layer_backward_s: tuple[float, ...] = ()
     typical_s: float = 0.0  # M x the median micro-batch's forward+backward: robust to hiccups
     micro_batches: int = 0  # how many of the step's micro-batches this stage (member) computed
+    typical_own_s: float = 0.0  # typical_s of the device's own work (no waits for a core)
 
     @property
     def layer_times(self) -> tuple[tuple[float, float], ...]:

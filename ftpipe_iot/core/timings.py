@@ -16,6 +16,8 @@ class StageTimings:
     layer_forward_s: list[float] = field(default_factory=list)
     layer_backward_s: list[float] = field(default_factory=list)
     micro_batch_s: dict[int, float] = field(default_factory=dict)
+    # the same per micro-batch, counting only the device's own work (``Stage._own_seconds``)
+    micro_batch_own_s: dict[int, float] = field(default_factory=dict)
 
     @property
     def typical_s(self) -> float:
@@ -25,6 +27,12 @@ class StageTimings:
         if not times:
             return self.forward_s + self.backward_s
         return statistics.median(times) * len(times)
+
+    @property
+    def typical_own_s(self) -> float:
+        """``typical_s`` of the device's own work: what compares devices sharing a host."""
+        times = list(self.micro_batch_own_s.values())
+        return statistics.median(times) * len(times) if times else 0.0
 
     def per_layer(self, n_layers: int) -> None:
         if len(self.layer_forward_s) != n_layers:

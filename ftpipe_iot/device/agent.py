@@ -7,13 +7,16 @@ go out from their own thread for the same reason: a device busy computing is not
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
+import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -79,13 +82,25 @@ _WAIT_KINDS = {"act": SpanKind.WAIT_INPUT, "grad": SpanKind.WAIT_GRADIENT,
                "reduce": SpanKind.WAIT_EXCHANGE}
 
 
+def host_identity() -> str:
+    """Which running kernel this process computes on: a digest of the kernel's boot id, the
+    same for every process, container and network namespace on one machine and different on
+    another (the hostname where there is no boot id). A digest, so the status does not
+    publish the boot id itself."""
+    try:
+        raw = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        raw = socket.gethostname()
+    return hashlib.sha256(f"ftpipe-iot host {raw}".encode()).hexdigest()[:16]
+
+
 def device_status(job: str, state: DeviceState, profile: DeviceProfile | None = None
                   ) -> DeviceStatus:
     """The retained status message (with state offline also the Last Will)."""
-    capabilities = Capabilities()
+    capabilities = Capabilities(host=host_identity())
     if profile is not None:
         capabilities = Capabilities(profile.name, profile.bandwidth_bytes_per_s,
-                                    profile.memory_bytes)
+                                    profile.memory_bytes, capabilities.host)
     return DeviceStatus(state, job, __version__, capabilities)
 
 
@@ -540,7 +555,8 @@ class DeviceAgent:
         self._last_step = output.step
         self._last_step_done = output
         self._report(StageStepDone(self.stage.index, output.forward_s, output.backward_s,
-                                   output.layer_times, output.typical_s, output.micro_batches),
+                                   output.layer_times, output.typical_s, output.micro_batches,
+                                   output.typical_own_s),
                      output.step)
         every = self._replicate_every
         asked = self._replicate_when_at == self.stage.version

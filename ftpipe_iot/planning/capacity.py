@@ -43,17 +43,27 @@ class CapacityEstimator:
     prior: dict[str, float] = field(default_factory=dict)
     stage_overhead_s: float = 0.0
     head_overhead_s: float = 0.0
+    # The same estimate of each device's own work (its compute thread's CPU seconds and an
+    # emulated slow-down, not the time it waited for a core other processes held): devices
+    # that share a host's cores are compared by it (``control.replan.retuned``).
+    own: CapacityEstimator | None = None
 
     @classmethod
     def for_costs(cls, costs: LayerCosts) -> CapacityEstimator:
-        """An estimator against a stage cost model (per-layer costs and overheads)."""
-        return cls(list(costs.layer_cost_s), stage_overhead_s=costs.stage_overhead_s,
-                   head_overhead_s=costs.head_overhead_s)
+        """An estimator against a stage cost model (per-layer costs and overheads), with its
+        own-work twin."""
+        def made(own: CapacityEstimator | None) -> CapacityEstimator:
+            return cls(list(costs.layer_cost_s), stage_overhead_s=costs.stage_overhead_s,
+                       head_overhead_s=costs.head_overhead_s, own=own)
+        return made(made(None))
 
     def observe(self, device: str, start: int, end: int, compute_s: float,
-                micro_batches: int) -> float | None:
-        """Fold in one step's measured compute seconds of layers [start, end); returns the new
-        factor (None when the layers have no measurable reference cost)."""
+                micro_batches: int, own_s: float | None = None) -> float | None:
+        """Fold in one step's measured compute seconds of layers [start, end) (and, for the
+        own-work twin, ``own_s``, when the device reported it); returns the new factor (None
+        when the layers have no measurable reference cost)."""
+        if self.own is not None and own_s:
+            self.own.observe(device, start, end, own_s, micro_batches)
         head = self.head_overhead_s if end == len(self.reference_cost_s) else 0.0
         reference = sum(self.reference_cost_s[start:end]) + self.stage_overhead_s + head
         if reference <= 0 or micro_batches < 1 or compute_s < 0:
@@ -98,12 +108,16 @@ class CapacityEstimator:
 
     def restart(self, devices: Sequence[str]) -> None:
         """Measure these devices afresh (their work changed); the estimate stands in."""
+        if self.own is not None:
+            self.own.restart(devices)
         for device in devices:
             if device in self.history:
                 self.prior[device] = self.factor(device)
                 del self.history[device]
 
     def forget(self, device: str) -> None:
+        if self.own is not None:
+            self.own.forget(device)
         self.history.pop(device, None)
         self.ranges.pop(device, None)
         self.prior.pop(device, None)

@@ -356,17 +356,21 @@ class Capabilities:
     profile: str | None = None
     bandwidth_bytes_per_s: float | None = None
     memory_bytes: float | None = None
+    # Which running kernel the device computes on (a digest of its boot id): devices naming
+    # the same host share its cores, so their wall times are compared by their own work.
+    host: str | None = None
 
     def to_body(self) -> dict[str, Any]:
         return {"profile": self.profile, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
-                "memory_bytes": self.memory_bytes}
+                "memory_bytes": self.memory_bytes, "host": self.host}
 
     @classmethod
     def from_body(cls, raw: object) -> Capabilities:
         f = BodyReader(raw or {}, "capabilities")
         bandwidth = f.optional_float("bandwidth_bytes_per_s", low=0)
         memory = f.optional_float("memory_bytes", low=0)
-        return cls(f.optional_str("profile"), bandwidth or None, memory or None)
+        return cls(f.optional_str("profile"), bandwidth or None, memory or None,
+                   f.optional_str("host") or None)
 
 
 @dataclass(frozen=True)
