@@ -182,25 +182,26 @@ def test_identical_members_on_noisy_cores_never_trade_shares_and_a_slow_down_mov
 
 
 def test_members_sharing_a_host_are_compared_by_their_own_work_not_their_waits_for_a_core():
-    costs = LayerCosts.from_dict({"layer_cost_s": [0.01] * 2, "activation_bytes": [0] * 2,
-                                  "layer_memory_bytes": [0] * 2})
+    costs = LayerCosts.from_dict({"layer_cost_s": [0.01] * 3, "activation_bytes": [0] * 3,
+                                  "layer_memory_bytes": [0] * 3})
     stages = (_group(0, 0, 3, "a", "b", "c", shares=[0.5, 0.25, 0.25]),)
     counts = ((2, 1, 1),)
 
-    def measured(wall: dict[str, float], own: dict[str, float]) -> CapacityEstimator:
-        capacity = CapacityEstimator.for_costs(LayerCosts.from_dict(
-            {"layer_cost_s": [0.01] * 3, "activation_bytes": [0] * 3,
-             "layer_memory_bytes": [0] * 3}))
-        for _ in range(capacity.noise_window):
+    def measured(wall: dict[str, float], cpu: dict[str, float],
+                 emulated: dict[str, float]) -> CapacityEstimator:
+        capacity = CapacityEstimator.for_costs(costs)
+        for step in range(capacity.noise_window):
             for index, device in enumerate("abc"):
-                n = counts[0][index]
-                capacity.observe(device, 0, 3, wall[device] * 0.03 * n, n,
-                                 own[device] * 0.03 * n)
+                n, noise = counts[0][index], 1 + 0.05 * (step % 3)
+                capacity.observe(device, 0, 3, wall[device] * noise * 0.03 * n, n,
+                                 cpu[device] * noise * 0.03 * n, emulated[device] * 0.03 * n)
         return capacity
 
-    # a computes alongside the others' busiest moments and waits for a core: twice as slow on
-    # the wall clock, the same work on its own thread as b and c
-    waits = measured({"a": 2.0, "b": 1.0, "c": 1.0}, {"a": 1.0, "b": 1.0, "c": 1.0})
+    # a holds the odd micro-batch and computes alongside the others' busiest moments: it
+    # waits for a core (twice as slow on the wall clock) and even its CPU seconds grow with
+    # the caches it shares (a third slower), none of which is a's own
+    waits = measured({"a": 2.0, "b": 1.0, "c": 1.0}, {"a": 1.33, "b": 1.0, "c": 1.0},
+                     {"a": 0.0, "b": 0.0, "c": 0.0})
     one_host = {"a": "h1", "b": "h1", "c": "h1"}
     assert retuned(stages, counts, waits, costs, 4, 0.05, hosts=one_host) is None
     # on hosts of their own the wall clock is the device's speed: the odd micro-batch moves
@@ -208,10 +209,17 @@ def test_members_sharing_a_host_are_compared_by_their_own_work_not_their_waits_f
     moved, _ = retuned(stages, counts, waits, costs, 4, 0.05, hosts=apart)
     assert moved[0][0] == 1
     assert retuned(stages, counts, waits, costs, 4, 0.05) is not None  # hosts unknown: wall
-    # a slower in its own work too (an emulated slow-down, an interruption): shares follow
-    slowed = measured({"a": 6.0, "b": 1.0, "c": 1.0}, {"a": 4.0, "b": 1.0, "c": 1.0})
+    # a emulates a device four times slower (it sleeps three times its CPU seconds): its
+    # own, and shares follow it on one host as on several
+    slowed = measured({"a": 5.0, "b": 1.0, "c": 1.0}, {"a": 1.0, "b": 1.0, "c": 1.0},
+                      {"a": 3.0, "b": 0.0, "c": 0.0})
     moved, _ = retuned(stages, counts, slowed, costs, 4, 0.05, hosts=one_host)
     assert moved[0][0] < 2
+    # two hosts: a and b share one, whose CPU seconds are one figure (their median), c has
+    # its own host and its cores to itself: c takes the odd micro-batch
+    two_hosts = {"a": "h1", "b": "h1", "c": "h2"}
+    moved, _ = retuned(stages, counts, waits, costs, 4, 0.05, hosts=two_hosts)
+    assert moved == ((1, 1, 2),)
 
 
 def test_a_slow_member_loses_share_once_and_training_stays_exact():

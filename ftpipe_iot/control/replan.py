@@ -302,26 +302,24 @@ def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: Capacit
     noise (identical devices on shared cores) keep their counts, while a slow-down that lasts
     most of the window moves shares.
 
-    A group whose members share a host (``hosts``: device -> the host its status names) is
-    judged on its members' own work (``CapacityEstimator.own``): they draw on the same cores,
-    so whichever of them computes alongside the others' busiest moments waits for a core and
-    measures slower in wall time, and moving work to another member moves the waiting with it.
-    The members' own work shows what differs between them: an emulated slow-down, a device
-    interrupted, layers that cost them more.
+    A group two of whose members share a host (``hosts``: device -> the host its status
+    names) is judged on ``CapacityEstimator.by_own_work``: members of one host run the same
+    layers on the same cores, so their CPU work is one figure, and what tells them apart is
+    an emulated slow-down; the wall clock there measures where in the step each one computes
+    (alongside the others' busiest moments or not), which moves with the work.
     """
     computing = [[i for i, m in enumerate(s.members) if m.share > 0] for s in stages]
-    judged = [_estimator_of(capacity, [s.members[i].device for i in active], hosts or {})
-              for s, active in zip(stages, computing)]
-    if not any(len(active) > 1 for active in computing) or not all(
-            estimator.settled([s.members[i].device for i in active])
-            for s, active, estimator in zip(stages, computing, judged) if len(active) > 1):
+    speeds = [_speeds(capacity, s, active, hosts or {}) for s, active in zip(stages, computing)]
+    if not any(len(active) > 1 for active in computing) or any(
+            known is None for known, active in zip(speeds, computing) if len(active) > 1):
         return None
     new_counts, busy_now, busy_new = [], 0.0, 0.0
-    for stage, current, active, capacity in zip(stages, counts, computing, judged):
+    for stage, current, active, known in zip(stages, counts, computing, speeds):
+        assert known is not None
         cost = costs.stage_cost_s(stage.start, stage.end)
-        times = [capacity.factor(m.device) * cost for m in stage.members]
-        fastest = [capacity.bounds(m.device)[0] * cost for m in stage.members]
-        slowest = [capacity.bounds(m.device)[1] * cost for m in stage.members]
+        times = [known[m.device][0] * cost for m in stage.members]
+        fastest = [known[m.device][1] * cost for m in stage.members]
+        slowest = [known[m.device][2] * cost for m in stage.members]
         better = list(current)
         if len(active) > 1:  # standbys (share 0) stay out: they compute only what they take over
             for i, n in zip(active, apportion(micro_batches, [times[i] for i in active])):
@@ -339,14 +337,22 @@ def retuned(stages: Sequence[StageAssignment], counts: Counts, capacity: Capacit
     return tuple(new_counts), shares
 
 
-def _estimator_of(capacity: CapacityEstimator, members: Sequence[str],
-                  hosts: Mapping[str, str | None]) -> CapacityEstimator:
-    """The estimate a group's members are compared by: their own work where two of them
-    name the same host, their wall times otherwise (``retuned``)."""
-    named = [hosts.get(device) for device in members if hosts.get(device) is not None]
-    if capacity.own is None or len(set(named)) == len(named):
-        return capacity
-    return capacity.own
+def _speeds(capacity: CapacityEstimator, stage: StageAssignment, active: Sequence[int],
+            hosts: Mapping[str, str | None]) -> dict[str, tuple[float, float, float]] | None:
+    """(factor, fast end, slow end) of every member of ``stage`` as ``retuned`` compares them,
+    None while a computing member is not measured enough: by their own work
+    (``CapacityEstimator.by_own_work``) where two computing members name the same host, else
+    each device's wall-clock estimate and band."""
+    computing = [stage.members[i].device for i in active]
+    named = [hosts[device] for device in computing if hosts.get(device) is not None]
+    wall = {m.device: (capacity.factor(m.device), *capacity.bounds(m.device))
+            for m in stage.members}
+    if len(computing) < 2:
+        return wall
+    if len(set(named)) == len(named):
+        return wall if capacity.settled(computing) else None
+    shared = capacity.by_own_work(computing, hosts)
+    return None if shared is None else {**wall, **shared}
 
 
 def changed_work(before: Sequence[StageAssignment], after: Sequence[StageAssignment]

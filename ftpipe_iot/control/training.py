@@ -189,7 +189,8 @@ class PlanTraining:
                 self._recorder.layer_seconds(sender, stage.start, done.layer_times)
             factor = self._capacity.observe(sender, stage.start, stage.end,
                                             done.typical_s or done.compute_s,
-                                            done.micro_batches, done.typical_own_s)
+                                            done.micro_batches, done.typical_cpu_s,
+                                            done.typical_emulated_s)
             if factor is not None:
                 self._recorder.capacity(sender, factor)
         summary = self.feed.on_stage_step_done(step, stage.stage, done.compute_s)

@@ -78,7 +78,10 @@ class StepDone:
     layer_backward_s: tuple[float, ...] = ()
     typical_s: float = 0.0  # M x the median micro-batch's forward+backward: robust to hiccups
     micro_batches: int = 0  # how many of the step's micro-batches this stage (member) computed
-    typical_own_s: float = 0.0  # typical_s of the device's own work (no waits for a core)
+    # the same median micro-batch in the compute thread's CPU seconds and in the emulated
+    # slow-down's sleep (``core.timings.Timed``)
+    typical_cpu_s: float = 0.0
+    typical_emulated_s: float = 0.0
 
     @property
     def layer_times(self) -> tuple[tuple[float, float], ...]:

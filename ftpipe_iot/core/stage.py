@@ -47,7 +47,7 @@ from ftpipe_iot.core.reducers import GroupExchange, PartialSums, Reducers, Updat
 from ftpipe_iot.core.replicas import export_layer, import_layer
 from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.core.schedule import StepVersions
-from ftpipe_iot.core.timings import StageTimings
+from ftpipe_iot.core.timings import StageTimings, Timed
 from ftpipe_iot.core.versioning import Versioning, versioning_for
 from ftpipe_iot.errors import PlanError, StageInputError
 from ftpipe_iot.observability.timeline import Timeline
@@ -126,7 +126,9 @@ class Stage:
     config: TrainConfig
     expected_shape: tuple[int, ...]
     num_classes: int
-    compute_hook: Callable[[float], None] | None = None
+    # emulates a slower device after each computation: gets its CPU seconds, sleeps, and
+    # returns the seconds it meant to sleep (the emulated device's own slowness)
+    compute_hook: Callable[[float], float] | None = None
     start_step: int = 0
     group_size: int = 1
     member: int = 0
@@ -183,7 +185,7 @@ class Stage:
     @classmethod
     def from_plan(cls, plan: Plan, device: str, layers: Sequence[nn.Module],
                   shapes: Sequence[tuple[int, ...]],
-                  compute_hook: Callable[[float], None] | None = None,
+                  compute_hook: Callable[[float], float] | None = None,
                   timeline: Timeline | None = None) -> Stage:
         """The stage ``device`` holds under ``plan``, from the whole model's ``layers`` and
         the per-sample input shape at every cut (``shapes``): its layers, its holders (so its
@@ -268,9 +270,9 @@ class Stage:
         if self.is_last and (y.min(initial=0) < 0 or y.max(initial=0) >= self.num_classes):
             raise StageInputError(DropReason.BAD_LABEL, f"labels outside 0..{self.num_classes - 1}")
 
-    def _timed(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float, float]:
-        """Run ``fn``; returns its result, its wall seconds (what the capacity estimate sees)
-        and the device's own share of them (``_own_seconds``).
+    def _timed(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Timed]:
+        """Run ``fn``; returns its result and its ``Timed`` seconds (the wall seconds are what
+        the capacity estimate sees).
 
         The emulation hook gets this thread's CPU seconds instead: with one intra-op thread the
         compute runs on this thread, and CPU time leaves out waits for the GIL (the network
@@ -280,22 +282,14 @@ class Stage:
         start, cpu_start = time.perf_counter(), time.thread_time()
         result = fn()
         cpu_s = time.thread_time() - cpu_start
-        hook_started = time.perf_counter()
-        if self.compute_hook is not None:
-            self.compute_hook(cpu_s)
+        computed = time.perf_counter()
+        # the sleep the emulation meant: waking from it late (a core or the interpreter
+        # held by others) is the host's, not the emulated device's
+        emulated_s = self.compute_hook(cpu_s) if self.compute_hook is not None else 0.0
         ended = time.perf_counter()
-        return result, ended - start, self._own_seconds(cpu_s, ended - hook_started, ended - start)
-
-    @staticmethod
-    def _own_seconds(cpu_s: float, emulated_s: float, wall_s: float) -> float:
-        """What a computation took of the device itself: its thread's CPU seconds and the
-        emulated slow-down's sleep, without the time it waited for a core that other
-        processes held. Devices sharing one host's cores are compared by it (a member's wall
-        time there is the host's scheduling as much as its own speed). With several intra-op
-        threads the compute is not all on this thread: the wall time stands in."""
         if torch.get_num_threads() > 1:
-            return wall_s
-        return min(wall_s, cpu_s + emulated_s)
+            cpu_s = computed - start
+        return result, Timed(ended - start, min(cpu_s, computed - start), emulated_s)
 
     def forward(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray, train: bool,
                 expected: int | None = None, own: Sequence[int] | None = None
@@ -349,13 +343,12 @@ class Stage:
         if self.recorder is not None:
             self.recorder.current = key
         with self.timeline.span(SpanKind.FORWARD, step, micro_batch):
-            outputs, elapsed, own = self._timed(
+            outputs, timed = self._timed(
                 lambda: self._forward_layers(inputs, arrivals, step, micro_batch))
         if self.recorder is not None:
             self.recorder.current = None
-        self.timings.forward_s += elapsed
-        self.timings.micro_batch_s[micro_batch] = elapsed
-        self.timings.micro_batch_own_s[micro_batch] = own
+        self.timings.forward_s += timed.wall_s
+        self.timings.add(micro_batch, timed)
         if not self.is_last:
             self.pending[key] = _Pending(inputs, outputs, arrivals)
             return [SendActivation(step, micro_batch, outputs.detach().numpy(), y, True)]
@@ -372,11 +365,10 @@ class Stage:
                         ) -> list[StageOutput]:
         """A stage of fixed layers: forward only; the micro-batch is done once it is sent on."""
         with torch.no_grad(), self.timeline.span(SpanKind.FORWARD, step, micro_batch):
-            outputs, elapsed, own = self._timed(
+            outputs, timed = self._timed(
                 lambda: self._forward_layers(inputs, {}, step, micro_batch))
-        self.timings.forward_s += elapsed
-        self.timings.micro_batch_s[micro_batch] = elapsed
-        self.timings.micro_batch_own_s[micro_batch] = own
+        self.timings.forward_s += timed.wall_s
+        self.timings.add(micro_batch, timed)
         out: list[StageOutput] = [SendActivation(step, micro_batch, outputs.numpy(), y, True)]
         self.computed[step] = self.computed.get(step, 0) + 1
         # nothing to sum, but the holders count the micro-batch done
@@ -445,12 +437,9 @@ class Stage:
             return pending.outputs
 
         with self.timeline.span(SpanKind.BACKWARD, step, micro_batch):
-            _, elapsed, own = self._timed(run)
-        self.timings.backward_s += elapsed
-        self.timings.micro_batch_s[micro_batch] = \
-            self.timings.micro_batch_s.get(micro_batch, 0.0) + elapsed
-        self.timings.micro_batch_own_s[micro_batch] = \
-            self.timings.micro_batch_own_s.get(micro_batch, 0.0) + own
+            _, timed = self._timed(run)
+        self.timings.backward_s += timed.wall_s
+        self.timings.add(micro_batch, timed)
         self._account_backward(pending.grad_arrivals)
         out: list[StageOutput] = []
         if self.sends_gradients:
@@ -569,7 +558,7 @@ class Stage:
             step, self.timings.forward_s, self.timings.backward_s,
             tuple(self.timings.layer_forward_s), tuple(self.timings.layer_backward_s),
             self.timings.typical_s, self.computed.pop(step, 0),
-            self.timings.typical_own_s)]
+            self.timings.typical_cpu_s, self.timings.typical_emulated_s)]
         self.timings = StageTimings()
         for later in sorted(s for s in self._future if self.versioning.available(s)):
             for micro_batch, (x, y, expected, own) in sorted(self._future.pop(later, {}).items()):
@@ -580,7 +569,7 @@ class Stage:
                   ) -> list[StageOutput]:
         self.module.eval()
         with torch.no_grad(), self.timeline.span(SpanKind.EVALUATE, step, micro_batch):
-            outputs, _, _ = self._timed(
+            outputs, _ = self._timed(
                 lambda: self.module(torch.from_numpy(np.array(x, dtype=np.float32))))
         if not self.is_last:
             return [SendActivation(step, micro_batch, outputs.numpy(), y, False)]

@@ -528,17 +528,22 @@ class DeviceAgent:
         self._current_step = step
 
     # -- emulated heterogeneity -----------------------------------------------------------------
-    def _emulate_compute(self, real_s: float) -> None:
+    def _emulate_compute(self, real_s: float) -> float:
+        """Sleep as the emulated device is slower (and stalls); returns the seconds meant."""
+        slept = 0.0
         stalls = self.profile.stalls if self.profile is not None else None
         if stalls is not None and stalls.at(self._current_step) and \
                 self._current_step > self._stalled_at:
             self._stalled_at = self._current_step  # once per stalling step
             self.sleep(stalls.seconds)
+            slept += stalls.seconds
         if self.profile is not None:
             delay = self.profile.compute_delay_s(real_s, self._current_step,
                                                  self.clock() - self._started)
             if delay > 0:
                 self.sleep(delay)
+                slept += delay
+        return slept
 
     def _emulate_link(self, n_bytes: int) -> None:
         if self.profile is not None and self.options.emulate_link:
@@ -556,7 +561,7 @@ class DeviceAgent:
         self._last_step_done = output
         self._report(StageStepDone(self.stage.index, output.forward_s, output.backward_s,
                                    output.layer_times, output.typical_s, output.micro_batches,
-                                   output.typical_own_s),
+                                   output.typical_cpu_s, output.typical_emulated_s),
                      output.step)
         every = self._replicate_every
         asked = self._replicate_when_at == self.stage.version

@@ -21,7 +21,7 @@ move it (docs/design.md §7).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ftpipe_iot.planning.solver import LayerCosts
@@ -43,27 +43,29 @@ class CapacityEstimator:
     prior: dict[str, float] = field(default_factory=dict)
     stage_overhead_s: float = 0.0
     head_overhead_s: float = 0.0
-    # The same estimate of each device's own work (its compute thread's CPU seconds and an
-    # emulated slow-down, not the time it waited for a core other processes held): devices
-    # that share a host's cores are compared by it (``control.replan.retuned``).
-    own: CapacityEstimator | None = None
+    # The same estimate in the compute thread's CPU seconds and in an emulated slow-down's
+    # sleep: devices that share a host's cores are compared by them (``by_own_work``).
+    cpu: CapacityEstimator | None = None
+    emulated: CapacityEstimator | None = None
 
     @classmethod
     def for_costs(cls, costs: LayerCosts) -> CapacityEstimator:
         """An estimator against a stage cost model (per-layer costs and overheads), with its
-        own-work twin."""
-        def made(own: CapacityEstimator | None) -> CapacityEstimator:
+        CPU and emulated-sleep twins."""
+        def made(**twins: CapacityEstimator) -> CapacityEstimator:
             return cls(list(costs.layer_cost_s), stage_overhead_s=costs.stage_overhead_s,
-                       head_overhead_s=costs.head_overhead_s, own=own)
-        return made(made(None))
+                       head_overhead_s=costs.head_overhead_s, **twins)
+        return made(cpu=made(), emulated=made(floor=0.0))
 
     def observe(self, device: str, start: int, end: int, compute_s: float,
-                micro_batches: int, own_s: float | None = None) -> float | None:
-        """Fold in one step's measured compute seconds of layers [start, end) (and, for the
-        own-work twin, ``own_s``, when the device reported it); returns the new factor (None
-        when the layers have no measurable reference cost)."""
-        if self.own is not None and own_s:
-            self.own.observe(device, start, end, own_s, micro_batches)
+                micro_batches: int, cpu_s: float = 0.0, emulated_s: float = 0.0
+                ) -> float | None:
+        """Fold in one step's measured compute seconds of layers [start, end) (and, where the
+        device reported them, ``cpu_s`` and ``emulated_s`` for the twins); returns the new
+        factor (None when the layers have no measurable reference cost)."""
+        if self.cpu is not None and self.emulated is not None and cpu_s > 0:
+            self.cpu.observe(device, start, end, cpu_s, micro_batches)
+            self.emulated.observe(device, start, end, emulated_s, micro_batches)
         head = self.head_overhead_s if end == len(self.reference_cost_s) else 0.0
         reference = sum(self.reference_cost_s[start:end]) + self.stage_overhead_s + head
         if reference <= 0 or micro_batches < 1 or compute_s < 0:
@@ -77,6 +79,34 @@ class CapacityEstimator:
         recent = [*self.history.get(device, []), measured][-self.noise_window:]
         self.history[device] = recent
         return self.factor(device)
+
+    @property
+    def _twins(self) -> tuple[CapacityEstimator, ...]:
+        return tuple(twin for twin in (self.cpu, self.emulated) if twin is not None)
+
+    def by_own_work(self, devices: Sequence[str], hosts: Mapping[str, str | None]
+                    ) -> dict[str, tuple[float, float, float]] | None:
+        """Factor and noise band (estimate, fast end, slow end) of ``devices`` running the same
+        layers, some of them on one host's cores (``hosts``: device -> host, None for one of
+        its own); None until the twins have a noise window of each.
+
+        A host's CPU does the same work for each of its devices, so their CPU factor is one
+        number (the median of theirs): whichever computes alongside the others' busiest
+        moments waits for a core, and even its CPU seconds grow with the caches and cores it
+        shares, but that is the host's, and moving work to another of them would move it
+        along. What is each device's own is added: an emulated slow-down's sleep, with its
+        band."""
+        if self.cpu is None or self.emulated is None or not devices or \
+                not self.cpu.settled(devices) or not self.emulated.settled(devices):
+            return None
+        on_host: dict[str, list[str]] = {}
+        for device in devices:
+            on_host.setdefault(hosts.get(device) or f"device {device}", []).append(device)
+        cpu = {device: statistics.median(self.cpu.factor(d) for d in together)
+               for together in on_host.values() for device in together}
+        return {device: (cpu[device] + self.emulated.factor(device),
+                         *(cpu[device] + end for end in self.emulated.bounds(device)))
+                for device in devices}
 
     def factor(self, device: str) -> float:
         recent = self.history.get(device, [])[-self.window:]
@@ -108,16 +138,16 @@ class CapacityEstimator:
 
     def restart(self, devices: Sequence[str]) -> None:
         """Measure these devices afresh (their work changed); the estimate stands in."""
-        if self.own is not None:
-            self.own.restart(devices)
+        for twin in self._twins:
+            twin.restart(devices)
         for device in devices:
             if device in self.history:
                 self.prior[device] = self.factor(device)
                 del self.history[device]
 
     def forget(self, device: str) -> None:
-        if self.own is not None:
-            self.own.forget(device)
+        for twin in self._twins:
+            twin.forget(device)
         self.history.pop(device, None)
         self.ranges.pop(device, None)
         self.prior.pop(device, None)

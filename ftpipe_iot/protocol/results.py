@@ -73,9 +73,10 @@ class StageStepDone:
     layer_times: tuple[tuple[float, float], ...] = ()
     typical_s: float = 0.0
     micro_batches: int = 0  # how many of the step's micro-batches this member computed
-    # typical_s counting the device's own work only (its CPU and emulated slow-down, not the
-    # time it waited for a core): what compares devices that share a host
-    typical_own_s: float = 0.0
+    # the same median micro-batch in the compute thread's CPU seconds and in the emulated
+    # slow-down's sleep (``core.timings.Timed``): what compares devices that share a host
+    typical_cpu_s: float = 0.0
+    typical_emulated_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -84,14 +85,16 @@ class StageStepDone:
     def fields(self) -> dict[str, Any]:
         return {"stage": self.stage, "forward_s": self.forward_s, "backward_s": self.backward_s,
                 "layer_times": [list(t) for t in self.layer_times], "typical_s": self.typical_s,
-                "micro_batches": self.micro_batches, "typical_own_s": self.typical_own_s}
+                "micro_batches": self.micro_batches, "typical_cpu_s": self.typical_cpu_s,
+                "typical_emulated_s": self.typical_emulated_s}
 
     @classmethod
     def parse(cls, f: BodyReader) -> StageStepDone:
         return cls(f.int("stage", low=0), f.float("forward_s", low=0),
                    f.float("backward_s", low=0), f.pairs("layer_times"),
                    f.float("typical_s", 0.0, low=0), f.int("micro_batches", 0, low=0),
-                   f.float("typical_own_s", 0.0, low=0))
+                   f.float("typical_cpu_s", 0.0, low=0),
+                   f.float("typical_emulated_s", 0.0, low=0))
 
 
 @dataclass(frozen=True)
