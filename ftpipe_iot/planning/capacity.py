@@ -16,6 +16,12 @@ quartiles); a move is taken only when it pays with the current plan judged at th
 that band and the move at the slow end, so identical devices whose measurements differ only by
 noise never trade work back and forth, while a slow-down that lasts most of the window does
 move it (docs/design.md §7).
+
+Devices that share one host's cores are not independent processors: where in the step each
+computes (beside the others' busiest moments or not) decides how long it waits for a core, and
+that moves with the work it takes. Two twins of the estimate, in the compute thread's CPU
+seconds and in an emulated slow-down's sleep, let ``by_own_work`` compare them by what is
+theirs (docs/design.md §8).
 """
 
 from __future__ import annotations
