@@ -94,7 +94,10 @@ def _stages(watcher) -> set[str]:
 
 
 def test_a_cut_longer_than_the_keepalive_fires_the_will_and_the_device_comes_back(lab_job):
-    job = lab_job(steps=120)
+    # long enough for dev1 to reconnect after the cut and be taken back: its reconnection
+    # waits up to paho's 5 s back-off and a TCP retry, while two devices ran the 110 steps
+    # after the recovery in about 6 s on a quiet host and finished before dev1 was back
+    job = lab_job(steps=240)
     job.devices(3)
     job.controller(3, heartbeat_timeout_s=30)  # the Last Will, not the heartbeats, detects
     job.wait(lambda w: w.job.step >= 10, "the job never reached step 10")

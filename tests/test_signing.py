@@ -344,6 +344,47 @@ def test_a_receiver_whose_key_was_rotated_still_checks_tags_made_for_its_old_key
     Reassembler(authenticate=check).feed(frame)
 
 
+def test_tags_go_to_the_key_a_peer_last_proved_itself_with_while_its_new_key_is_not_loaded(
+        tmp_path):
+    """`fleet rotate-key` puts a device's new key in the roster before the device loads it
+    (it looks at its key file once a second): a peer that tagged for the roster's newest key
+    in between made tags the device could not check, and its gradient was dropped as forged
+    (the job then waited for the stall timeout)."""
+    keys = LocalKeys(tmp_path)
+    broker = MemoryBroker()
+    paths = {name: keys.key_path(name) for name in ("dev0", "dev1")}  # one roster for both
+    dev0 = _Process(broker, "dev0", Credentials.load(paths["dev0"], keys.roster_path))
+    dev1 = _Process(broker, "dev1", Credentials.load(paths["dev1"], keys.roster_path))
+    to_dev0, to_dev1 = Topics(JOB).stage_grad(0, "dev0"), Topics(JOB).stage_act(1, "dev1")
+    dev0.transport.subscribe(to_dev0)
+    dev1.transport.subscribe(to_dev1)
+    dev0.messenger.send(to_dev1, Heartbeat(queue_depth=1), receivers=("dev1",))
+    assert len(dev1.received()) == 1  # dev1 heard dev0's current key
+    new_key = generate_private_key()
+    rotated = dev1.messenger.credentials.verifier.roster.with_key(
+        ("dev0",), IdentityKey.of(new_key))
+    dev1.messenger.credentials.verifier.take(rotated)  # the roster names it; dev0 has not loaded it
+    dev1.messenger.send(to_dev0, Heartbeat(queue_depth=2), receivers=("dev0",))
+    assert [i.message.queue_depth for i in dev0.received()] == [2]
+    assert dev0.dropped("bad_signature") == 0
+    # dev0 takes its new key and proves a frame with it: dev1 tags for the new key from then on
+    write_private_key(keys.key_path("dev0"), new_key)
+    dev0.messenger.credentials.verifier.take(rotated)
+    assert dev0.messenger.credentials.signer.reload_if_changed()
+    dev0.messenger.send(to_dev1, Heartbeat(queue_depth=3), receivers=("dev1",))
+    assert [i.message.queue_depth for i in dev1.received()] == [3]
+    frame = dev1.messenger.frames(Heartbeat(), receivers=("dev0",))[0]
+    checked = []
+
+    def check_with_the_new_key_only(h) -> None:
+        checked.append(h.key_id)
+        fresh = Credentials(Signer(new_key), Verifier(rotated))
+        fresh.check_tag(h.env.sender, h.key_id, "dev0", h.tag_content(), h.tags, h.nonce)
+
+    Reassembler(authenticate=check_with_the_new_key_only).feed(frame)
+    assert checked  # the tag was checked, and only the new key's agreement half made it
+
+
 def test_a_retained_message_for_known_readers_carries_tags_and_a_signature(tmp_path):
     keys = LocalKeys(tmp_path)
     paths = {name: keys.key_path(name) for name in ("controller", "dev0", "dev1")}

@@ -485,10 +485,20 @@ class Credentials:
     _roster_mtime: int = 0
 
     pairwise: PairwiseKeys | None = None
+    # The signing key each peer last proved a live frame with: tags for it are made with that
+    # key's agreement half, the one it is known to hold. During a rotation the roster names the
+    # new key before the peer has loaded it (it looks at its key file once a second), and a tag
+    # for a key it does not hold yet would be dropped as forged.
+    peer_keys: dict[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.signer is not None and self.pairwise is None:
             self.pairwise = PairwiseKeys()
+
+    def heard_key(self, peer: str, kid: bytes | None) -> None:
+        """``peer`` proved a live frame with signing key ``kid``."""
+        if kid is not None:
+            self.peer_keys[peer] = bytes(kid)
 
     def sealer(self, name: str, receivers: Iterable[str] | None = None,
                also_sign: bool = False) -> Sealer | None:
@@ -502,7 +512,10 @@ class Credentials:
             return signer
         peers = []
         for receiver in receivers:
-            public = self.verifier.agreement_of(receiver)
+            # the key it last proved itself with, while the roster still lists it; else its
+            # newest (a peer not heard from yet, or one whose old key has left the roster)
+            public = self.verifier.agreement_of(receiver, self.peer_keys.get(receiver)) or \
+                self.verifier.agreement_of(receiver)
             if public is None:
                 return signer  # a receiver we cannot tag for still checks a signature
             peers.append((receiver, public))

@@ -259,17 +259,20 @@ class Messenger:
     def _heard(self, incoming: Incoming) -> None:
         """Tell ``heard`` who sent the frame just taken, when it is a sign of life: live (a
         retained copy may be old), of this job, not ours, and (verifying) of the sender's
-        current session."""
+        current session; and remember the key it proved the frame with (tags for it use that
+        key, ``Credentials.peer_keys``)."""
         header, self._frame = self._frame, None
-        if self.heard is None or header is None or incoming.retained:
+        if header is None or incoming.retained:
             return
         env = header.env
         if env.job != self.job or env.sender == self.name:
             return
-        if self.credentials.verifier is not None and \
-                not self.replays.current(env.sender, env.session):
-            return
-        self.heard(env.sender)
+        if self.credentials.verifier is not None:
+            if not self.replays.current(env.sender, env.session):
+                return
+            self.credentials.heard_key(env.sender, header.key_id)
+        if self.heard is not None:
+            self.heard(env.sender)
 
     def _authenticate(self, header: FrameHeader) -> None:
         self._frame = header
