@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import msgpack
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from ftpipe_iot.protocol.messages import (
 )
 from ftpipe_iot.protocol.signing import (
     CONTROLLER_NAMES,
+    CpuSampler,
     Credentials,
     IdentityKey,
     ReplayGuard,
@@ -455,6 +458,8 @@ def test_what_signatures_cost_is_counted_per_direction_and_kind(tmp_path):
     sender, receiver = (_Process(broker, name, Credentials.load(keys.key_path(name),
                                                                 keys.roster_path))
                         for name in ("dev0", "dev1"))
+    for process in (sender, receiver):  # every call timed: a few frames must count
+        process.messenger.credentials.signer.sampler = CpuSampler(every=1)
     unsigned = _Process(broker, "dev2", Credentials.unsigned())
     topic = Topics(JOB).stage_act(1, "dev1")
     receiver.transport.subscribe(topic)
@@ -467,3 +472,22 @@ def test_what_signatures_cost_is_counted_per_direction_and_kind(tmp_path):
     assert sender.messenger.crypto_by_kind["sent/hb"] > 0
     assert unsigned.messenger.crypto_frames == {}
     assert sender.metrics.crypto_seconds.labels(direction="sent", kind="hb")._value.get() > 0
+
+
+def test_sampled_crypto_time_counts_every_kind_unbiased_at_an_eighth_of_the_clock_reads():
+    reads = []
+
+    def clock() -> float:  # every timed call takes 1 s of CPU, whatever its kind
+        reads.append(None)
+        return float(len(reads) // 2)
+
+    sampler = CpuSampler(every=8, rng=random.Random(3), clock=clock)
+    totals = {"act": 0.0, "grad": 0.0, "result": 0.0}
+    kinds = ["act", "act", "grad", "result"] * 2000  # a step's fixed order of messages
+    for kind in kinds:
+        totals[kind] += sampler.seconds(sampler.start())
+    for kind, total in totals.items():
+        assert total == pytest.approx(kinds.count(kind), rel=0.15)
+    assert len(reads) < 2 * len(kinds) / 6  # the clock was read for about one call in 8
+    with pytest.raises(ConfigError):
+        CpuSampler(every=0)

@@ -10,6 +10,8 @@ import math
 import time
 from collections.abc import Callable, Iterable
 
+from prometheus_client import Counter
+
 from ftpipe_iot.errors import ConfigError, FtpipeError, WireError
 from ftpipe_iot.observability.metrics import DropLog, MessagingMetrics
 from ftpipe_iot.protocol.messages import (
@@ -95,6 +97,7 @@ class Messenger:
         # "received/activation"): seconds and frames (``crypto_by_kind``)
         self.crypto_seconds: dict[str, float] = {}
         self.crypto_frames: dict[str, int] = {}
+        self._crypto_counters: dict[tuple[str, MessageKind], tuple[str, Counter]] = {}
         self._next_trust_check = 0.0
         self._trust_problem = ""
         # Max body: generous but bounded (a crafted chunk header cannot ask for unbounded memory).
@@ -251,10 +254,18 @@ class Messenger:
                       frames: int) -> None:
         if self.credentials.signer is None:
             return
-        key = f"{direction}/{kind.value}"
-        self.crypto_seconds[key] = self.crypto_seconds.get(key, 0.0) + seconds
+        # once per (direction, kind): a metric's labels() lookup cost more than a tag check,
+        # and this runs for every frame
+        counted = self._crypto_counters.get((direction, kind))
+        if counted is None:
+            counted = self._crypto_counters[(direction, kind)] = (
+                f"{direction}/{kind.value}",
+                self.metrics.crypto_seconds.labels(direction=direction, kind=kind.value))
+        key, counter = counted
         self.crypto_frames[key] = self.crypto_frames.get(key, 0) + frames
-        self.metrics.crypto_seconds.labels(direction=direction, kind=kind.value).inc(seconds)
+        if seconds > 0:  # a sampled call (``CpuSampler``); the others count no time
+            self.crypto_seconds[key] = self.crypto_seconds.get(key, 0.0) + seconds
+            counter.inc(seconds)
 
     def _heard(self, incoming: Incoming) -> None:
         """Tell ``heard`` who sent the frame just taken, when it is a sign of life: live (a
@@ -279,7 +290,9 @@ class Messenger:
         verifier = self.credentials.verifier
         if verifier is None:
             return  # an unsigned job: nothing to check, only the sender to remember
-        started = time.thread_time()
+        signer = self.credentials.signer
+        sampler = signer.sampler if signer is not None else None
+        started = sampler.start() if sampler is not None else None
         try:
             if header.tags is not None and (header.signature is None or
                                             self.name in header.tags):
@@ -289,7 +302,8 @@ class Messenger:
                 verifier.verify(header.env.sender, header.key_id, header.signed_content(),
                                 header.signature)
         finally:
-            self._count_crypto("received", header.env.kind, time.thread_time() - started, 1)
+            self._count_crypto("received", header.env.kind,
+                               sampler.seconds(started) if sampler is not None else 0.0, 1)
 
     def _take_roster(self, inbound: Inbound) -> None:
         verifier = self.credentials.verifier
