@@ -108,15 +108,19 @@ def test_evaluation_does_not_touch_gradients_or_steps():
     assert first.pending == {} and last.completed_steps == set()
 
 
-def test_per_layer_times_are_reported_and_add_up_to_the_stage_time():
-    first, last = _stages()
+def _first_stage_step(first: Stage, last: Stage) -> StepDone:
+    """Step 0 through both stages; the first stage's StepDone."""
     for mb in range(2):
         x, y = _batch(mb)
         (act,) = first.forward(0, mb, x, y, True)
         out = last.forward(0, mb, act.x, act.y, True)
         grad = next(o for o in out if isinstance(o, SendGradient))
         back = first.backward(0, mb, grad.grad)
-    done = [o for o in back if isinstance(o, StepDone)][0]
+    return [o for o in back if isinstance(o, StepDone)][0]
+
+
+def test_per_layer_times_are_reported_and_add_up_to_the_stage_time():
+    done = _first_stage_step(*_stages())
     assert len(done.layer_forward_s) == len(done.layer_backward_s) == 3
     assert all(t > 0 for t in done.layer_forward_s)
     # the first stage's Flatten takes the input, which needs no gradient: no backward there
@@ -212,16 +216,10 @@ def test_a_stage_reports_its_cpu_seconds_and_emulated_sleep_apart_from_its_waits
     busy = threading.Thread(target=hold_the_interpreter)
     busy.start()
     try:
-        for mb in range(2):
-            x, y = _batch(mb)
-            (act,) = first.forward(0, mb, x, y, True)
-            out = last.forward(0, mb, act.x, act.y, True)
-            grad = next(o for o in out if isinstance(o, SendGradient))
-            back = first.backward(0, mb, grad.grad)
+        done = _first_stage_step(first, last)
     finally:
         stop.set()
         busy.join()
-    done = [o for o in back if isinstance(o, StepDone)][0]
     # a forward and a backward per micro-batch, each meant to sleep 10 ms: 2 x 20 ms
     assert done.typical_emulated_s == pytest.approx(0.04)
     assert done.typical_cpu_s > 0
