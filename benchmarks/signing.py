@@ -4,9 +4,11 @@
   with and without verification (one process, the wire module and the messenger's check;
   messages above 256 KiB are chunks, each signed and verified on its own);
 * ``demo``: the digits demo (`ftpipe-iot demo` defaults, CNN, 3 devices, 6 epochs), signed
-  against ``--insecure-unsigned``, runs alternated; the layout is pinned to the pipeline the
-  demo's ``auto`` usually picks (which layout ``auto`` picks on identical devices is the host's
-  noise, and a group against a pipeline would measure the layout, not the signatures);
+  against ``--insecure-unsigned``, runs alternated; the layout is pinned (``--demo-layout``,
+  by default the pipeline of three, the layout with the most messages a step; ``auto`` is the
+  demo's own, which deploys data parallelism over two devices on identical devices, every run
+  recording the layout it ran), so that both sides of a pair run the same layout and the
+  pairs measure the signatures, not the layout;
   samples/s, the CPU seconds every process of the demo used (the children's rusage), the
   signing and verifying CPU seconds every process reported (heartbeats, the summary) and where
   they go, per direction and message kind: on a shared 2-core host the wall-clock rate moves by
@@ -102,7 +104,7 @@ def frames() -> list[dict]:
     return rows
 
 
-def demo(pairs: int, epochs: int) -> dict:
+def demo(pairs: int, epochs: int, layout_name: str = "pipeline") -> dict:
     from ftpipe_iot.planning.layouts import Layout
     from ftpipe_iot.protocol.plan import TrainConfig
     from ftpipe_iot.runtime.demo import Demo, DemoOptions
@@ -113,7 +115,7 @@ def demo(pairs: int, epochs: int) -> dict:
             label = "signed" if signed else "unsigned"
             before = loadavg()
             options = DemoOptions(work_dir=Path(tempfile.mkdtemp(prefix="sign-demo-")),
-                                  signed=signed, layout=Layout.PIPELINE,
+                                  signed=signed, layout=Layout(layout_name),
                                   train=TrainConfig(epochs=epochs))
             children_before = _children_cpu_s()
             summary = Demo(options).run()
@@ -131,6 +133,10 @@ def demo(pairs: int, epochs: int) -> dict:
                                     1e3 * cpu_s / max(1, summary["steps"]), 3),
                                 "crypto_cpu_share": round(crypto / cpu_s, 4) if cpu_s else 0,
                                 "test_accuracy": summary["test_accuracy"],
+                                "layout": [[d["device"] for d in stage["devices"]]
+                                           for stage in summary["stages"]],
+                                "layout_changes": sum(e.get("type") == "plan_changed"
+                                                      for e in summary["events"]) - 1,
                                 "loadavg_before": before, "loadavg_after": loadavg()})
             say(f"demo {label} #{index}: {summary['samples_per_s']:.0f} samples/s, "
                 f"crypto {crypto:.3f} CPU-s of {cpu_s:.1f}")
@@ -232,6 +238,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="MobileNetV2 timed steps per run")
     parser.add_argument("--demo-epochs", type=int, default=6,
                         help="epochs of each demo run (the CLI demo's default)")
+    parser.add_argument("--demo-layout", choices=["pipeline", "data", "auto"], default="pipeline",
+                        help="the demo's layout on both sides of every pair")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent /
                         "results" / "signing.json")
@@ -240,7 +248,8 @@ def main() -> None:
     if args.only in (None, "frames"):
         results["frames"] = frames()
     if args.only in (None, "demo"):
-        results["demo"] = demo(args.pairs, args.demo_epochs)
+        results["demo"] = demo(args.pairs, args.demo_epochs, args.demo_layout)
+        results["demo"]["layout"] = args.demo_layout
     if args.only in (None, "mobilenetv2"):
         results["mobilenetv2"] = mobilenetv2(max(1, args.pairs - 1), args.steps, args.warmup)
     results["loadavg_end"] = loadavg()
