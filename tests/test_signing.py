@@ -11,10 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from ftpipe_iot.control.outbox import JobOutbox
 from ftpipe_iot.errors import BadSignature, ConfigError
 from ftpipe_iot.observability.metrics import DeviceMetrics
 from ftpipe_iot.protocol.messages import (
     Command,
+    ControllerState,
     DeviceStatus,
     Heartbeat,
     LayerReplica,
@@ -34,7 +36,7 @@ from ftpipe_iot.protocol.signing import (
     write_private_key,
 )
 from ftpipe_iot.protocol.topics import Topics
-from ftpipe_iot.protocol.vocab import CommandOp, DeviceState, MessageKind
+from ftpipe_iot.protocol.vocab import CommandOp, ControllerStatus, DeviceState, MessageKind
 from ftpipe_iot.protocol.wire import Reassembler, WireOptions, encode
 from ftpipe_iot.runtime.keys import LocalKeys
 from ftpipe_iot.transport.base import Incoming
@@ -406,6 +408,33 @@ def test_a_retained_message_for_known_readers_carries_tags_and_a_signature(tmp_p
     late.transport.subscribe(topic)
     assert [i.message for i in dev0.received()] == [Heartbeat(queue_depth=3)]
     assert late.received() == [] and late.dropped("bad_signature") == 1
+
+
+def test_the_controller_state_is_tagged_for_idle_devices_too(tmp_path):
+    """Idle devices read the state every step as the plan's devices do: each checks a tag,
+    not a signature (a hundred times the CPU; an idle demo device spent 40 ms on them)."""
+    keys = LocalKeys(tmp_path)
+    names = ("controller", "dev0", "dev1", "dev2")
+    paths = {name: keys.key_path(name) for name in names}
+    broker = MemoryBroker()
+    controller, dev0, idle, outsider = (
+        _Process(broker, name, Credentials.load(paths[name], keys.roster_path))
+        for name in names)
+    publish = controller.transport.publish
+
+    def with_a_broken_signature(topic, frame, **kwargs):  # who checks a tag still takes it
+        publish(topic, _tamper(frame, sg=bytes(64)), **kwargs)
+
+    controller.transport.publish = with_a_broken_signature
+    outbox = JobOutbox(controller.messenger, Topics(JOB))
+    outbox.devices = ("dev0", "controller")  # what a plan of dev0 alone leaves it
+    for process in (dev0, idle, outsider):
+        process.transport.subscribe(Topics(JOB).state)
+    state = ControllerState(ControllerStatus.TRAINING, JOB)
+    outbox.state(state, 5, idle=["dev0", "dev1"])
+    assert [i.message for i in dev0.received()] == [state]
+    assert [i.message for i in idle.received()] == [state]
+    assert outsider.received() == [] and outsider.dropped("bad_signature") == 1
 
 
 @pytest.mark.parametrize("change", [{"mn": bytes(12)}, {"p": 10**15}, {"st": 99},

@@ -773,4 +773,4 @@ class Controller:
                                        self.central.latest_complete() if known else None,
                                        dict(self.capacity.factors) if known else {},
                                        self.config.term, self.config.beat_s),
-                       self.summary.steps)
+                       self.summary.steps, sorted(self.roster.alive))
