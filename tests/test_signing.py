@@ -501,6 +501,11 @@ def test_what_signatures_cost_is_counted_per_direction_and_kind(tmp_path):
     assert sender.messenger.crypto_by_kind["sent/hb"] > 0
     assert unsigned.messenger.crypto_frames == {}
     assert sender.metrics.crypto_seconds.labels(direction="sent", kind="hb")._value.get() > 0
+    # a kind none of whose calls was sampled stays in the ledger with its frames
+    sender.messenger.credentials.signer.sampler = CpuSampler(every=10**9)
+    sender.messenger.send(Topics(JOB).dev_status("dev0"), DeviceStatus(DeviceState.ONLINE, JOB))
+    assert sender.messenger.crypto_by_kind["sent/status"] == 0.0
+    assert sender.messenger.crypto_frames["sent/status"] == 1
 
 
 def test_sampled_crypto_time_counts_every_kind_unbiased_at_an_eighth_of_the_clock_reads():

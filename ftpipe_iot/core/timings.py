@@ -42,10 +42,7 @@ class StageTimings:
     def typical_s(self) -> float:
         """The step's compute as if every micro-batch took the median one's time: a process
         descheduled during one micro-batch (another process took the core) barely moves it."""
-        times = list(self.micro_batch_s.values())
-        if not times:
-            return self.forward_s + self.backward_s
-        return statistics.median(times) * len(times)
+        return _typical(self.micro_batch_s) or self.forward_s + self.backward_s
 
     @property
     def typical_cpu_s(self) -> float:

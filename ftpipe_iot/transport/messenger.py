@@ -263,8 +263,9 @@ class Messenger:
                 self.metrics.crypto_seconds.labels(direction=direction, kind=kind.value))
         key, counter = counted
         self.crypto_frames[key] = self.crypto_frames.get(key, 0) + frames
+        # every kind stays in the ledger, its frames counted, though no call of it was sampled
+        self.crypto_seconds[key] = self.crypto_seconds.get(key, 0.0) + seconds
         if seconds > 0:  # a sampled call (``CpuSampler``); the others count no time
-            self.crypto_seconds[key] = self.crypto_seconds.get(key, 0.0) + seconds
             counter.inc(seconds)
 
     def _heard(self, incoming: Incoming) -> None:
