@@ -89,7 +89,7 @@ def test_cpu_profile_wraps_the_cli(tmp_path):
 
 
 HEAVY = ["fleet_scale.py", "heterogeneity.py", "recovery.py", "resilience.py", "speed.py",
-         "links.py", "links_l8.py"]
+         "links.py", "links_l8.py", "speed_trees.py"]
 # Each script run as ``__main__`` with ``--help``, one after another in one interpreter: the
 # entry point and every import it makes, without paying torch's import once per script.
 _HELP_EACH = """
@@ -117,6 +117,21 @@ def test_every_heavy_benchmark_parses_its_arguments():
     assert result.stdout.count("usage:") == len(HEAVY), result.stdout[-4000:]
     for script in HEAVY:
         assert f"parsed {BENCH / script}" in result.stdout, script
+
+
+def test_the_tree_comparison_reads_perf_stat_counters_and_skips_what_was_not_counted():
+    """speed_trees.py's reading of ``perf stat -x,`` (value, unit, event, ...), as perf 6 writes
+    it; a counter a VM does not offer reads ``<not supported>`` and is left out."""
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks.speed_trees import parse_perf_csv
+    finally:
+        sys.path.remove(str(REPO))
+    text = ("# started on Sat Dec  5 22:43:48 2026\n\n"
+            "3396150,,page-faults,285181090000,100.00,11.909,K/sec\n"
+            "129578,,context-switches,285181090000,100.00,454.371,/sec\n"
+            "<not supported>,,cpu-migrations,0,100.00,,\n")
+    assert parse_perf_csv(text) == {"page-faults": 3396150, "context-switches": 129578}
 
 
 def test_the_harness_the_heavy_benchmarks_share_runs_a_job(needs_mosquitto):
