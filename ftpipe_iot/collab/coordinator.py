@@ -719,9 +719,12 @@ class Coordinator:
         self.current = None
         # the round's record before its model: a coordinator that resumes from the retained
         # model then finds who served every round the model holds (published after, a
-        # coordinator killed between the two left the round's servers unknown)
-        self._publish_status()
+        # coordinator killed between the two left the round's servers unknown). The round
+        # counts as done only once its model is out: whoever acts on the count (a fault at
+        # ``@round=N``, a user's watch) then never meets a model half published.
+        self._publish_status(rounds_done=index)
         self._publish_global(index + 1)
+        self._publish_status()
         load_states(dict(enumerate(self.layers)), self.global_states)
         accuracy, loss = evaluate(self.layers, self.data.x_test, self.data.y_test,
                                   plan.train.eval_batch_size)
@@ -768,7 +771,9 @@ class Coordinator:
                             self.plan.version if self.plan else 0, self._fleet_iteration(),
                             retain=True)
 
-    def _publish_status(self) -> None:
+    def _publish_status(self, rounds_done: int | None = None) -> None:
+        """The retained status; ``rounds_done`` overrides the count of rounds done (a round's
+        record goes out before its model, its count after)."""
         plan = self.plan
         if plan is None:
             return
@@ -782,7 +787,8 @@ class Coordinator:
             rows.append(MemberRow(name, state, m.rounds_done, m.rounds_missed, m.iteration,
                                   m.samples, m.epsilon, idle))
         servers = self.servers
-        status = CollabStatus(plan.mode, self.summary.collab.rounds, len(self.spans),
+        rounds = self.summary.collab.rounds if rounds_done is None else rounds_done
+        status = CollabStatus(plan.mode, rounds, len(self.spans),
                               self._fleet_iteration(), plan.total_iterations,
                               servers.serving if servers else plan.server,
                               plan.split_point, plan.head_start, plan.train.micro_batches,
