@@ -137,8 +137,21 @@ def _round(index: int) -> Round:
 ])
 def test_the_resume_point_follows_the_retained_round_and_global_model(rnd, versions, expected):
     plan = _plan()
-    versions = {layer: versions[0] for layer in range(plan.num_layers)}
+    versions = {layer: {versions[0]} for layer in range(plan.num_layers)}
     assert resume_point(plan.version, plan, rnd, versions, rounds=3) == expected
+
+
+def test_a_model_published_halfway_beside_the_whole_one_before_it_resumes_from_that_one():
+    """Two slots: the coordinator died publishing version 2 over version 0's slot; version 1,
+    in the other slot, is whole, so round 1 (the retained one) is redone from it."""
+    plan = _plan()
+    versions = {layer: {1, 2 if layer < 5 else 0} for layer in range(plan.num_layers)}
+    assert resume_point(plan.version, plan, _round(1), versions, rounds=3) == \
+        ResumePoint(ResumeAction.RUN_ROUND, 1, redo=True)
+    # both whole (it died after the model and before its status): the newer one counts
+    versions = {layer: {1, 2} for layer in range(plan.num_layers)}
+    assert resume_point(plan.version, plan, _round(1), versions, rounds=3) == \
+        ResumePoint(ResumeAction.RUN_ROUND, 2, redo=False)
 
 
 def test_a_job_never_planned_is_planned_and_an_older_plan_does_not_count():
@@ -149,10 +162,11 @@ def test_a_job_never_planned_is_planned_and_an_older_plan_does_not_count():
 
 
 @pytest.mark.parametrize("rnd, versions, message", [
-    (_round(1), {0: 1}, "no global model of plan 10 for layers \\[1, 2"),
-    (_round(1), {i: 1 + (i == 4) for i in range(12)}, "mixes versions \\[1, 2\\]"),
-    (_round(1), {i: 0 for i in range(12)}, "does not belong to round 2"),
-    (None, {i: 1 for i in range(12)}, "retained but no round"),
+    (_round(1), {0: {1}}, "no global model of plan 10 for layers \\[1, 2"),
+    (_round(1), {i: {1 + (i == 4)} for i in range(12)},
+     "no version of the retained global model is whole \\(versions \\[1, 2\\]"),
+    (_round(1), {i: {0} for i in range(12)}, "does not belong to round 2"),
+    (None, {i: {1} for i in range(12)}, "retained but no round"),
 ])
 def test_a_retained_state_that_cannot_be_resumed_exactly_is_refused(rnd, versions, message):
     with pytest.raises(CollabError, match=message):
@@ -350,6 +364,48 @@ def test_a_coordinator_that_resumes_redoes_the_round_and_the_model_equals_a_fail
         old.handle(old.transport.inbox.get())
     assert old.fenced and old.phase is ControllerPhase.FAILED
     assert len(job.broker.published) == before
+
+
+class _Killed(BaseException):
+    """The coordinator's process dies here (a BaseException: nothing in it may catch it)."""
+
+
+def test_a_coordinator_killed_while_publishing_the_global_model_resumes_from_the_whole_one(
+        digits):
+    """The coordinator dies after publishing half the layers of round 1's merged model
+    (version 2, slot 0, over version 0): the retained model of slot 0 mixes versions 0 and 2.
+    Version 1 stays whole in slot 1, so a new coordinator redoes round 1 from it and the model
+    equals a failure-free run's."""
+    shards = _shards(digits)
+    job = _MemoryJob(("srv",), shards, _config(), digits)
+    job.start()
+    job.pump(until=lambda: job.agents["dev0"].progress_step == 3)  # round 1 under way
+    coordinator = job.coordinator
+    assert coordinator is not None and coordinator.plan is not None
+    half = coordinator.plan.num_layers // 2
+    publish = coordinator.transport.publish
+    prefix = f"{coordinator.topics.base}/weights/"
+
+    def publish_then_die_halfway(topic: str, payload: bytes, *args, **kwargs) -> None:
+        if topic.startswith(prefix):
+            layer, chunk = topic[len(prefix):].split("/")
+            if chunk.startswith("0-") and decode(payload).step == 2 and int(layer) == half:
+                job.crash_coordinator()
+                raise _Killed
+        publish(topic, payload, *args, **kwargs)
+
+    coordinator.transport.publish = publish_then_die_halfway  # type: ignore[method-assign]
+    with pytest.raises(_Killed):
+        job.pump()
+    retained_versions = {decode(payload).step for topic, payload in job.broker.retained.items()
+                         if topic.startswith(prefix) and "/0-" in topic}
+    assert retained_versions == {0, 2}  # slot 0 is the mixed model the kill left
+    new = job.resume(term=2)
+    job.pump()
+    assert new.phase is ControllerPhase.DONE, new.summary.error
+    collab = new.summary.collab
+    assert (collab.resumed_at_round, collab.redone_round, collab.rounds) == (1, True, 3)
+    _assert_same(new.global_states, _reference(job, shards))
 
 
 def test_a_round_of_an_older_term_is_ignored(digits):

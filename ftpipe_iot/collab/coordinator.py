@@ -111,15 +111,16 @@ def coordinator_will(job: str, credentials: Credentials | None = None, term: int
 
 class _Retained:
     """What a resuming coordinator collects from the broker before it decides where to pick the
-    job up: the newest job, plan, round and status, every layer's global model (with the plan
-    version it was published under), the offers and the devices' statuses."""
+    job up: the newest job, plan, round and status, every layer's global model in both its
+    slots (by version, with the plan version each was published under), the offers and the
+    devices' statuses."""
 
     def __init__(self) -> None:
         self.job: CollabJob | None = None
         self.plan: CollabPlan | None = None
         self.round: Round | None = None
         self.status: CollabStatus | None = None
-        self.global_model: dict[int, tuple[int, LayerReplica]] = {}
+        self.global_model: dict[int, dict[int, tuple[int, LayerReplica]]] = {}
         self.offers: dict[str, Offer] = {}
         self.online: dict[str, bool] = {}
         self.probe = os.urandom(16)
@@ -399,7 +400,8 @@ class Coordinator:
         elif isinstance(message, CollabStatus) and ours:
             retained.status = message
         elif isinstance(message, LayerReplica) and ours:
-            retained.global_model[message.layer] = (inbound.plan_version, message)
+            retained.global_model.setdefault(message.layer, {})[message.version] = (
+                inbound.plan_version, message)
         elif isinstance(message, Offer):
             retained.offers[sender] = message
         elif isinstance(message, DeviceStatus) and Topics.device_of(inbound.topic) == sender \
@@ -436,9 +438,9 @@ class Coordinator:
                       f"{rnd.term}, not older than ours ({self.config.term})")
             return
         spans = round_spans(plan.total_iterations, plan.aggregate_every) if plan else []
-        versions = {layer: replica.version
-                    for layer, (plan_version, replica) in retained.global_model.items()
-                    if plan is not None and plan_version == plan.version}
+        versions = {layer: {version for version, (plan_version, _) in slots.items()
+                            if plan is not None and plan_version == plan.version}
+                    for layer, slots in retained.global_model.items()}
         try:
             point = resume_point(job.version, plan, rnd, versions, len(spans))
         except FtpipeError as exc:
@@ -481,8 +483,8 @@ class Coordinator:
         """Take the retained plan, global model and figures on."""
         self.plan = plan
         self.spans = round_spans(plan.total_iterations, plan.aggregate_every)
-        for layer, (_, replica) in retained.global_model.items():
-            self.global_states[layer] = replica.state
+        for layer in range(plan.num_layers):
+            self.global_states[layer] = retained.global_model[layer][round_index][1].state
         load_states(dict(enumerate(self.layers)), self.global_states)
         self.recorder.planned(plan, None, len(self.members))
         status = retained.status
@@ -625,11 +627,15 @@ class Coordinator:
 
     # -- rounds ---------------------------------------------------------------------------------
     def _publish_global(self, version: int) -> None:
+        """Publish global model ``version`` retained in slot ``version % 2``: the slot of the
+        version before stays whole, so a coordinator killed halfway through leaves one complete
+        model that a resuming coordinator finds (``resume_point``)."""
         assert self.plan is not None
         for layer in range(self.plan.num_layers):
             self.messenger.send_replica(self.topics, self.plan.version,
                                         LayerReplica(layer, version, self.global_states[layer],
-                                                     None))
+                                                     None),
+                                        slot=version % 2)
 
     def _maybe_start_round(self) -> None:
         done = self.summary.collab.rounds

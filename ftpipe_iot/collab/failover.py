@@ -15,12 +15,14 @@ A coordinator that resumes (``controller --resume``, or a standby coordinator th
 lease) reads the retained job, plan, round and global model. The round in progress when the old
 coordinator died is redone from the global model it started from: devices and servers go back to
 it and to the optimizer state they had at its start, so the result equals a run without the
-failure. A round whose merged model was already published is not redone.
+failure. A round whose merged model was already published is not redone. The global model is
+kept in two retained slots (version ``v`` in slot ``v % 2``), so one killed while publishing
+leaves the version before it whole, and the job goes on from that one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -128,27 +130,30 @@ class ResumePoint:
 
 
 def resume_point(job_version: int, plan: CollabPlan | None, rnd: Round | None,
-                 global_versions: Mapping[int, int], rounds: int) -> ResumePoint:
+                 global_versions: Mapping[int, Collection[int]], rounds: int) -> ResumePoint:
     """Decide from what the broker retains: the newest job run's plan (``plan``, None when
-    there is none), the newest round (``rnd``), the version of the global model retained for
-    each layer under that plan (``global_versions``: layer -> version = rounds merged) and the
-    number of rounds the plan makes. Raises ``CollabError`` when the retained state cannot be
+    there is none), the newest round (``rnd``), the versions of the global model retained for
+    each layer under that plan (``global_versions``: layer -> versions = rounds merged; the
+    coordinator keeps two slots, so a model it was publishing when it died sits beside the
+    whole one before it) and the number of rounds the plan makes. The job goes on from the
+    newest version every layer has. Raises ``CollabError`` when the retained state cannot be
     resumed exactly, with the reason."""
     if plan is None or plan.version < job_version:
         return ResumePoint(ResumeAction.PLAN)
-    missing = [layer for layer in range(plan.num_layers) if layer not in global_versions]
+    missing = [layer for layer in range(plan.num_layers) if not global_versions.get(layer)]
     if missing:
         raise CollabError(f"cannot resume: the broker retains no global model of plan "
                           f"{plan.version} for layers {missing}")
-    versions = sorted(set(global_versions.values()))
-    if len(versions) > 1:
-        raise CollabError(f"cannot resume: the retained global model mixes versions "
-                          f"{versions} (its coordinator died while publishing it); start the "
-                          f"job again")
-    version = versions[0]
+    complete = set.intersection(*(set(global_versions[layer])
+                                  for layer in range(plan.num_layers)))
+    if not complete:
+        retained = sorted({v for layer in range(plan.num_layers) for v in global_versions[layer]})
+        raise CollabError(f"cannot resume: no version of the retained global model is whole "
+                          f"(versions {retained} each miss layers); start the job again")
+    version = max(complete)
     started = rnd.round if rnd is not None else None
     if version >= rounds:
-        return ResumePoint(ResumeAction.FINISH, rounds)
+        return ResumePoint(ResumeAction.FINISH, version)
     if started is None:
         if version != 0:
             raise CollabError(f"cannot resume: global model version {version} is retained but "

@@ -115,6 +115,14 @@ class Topics:
         """Base topic of a layer's replica; chunk ``i`` is retained at ``<base>/<i>``."""
         return f"{self.base}/weights/{layer}"
 
+    def weights_chunk(self, layer: int, index: int, slot: int | None = None) -> str:
+        """Where chunk ``index`` of a layer's replica is retained: ``<base>/<i>``, or
+        ``<base>/<slot>-<i>`` for a replica kept in one of several slots (the collaborative
+        global model alternates two, so the previous version stays whole while the next one is
+        published). One level either way: ``weights_of_layer`` matches every slot."""
+        suffix = str(index) if slot is None else f"{slot}-{index}"
+        return f"{self.weights(layer)}/{suffix}"
+
     def weights_of_layer(self, layer: int) -> str:
         return f"{self.weights(layer)}/+"
 

@@ -179,7 +179,7 @@ class Messenger:
         return sent
 
     def send_replica(self, topics: Topics, plan_version: int, replica: LayerReplica,
-                     receivers: Iterable[str] | None = None) -> int:
+                     receivers: Iterable[str] | None = None, slot: int | None = None) -> int:
         """Publish a layer replica retained on its weights topic; returns the bytes sent.
         Every chunk is signed (a replacement device reads it later); ``receivers`` known now
         (the controller, which keeps every replica) also get a tag each, which they check
@@ -188,13 +188,13 @@ class Messenger:
         A retained topic holds one message, so each chunk gets its own topic
         (``weights/<layer>/<i>``); a subscriber to ``weights/<layer>/+`` receives every chunk and
         reassembles them. Weights are dense: lz4 rarely pays, and an uncompressed size keeps the
-        chunk count of a layer stable from version to version.
+        chunk count of a layer stable from version to version. ``slot`` keeps the replica beside
+        the one of another slot instead of over it (``Topics.weights_chunk``).
         """
         env = envelope(replica, self.job, self.name, plan_version, replica.version,
                        seq=next(self._seq), session=self.session)
-        base = topics.weights(replica.layer)
         signed_before = self._signed_s()
-        frames = [(f"{base}/{index}", frame)
+        frames = [(topics.weights_chunk(replica.layer, index, slot), frame)
                   for index, frame in enumerate(encode(
                       env, self._wire_options(compress=False),
                       self.credentials.sealer(self.name, receivers, also_sign=True)))]
