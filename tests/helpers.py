@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -13,24 +14,38 @@ from ftpipe_iot.device.agent import DeviceAgent, DeviceOptions, device_will
 from ftpipe_iot.planning.profiles import DeviceProfile
 from ftpipe_iot.protocol.vocab import ControllerPhase as Phase
 from ftpipe_iot.runtime.supervise import ProcessGroup
+from ftpipe_iot.transport.base import Transport, Will
+from ftpipe_iot.transport.connection import BrokerConfig
 from ftpipe_iot.transport.memory import MemoryBroker
+from ftpipe_iot.transport.mqtt import MqttTransport
 
 
 class MemoryJob:
-    """A controller and devices on an in-memory broker, pumped in one thread."""
+    """A controller and devices pumped in one thread, on an in-memory broker (or a real one:
+    ``connect``)."""
 
     def __init__(self, config: ControllerConfig, devices: int = 3, job: str = "t",
                  options: DeviceOptions = DeviceOptions(),
-                 profiles: dict[str, DeviceProfile] | None = None) -> None:
-        """``profiles``: the emulated device class of some devices (by name, ``d0``...)."""
+                 profiles: dict[str, DeviceProfile] | None = None,
+                 connect: Callable[[str, Will | None], Transport] | None = None) -> None:
+        """``profiles``: the emulated device class of some devices (by name, ``d0``...);
+        ``connect(client_id, will)``: each process's transport (default: this job's in-memory
+        broker; ``mqtt_connector`` puts the same pumping over a real broker)."""
         self.broker = MemoryBroker()
-        self.controller = Controller(job, config, self.broker.transport("controller"),
+        connect = connect or self.broker.transport
+        self.controller = Controller(job, config, connect("controller", None),
                                      CollectorRegistry())
         self.devices = [
-            DeviceAgent(f"d{i}", job, self.broker.transport(f"d{i}", device_will(f"d{i}", job)),
+            DeviceAgent(f"d{i}", job, connect(f"d{i}", device_will(f"d{i}", job)),
                         CollectorRegistry(), options, (profiles or {}).get(f"d{i}"))
             for i in range(devices)
         ]
+
+    def close(self) -> None:
+        """Disconnect every transport that is still connected (a real broker's clients)."""
+        for transport in [self.controller.transport, *(d.transport for d in self.devices)]:
+            if transport.connected:
+                transport.close()
 
     def start(self) -> None:
         for device in self.devices:
@@ -54,6 +69,16 @@ class MemoryJob:
                 raise AssertionError(f"job stuck in {self.controller.phase}")
             self.pump_once()
         return self.controller.phase
+
+
+def mqtt_connector(port: int) -> Callable[[str, Will | None], Transport]:
+    """``MemoryJob``'s ``connect`` for a real broker on ``port``: one MQTT client per process,
+    each with its Last Will."""
+
+    def connect(client_id: str, will: Will | None) -> Transport:
+        return MqttTransport(BrokerConfig(port=port), client_id, will)
+
+    return connect
 
 
 def quiet_listener(broker: MemoryBroker, topic: str):

@@ -34,7 +34,7 @@ from ftpipe_iot.collab.server import ServerAgent
 from ftpipe_iot.core.data import Dataset, load_dataset
 from ftpipe_iot.device.agent import device_will
 from ftpipe_iot.errors import BadBody, CollabError, PlanError
-from ftpipe_iot.protocol.collab import CollabPlan, Round, RoundRestart
+from ftpipe_iot.protocol.collab import CollabPlan, CollabStatus, Round, RoundRestart
 from ftpipe_iot.protocol.messages import decode_message, envelope
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
@@ -366,6 +366,12 @@ def test_a_coordinator_that_resumes_redoes_the_round_and_the_model_equals_a_fail
     assert len(job.broker.published) == before
 
 
+def _retained_status(job: _MemoryJob, topic: str) -> CollabStatus:
+    message = decode_message(decode(job.broker.retained[topic]), topic).message
+    assert isinstance(message, CollabStatus)
+    return message
+
+
 class _Killed(BaseException):
     """The coordinator's process dies here (a BaseException: nothing in it may catch it)."""
 
@@ -390,13 +396,18 @@ def test_a_coordinator_killed_while_publishing_the_global_model_resumes_from_the
         if topic.startswith(prefix):
             layer, chunk = topic[len(prefix):].split("/")
             if chunk.startswith("0-") and decode(payload).step == 2 and int(layer) == half:
+                seen.append(_retained_status(job, coordinator.topics.collab_status))
                 job.crash_coordinator()
                 raise _Killed
         publish(topic, payload, *args, **kwargs)
 
+    seen: list[CollabStatus] = []
     coordinator.transport.publish = publish_then_die_halfway  # type: ignore[method-assign]
     with pytest.raises(_Killed):
         job.pump()
+    # mid-publish, the status holds round 1's record (its server) and does not count it done
+    (status,) = seen
+    assert status.round == 1 and len(status.round_servers) == 2
     retained_versions = {decode(payload).step for topic, payload in job.broker.retained.items()
                          if topic.startswith(prefix) and "/0-" in topic}
     assert retained_versions == {0, 2}  # slot 0 is the mixed model the kill left

@@ -1,12 +1,14 @@
-"""The combination matrix: schedule x layout x resiliency x fault. Every cell trains and equals
-its yardstick (one process for sync and 1f1b, the 2BW simulator for async; allclose 1e-5);
-what a schedule cannot run would be refused before anything starts by its one compatibility
-check, and no cell of --mode pipeline is.
+"""The combination matrix: schedule x layout x resiliency x fault. Every cell trains over a real
+Mosquitto and equals its yardstick (one process for sync and 1f1b, the 2BW simulator for async;
+allclose 1e-5); what a schedule cannot run would be refused before anything starts by its one
+compatibility check, and no cell of --mode pipeline is.
 
-The cells drive the controller and device agents in memory (the logic, fast enough for every
-cell); the same paths over a real Mosquitto with real processes and SIGKILL are in
-test_faults.py (pipeline, r = 0), test_groups_mosquitto.py (groups), test_resilience_mosquitto.py
-(r = 1) and test_async_fleet.py (async).
+The cells pump the controller and the device agents in one thread, each with its own MQTT
+client and Last Will; the killed holder's connection ends without a DISCONNECT, as a SIGKILL
+ends it, so the broker fires its Will (fast enough for every cell: about 2 s each). The same
+paths with real processes and SIGKILL are in test_faults.py (pipeline, r = 0),
+test_groups_mosquitto.py (groups), test_resilience_mosquitto.py (r = 1) and test_async_fleet.py
+(async). The variant with codecs per cut runs in memory.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import itertools
 from dataclasses import replace
 
 import pytest
-from helpers import MemoryJob, max_weight_diff
+from helpers import MemoryJob, max_weight_diff, mqtt_connector
 
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.plan_codecs import CodecPolicy
@@ -55,10 +57,10 @@ CELLS = list(itertools.product(list(ScheduleName), ["pipeline", "group"], [0, 1]
                                ["none", "kill"]))
 
 
-@pytest.mark.parametrize("schedule, layout, resiliency, fault", CELLS,
-                         ids=[f"{s.value}-{layout}-r{r}-{fault}" for s, layout, r, fault in CELLS])
-def test_every_cell_equals_its_yardstick_or_is_refused_before_it_starts(schedule, layout,
-                                                                          resiliency, fault):
+def _run_cell(schedule: ScheduleName, layout: str, resiliency: int, fault: str,
+              connect) -> None:
+    """One cell: train it (``connect``: each process's transport), kill stage 1's holder
+    mid-run for ``fault == "kill"``, and compare with the yardstick."""
     train = replace(TRAIN, schedule=schedule, resiliency=resiliency)
     stages = _assignment(layout, resiliency)
     devices = len({m.device for s in stages for m in s.members})
@@ -66,13 +68,16 @@ def test_every_cell_equals_its_yardstick_or_is_refused_before_it_starts(schedule
     # refusal here is a failure
     config = ControllerConfig(train=train, devices=devices, assignment=stages,
                               heartbeat_timeout_s=30.0)
-    job = MemoryJob(config, devices=devices)
-    job.start()
-    if fault == "kill":
-        while job.controller.summary.steps < KILL_AFTER:
-            job.pump_once()
-        next(d for d in job.devices if d.name == KILLED).transport.crash()  # its Last Will
-    assert job.run() is ControllerPhase.DONE
+    job = MemoryJob(config, devices=devices, connect=connect)
+    try:
+        job.start()
+        if fault == "kill":
+            while job.controller.summary.steps < KILL_AFTER:
+                job.pump_once()
+            next(d for d in job.devices if d.name == KILLED).transport.crash()  # its Last Will
+        assert job.run() is ControllerPhase.DONE, job.controller.summary.error
+    finally:
+        job.close()
     controller = job.controller
     gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
     expected = train_reference(train, controller.data, steps=TRAIN.max_steps,
@@ -89,13 +94,24 @@ def test_every_cell_equals_its_yardstick_or_is_refused_before_it_starts(schedule
             assert 0 < summary.recomputed_steps <= train.replicate_every
 
 
+CELL_IDS = [f"{s.value}-{layout}-r{r}-{fault}" for s, layout, r, fault in CELLS]
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("schedule, layout, resiliency, fault", CELLS, ids=CELL_IDS)
+def test_every_cell_over_mosquitto_equals_its_yardstick(mosquitto, schedule, layout,
+                                                        resiliency, fault):
+    """Every cell over a real broker: one MQTT client per process (its Last Will fires when
+    the killed one's connection ends without a DISCONNECT, as a SIGKILL ends it)."""
+    _run_cell(schedule, layout, resiliency, fault, mqtt_connector(mosquitto.port))
+
+
 # Codecs per cut and direction in every cell: the cut between the two stages codes its
 # activations int8 and their gradients fp16; the yardstick applies the same codecs at that cut.
 CODED = (CutCodecs(WireCodec.INT8, WireCodec.FP16),)
 
 
-@pytest.mark.parametrize("schedule, layout, resiliency, fault", CELLS,
-                         ids=[f"{s.value}-{layout}-r{r}-{fault}" for s, layout, r, fault in CELLS])
+@pytest.mark.parametrize("schedule, layout, resiliency, fault", CELLS, ids=CELL_IDS)
 def test_every_cell_with_codecs_per_cut_equals_its_coded_yardstick(schedule, layout, resiliency,
                                                                    fault):
     train = replace(TRAIN, schedule=schedule, resiliency=resiliency)

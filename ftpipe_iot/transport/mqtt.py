@@ -275,6 +275,24 @@ class MqttTransport:
         if self._client is not None and self._connected.is_set():
             self._client.unsubscribe(topic)
 
+    def crash(self) -> None:
+        """End the connection as a killed process does: no DISCONNECT packet, so the broker
+        publishes the Last Will, and nothing still queued is sent. For drills that run several
+        processes' logic in one (``MemoryTransport.crash`` is the in-memory twin); a process
+        that really dies needs nothing of this."""
+        client = self._client
+        if client is None:
+            return
+        self._closing = True
+        self._bulk.stop()
+        self._bulk = self._outbox()
+        client.loop_stop()
+        sock = client.socket()
+        if sock is not None:
+            sock.close()
+        self._connected.clear()
+        self._client = None
+
     def close(self, flush_timeout_s: float = 3.0) -> None:
         """Deliver the outbox while it makes progress (``flush``), flush the control messages
         still in flight (bounded wait), then disconnect cleanly. Bulk messages that could not
