@@ -275,6 +275,64 @@ def test_the_sender_thread_delivers_everything_and_flush_waits_for_it():
     assert sender.stats().delivered_bytes == 30 * 128 * KIB
 
 
+def test_a_frame_put_with_nothing_waiting_is_handed_over_by_the_thread_that_put_it():
+    """No thread hop when nothing waits and the window has room; frames queued behind a full
+    window still leave in order, from the sender thread."""
+    threads: list[int] = []
+
+    def recording_thread(conn: FakeConnection):
+        def send(f: BulkFrame) -> int:
+            threads.append(threading.get_ident())
+            return conn.send(f)
+        return send
+
+    fast = FakeConnection(rate=1e9)
+    sender = BulkSender(recording_thread(fast), lambda: fast.connected)
+    fast.sender = sender
+    sender.start()
+    sender.put(frame(Traffic.STAGE_DATA, size=KIB, tag="first"))
+    assert threads == [threading.get_ident()]
+    assert sender.flush(2.0) == 0
+    sender.stop()
+    # a window of one frame on a link that takes 20 ms a frame: the frames after the first
+    # queue and go from the sender thread, in order
+    slow = FakeConnection(rate=KIB / 0.02)
+    small = BulkSender(recording_thread(slow), lambda: slow.connected,
+                       settings=WindowSettings(max_frames=1))
+    slow.sender = small
+    small.start()
+    threads.clear()
+    for i in range(5):
+        small.put(frame(Traffic.STAGE_DATA, size=KIB, tag=str(i)))
+    assert small.flush(2.0) == 0
+    assert [t for t, _ in slow.written] == [f"t/stage_data/{i}" for i in range(5)]
+    assert threads[0] == threading.get_ident()
+    assert threading.get_ident() not in threads[1:]
+    small.stop()
+
+
+def test_an_acknowledgement_that_comes_before_its_hand_over_is_recorded_is_not_lost():
+    """paho may acknowledge a frame before ``send`` returns (loopback): the ack waits until
+    the frame is recorded as sent, and the frame then leaves the window."""
+    holder: list[BulkSender] = []
+    mids = iter(range(1, 100))
+
+    def send_acked_at_once(f: BulkFrame) -> int:
+        mid = next(mids)
+        holder[0].acked(mid)
+        return mid
+
+    sender = BulkSender(send_acked_at_once, lambda: True)
+    holder.append(sender)
+    sender.start()
+    for i in range(3):
+        sender.put(frame(Traffic.STAGE_DATA, size=KIB, tag=str(i)))
+    assert sender.flush(2.0) == 0
+    stats = sender.stats()
+    assert stats.in_flight_frames == 0 and stats.delivered_bytes == 3 * KIB
+    sender.stop()
+
+
 def test_nothing_goes_while_disconnected_and_stop_returns_what_never_went():
     conn = FakeConnection(rate=50e6)
     conn.connected = False

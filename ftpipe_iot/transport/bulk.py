@@ -14,7 +14,10 @@ frame waits about the target delay (or one frame, when a frame takes longer than
 
 ``BulkQueue`` is the scheduling, pure (no thread, no clock of its own); ``BulkSender`` runs it on
 its own thread, so nothing is computed on paho's network thread (it only appends
-acknowledgements).
+acknowledgements). A frame put while nothing waits and the window has room is handed over by
+the thread that put it: a thread hop per frame (and a wake-up per acknowledgement) cost the
+pipeline's critical path a scheduler wake-up on every message when cores are busy, and nothing
+is there for it to overtake or wait behind.
 """
 
 from __future__ import annotations
@@ -268,6 +271,10 @@ class BulkSender:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._acks: deque[tuple[object, float]] = deque()
+        # One hand-over at a time, by whichever thread took the frame: frames reach the
+        # connection in the order they left the queue, and no acknowledgement is taken before
+        # its frame is recorded as sent.
+        self._handing_over = False
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"{name}-outbox", daemon=True)
         self.failed = 0  # frames the connection refused (logged)
@@ -277,15 +284,32 @@ class BulkSender:
             self._thread.start()
 
     def put(self, frame: BulkFrame) -> None:
-        """Queue a bulk frame for sending (never blocks)."""
+        """Queue a bulk frame for sending (never blocks on the link). When nothing else waits,
+        no other hand-over is under way and the window has room, the frame is handed over
+        here, on the caller's thread."""
         with self._lock:
+            direct = (self._queue.queued_frames == 0 and not self._handing_over
+                      and not self._stopping and self._thread.is_alive() and self._connected())
             self._queue.put(frame)
-        self._wake.set()
+            taken = None
+            if direct:
+                self._take_acks()
+                taken = self._queue.next_frame()  # ``frame`` itself, or None: window full
+                self._handing_over = taken is not None
+        if taken is None:
+            self._wake.set()
+            return
+        self._hand_over(taken)
+        if self._queue.queued_frames:
+            self._wake.set()  # queued by another thread while this one handed over
 
     def acked(self, handle: object) -> None:
-        """A publish was acknowledged (any publish: control handles are ignored)."""
+        """A publish was acknowledged (any publish: control handles are ignored). The sender
+        is woken only when frames wait for the window; otherwise the acknowledgement is taken
+        at the next hand-over (it carries its own time)."""
         self._acks.append((handle, self._clock()))
-        self._wake.set()
+        if self._queue.queued_frames:
+            self._wake.set()
 
     def wake(self) -> None:
         """Look again (the connection came up or went down)."""
@@ -301,6 +325,8 @@ class BulkSender:
             return self._queue.idle
 
     def _take_acks(self) -> None:
+        if self._handing_over:
+            return  # the frame being handed over may be acknowledged before it is recorded
         while self._acks:
             handle, at = self._acks.popleft()
             self._queue.acked(handle, at)
@@ -312,9 +338,25 @@ class BulkSender:
             if forgotten:
                 log.warning("%d bulk frames were never acknowledged; no longer waiting for them",
                             forgotten)
-            if self._stopping or not self._connected():
+            if self._stopping or self._handing_over or not self._connected():
                 return None
-            return self._queue.next_frame()
+            frame = self._queue.next_frame()
+            self._handing_over = frame is not None
+            return frame
+
+    def _hand_over(self, frame: BulkFrame) -> None:
+        """Give ``frame`` (taken off the queue with ``_handing_over`` set) to the connection
+        and record it as sent."""
+        handle = None
+        try:
+            handle = self._send(frame)  # outside the lock: paho takes its own locks
+        except Exception as exc:  # a refused frame must not stop the sender
+            self.failed += 1
+            log.error("bulk publish to %s failed: %s", frame.topic, exc)
+        with self._lock:
+            if handle is not None:
+                self._queue.sent(handle, frame, self._clock())
+            self._handing_over = False
 
     def _run(self) -> None:
         while not self._stopping:
@@ -323,14 +365,7 @@ class BulkSender:
             if frame is None:
                 self._wake.wait(0.2)
                 continue
-            try:
-                handle = self._send(frame)  # outside the lock: paho takes its own locks
-            except Exception as exc:  # a refused frame must not stop the sender
-                self.failed += 1
-                log.error("bulk publish to %s failed: %s", frame.topic, exc)
-                continue
-            with self._lock:
-                self._queue.sent(handle, frame, self._clock())
+            self._hand_over(frame)
 
     def flush(self, idle_timeout_s: float) -> int:
         """Wait until every queued frame is handed over and acknowledged, for as long as that
