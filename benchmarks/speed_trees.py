@@ -13,6 +13,9 @@ installed project. Two jobs:
   planner's single pipeline, data-parallel group and hybrid plan, each pinned); one rate per
   layout, with the plan each tree's planner chose (a layout whose plan differs between the
   trees is not the same job, and the summary says so).
+- ``fleet-pinned``: the same four F16 plans in both trees (``PINNED_PLANS``: two single
+  pipelines, one device holding everything, a hybrid with a group of seven), each run through
+  the tree's own ``fleet_scale.run_plan`` for 16 steps, samples/s over steps 4-15.
 
 Runs alternate (after, before, before, after, ...) so a drift of the host's speed falls on both
 trees alike. Around each run, where ``perf`` works, ``perf stat -a`` counts page faults,
@@ -21,8 +24,8 @@ context switches and CPU migrations over the whole host.
 On a 2-core host shared with other work the rates move by 5-20 % between runs of one tree:
 run this through ``../shared/tools/quiet-run`` and with several pairs.
 
-    python benchmarks/speed_trees.py [--job sync-equal|fleet] [--before cea808b] [--after HEAD]
-                                     [--pairs 2] [--steps N]
+    python benchmarks/speed_trees.py [--job sync-equal|fleet|fleet-pinned] [--before cea808b]
+                                     [--after HEAD] [--pairs 2] [--steps N]
 """
 
 from __future__ import annotations
@@ -110,7 +113,74 @@ class FleetJob(TreeJob):
                 "loadavg_after": results.get("loadavg_end")}
 
 
-JOBS: dict[str, TreeJob] = {job.name: job for job in (SyncEqualJob(), FleetJob())}
+# Run inside a tree: the same pinned F16 plans through that tree's own fleet_scale.run_plan
+# (its device profiles, harness and controller options), with the broker's $SYS rates.
+_FLEET_PINNED_DRIVER = """
+import json, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, ".")
+import benchmarks.fleet_scale as fleet_scale
+from ftpipe_iot.runtime.broker import BrokerProcess
+
+
+class Pinned:
+    def __init__(self, text):
+        self.text = text
+        self.devices = [member.split("*")[0] for stage in text.split(",")
+                        for member in stage.split(":")[0].split("+")]
+
+
+fleet_scale.assignment_text = lambda plan: plan.text
+plans, steps = json.loads(sys.argv[1]), int(sys.argv[2])
+devices = dict(fleet_scale.fleet(1))
+work = Path(tempfile.mkdtemp(prefix="fleet-pinned-"))
+broker = BrokerProcess(data_dir=work / "broker")
+config = fleet_scale.render_config(broker.port, broker.data_dir)
+broker.config_text = config + "\\nsys_interval 1\\n"
+broker.start()
+monitor = fleet_scale.SysMonitor(broker.port)
+rates, messages = {}, {}
+try:
+    for label, text in plans.items():
+        grouped = "+" in text
+        _, rates[label], messages[label] = fleet_scale.run_plan(
+            broker, monitor, label, Pinned(text), devices, steps, (4, steps - 1),
+            [] if grouped else ["--no-repartition"])
+finally:
+    monitor.close()
+    broker.cleanup()
+print(json.dumps({"rates": rates, "broker_messages": messages}))
+"""
+
+# Plans both trees' planners chose on F16 in the fleet runs (speed-trees-fleet-run*.json).
+PINNED_PLANS = {
+    "pipeline": "jet0:0-5,jet1:5-22",
+    "pipeline_3": "jet0:0-5,jet1:5-15,pi0:15-22",
+    "data_parallel": "jet0:0-22",
+    "hybrid": "pi0*2+pi1*2+pi2*2+pi3*2+pi4*2+pi5*1+jet0*5:0-11,jet1:11-22",
+}
+
+
+class FleetPinnedJob(TreeJob):
+    """The same F16 plans pinned in both trees (the planner's choice varies from run to run
+    and between the trees, so ``fleet`` compares a layout only where the plans agree)."""
+
+    name = "fleet-pinned"
+    what = "F16 plans pinned in both trees, each through its own fleet_scale.run_plan"
+    default_steps = 16
+
+    def command(self, steps: int, warmup: int, out: Path) -> list[str]:
+        return [sys.executable, "-c", _FLEET_PINNED_DRIVER, json.dumps(PINNED_PLANS),
+                str(steps)]
+
+    def read(self, stdout: str, out: Path) -> dict:
+        run = json.loads(stdout.strip().splitlines()[-1])
+        run["plans"] = dict(PINNED_PLANS)
+        return run
+
+
+JOBS: dict[str, TreeJob] = {job.name: job
+                            for job in (SyncEqualJob(), FleetJob(), FleetPinnedJob())}
 
 
 def export_tree(revision: str, into: Path) -> tuple[Path, str]:
