@@ -317,11 +317,13 @@ class BulkSender:
 
     def stats(self) -> BulkStats:
         with self._lock:
+            self._take_acks()  # the sender is not woken for them while nothing waits
             return self._queue.stats()
 
     @property
     def idle(self) -> bool:
         with self._lock:
+            self._take_acks()
             return self._queue.idle
 
     def _take_acks(self) -> None:
