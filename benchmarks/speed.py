@@ -4,6 +4,10 @@ Configuration (issue 14): CIFAR-style MobileNetV2 at full width on synthetic 32x
 micro-batches of 32, M = 8, 4 stages on the split [0,3),[3,5),[5,12),[12,22):
 
 * ``equal``: 4 equal devices; ``scenario_h``: slow-down factors 1, 2, 4, 10 (stage order);
+  ``--equal-factor F`` emulates the 4 equal devices F times slower than the host (every
+  system, torch's ranks too, sleeps the same share of its compute): at F = 1 the four stages
+  ask for 4 cores of a 2-core host and every system measures the host's contention, at F = 4
+  they ask for one core, so the pipeline's bubbles and messages are what differs;
 * single process, one thread (the whole model, the same micro-batching);
 * torch.distributed.pipelining (gloo) ScheduleGPipe and Schedule1F1B
   (benchmarks/torch_pipelining.py);
@@ -476,6 +480,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--only", choices=["equal", "h", "accuracy", "profile", "trace"],
                         default=None)
+    parser.add_argument("--equal-factor", type=int, choices=[1, 2, 4, 10], default=1,
+                        help="'equal': the 4 devices emulated this many times slower than "
+                             "the host (4: they ask for one core of the host's two)")
     parser.add_argument("--trace-pairs", type=int, default=3,
                         help="--only trace: traced/untraced pairs")
     parser.add_argument("--acc-lr", type=float, default=0.05)
@@ -497,8 +504,11 @@ def main() -> None:
     results: dict = {"model": "mobilenetv2(width=1.0)", "micro_batch_size": MB,
                      "micro_batches": M, "split": SPLIT, "cores": os.cpu_count(),
                      "loadavg_start": loadavg()}
+    equal_factors = (args.equal_factor,) * 4
+    equal_key = "equal" if args.equal_factor == 1 else f"equal_x{args.equal_factor}"
     if args.only is not None:
-        args.out = args.out.with_name(f"{args.out.stem}-{args.only}.json")
+        suffix = args.only if args.only != "equal" else equal_key.replace("_", "-")
+        args.out = args.out.with_name(f"{args.out.stem}-{suffix}.json")
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(key: str):  # type: ignore[no-untyped-def]
@@ -511,8 +521,8 @@ def main() -> None:
         if args.only in (None, "equal"):
             say("single process")
             results["single_process"] = single_process(max(2, args.steps // 2), 1)
-            configuration(broker, "equal", (1, 1, 1, 1), args.steps, args.warmup, args.steps,
-                          save("equal"))
+            configuration(broker, equal_key, equal_factors, args.steps, args.warmup,
+                          args.steps, save(equal_key))
         if args.only in (None, "h"):
             configuration(broker, "h", FACTORS_H, args.steps, args.warmup, args.steps,
                           save("scenario_h"))
