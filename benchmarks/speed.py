@@ -110,8 +110,27 @@ def torch_pipelining(schedule: str, factors: tuple[float, ...], steps: int, warm
             clock="cpu", trace_dir=str(trace_dir) if trace_dir else None))
     except Exception as exc:  # reported as missing, not dropped
         return {"error": f"{type(exc).__name__}: {exc}"}
+    costs = result["layer_costs_s"]
     return {"samples_per_s": result["samples_per_s"], "schedule": result["schedule"],
-            "clock": "cpu", "loadavg_before": before, "loadavg_after": loadavg()}
+            "clock": "cpu", "loadavg_before": before, "loadavg_after": loadavg(),
+            "stage_costs_s": [round(sum(costs[a:b]), 4) for a, b in SPLIT]}
+
+
+def schedule_bounds(stage_costs_s: list[float], factors: tuple[float, ...]) -> dict:
+    """What the split allows each kind of schedule at best, from the profiled forward and
+    backward seconds of a micro-batch per stage (times each device's slow-down), with every
+    stage a processor of its own and messages free: a schedule that drains every step
+    (GPipe, 1F1B, ftpipe-iot sync) takes at least sum(t) + (M - 1) max(t) a step, one that
+    never drains (PipeDream-2BW between its drains) M max(t). Their ratio is the most an
+    asynchronous schedule can gain over a flushing one on this split."""
+    times = [t * f for t, f in zip(stage_costs_s, factors)]
+    flushing = sum(times) + (M - 1) * max(times)
+    streaming = M * max(times)
+    return {"stage_s": [round(t, 4) for t in times],
+            "flushing_step_s": round(flushing, 3), "streaming_step_s": round(streaming, 3),
+            "flushing_samples_per_s": round(BATCH / flushing, 2),
+            "streaming_samples_per_s": round(BATCH / streaming, 2),
+            "most_async_over_flushing": round(flushing / streaming, 3)}
 
 
 # ------------------------------------------------------------------ ftpipe-iot
@@ -388,10 +407,12 @@ def plot_accuracy(runs: list[dict], path: Path) -> None:
 
 
 def trace_overhead(broker: BrokerProcess, steps: int, warmup: int, pairs: int,
-                   timeline_png: Path, save) -> dict:  # type: ignore[no-untyped-def]
-    """Sync on ``equal`` with and without the timeline, ``pairs`` times, the order alternating
-    (a drifting host load hits both alike); the overhead of the medians; and one
-    representative step of the last traced run drawn into ``timeline_png``."""
+                   timeline_png: Path, save,  # type: ignore[no-untyped-def]
+                   factors: tuple[float, ...] = (1, 1, 1, 1)) -> dict:
+    """Sync on ``equal`` (its devices at ``factors``) with and without the timeline, ``pairs``
+    times, the order alternating (a drifting host load hits both alike); the overhead of the
+    medians; and one representative step of the last traced run drawn into ``timeline_png``
+    above the same step of torch's GPipe at the same factors."""
     import statistics
 
     from ftpipe_iot.observability.trace import draw_timeline, load_trace, representative_steps
@@ -401,11 +422,11 @@ def trace_overhead(broker: BrokerProcess, steps: int, warmup: int, pairs: int,
         for traced in (False, True) if pair % 2 == 0 else (True, False):
             key = "traced" if traced else "untraced"
             say(f"timeline cost: pair {pair + 1}/{pairs}, {key}")
-            runs[key].append(ftpipe(broker, f"trace-{pair}-{key}", "sync", (1, 1, 1, 1),
+            runs[key].append(ftpipe(broker, f"trace-{pair}-{key}", "sync", factors,
                                     steps, warmup, trace=traced))
     rates = {key: [r["samples_per_s"] for r in found] for key, found in runs.items()}
     medians = {key: statistics.median(values) for key, values in rates.items()}
-    out: dict = {"rates": rates, "median_samples_per_s": medians,
+    out: dict = {"factors": list(factors), "rates": rates, "median_samples_per_s": medians,
                  "overhead": round(1 - medians["traced"] / medians["untraced"], 4),
                  "spans_per_step": [round(r["trace_spans"] / r["steps"], 1)
                                     for r in runs["traced"]],
@@ -414,7 +435,7 @@ def trace_overhead(broker: BrokerProcess, steps: int, warmup: int, pairs: int,
     say("timeline of torch.distributed.pipelining GPipe on the same split")
     save(out)
     torch_dir = Path(tempfile.mkdtemp(prefix="speed-torch-")) / "trace"
-    out["torch_gpipe"] = torch_pipelining("gpipe", (1, 1, 1, 1), steps, warmup, torch_dir)
+    out["torch_gpipe"] = torch_pipelining("gpipe", factors, steps, warmup, torch_dir)
     trace = load_trace(Path(runs["traced"][-1]["work_dir"]))
     steps_shown = representative_steps(trace, 1)
     if steps_shown is not None:
@@ -427,8 +448,10 @@ def trace_overhead(broker: BrokerProcess, steps: int, warmup: int, pairs: int,
         torch_step = min(steps_shown[0], warmup + steps - 1)
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 2.6 + 0.9 * len(trace.processes)))
         draw_timeline(top, trace, steps_shown)
+        speed = "one core each of 2" if set(factors) == {1} else \
+            f"emulated {factors[0]:g}x slower than the host"
         top.set_title(f"ftpipe-iot --schedule sync, step {steps_shown[0]} of MobileNetV2 "
-                      f"(M = {M}, micro-batches of {MB}, 4 equal devices, one core each of 2)",
+                      f"(M = {M}, micro-batches of {MB}, 4 equal devices, {speed})",
                       fontsize=10)
         draw_timeline(bottom, torch_trace, (torch_step, torch_step))
         bottom.set_title(f"torch.distributed.pipelining ScheduleGPipe (gloo), step {torch_step}"
@@ -445,20 +468,35 @@ def trace_overhead(broker: BrokerProcess, steps: int, warmup: int, pairs: int,
 
 
 def configuration(broker: BrokerProcess, name: str, factors: tuple[float, ...], steps: int,
-                  warmup: int, torch_steps: int, save) -> dict:  # type: ignore[no-untyped-def]
+                  warmup: int, torch_steps: int, save,  # type: ignore[no-untyped-def]
+                  repeats: int = 1) -> dict:
     """The four pipelined runs of one configuration; ``save(partial)`` after each (a long
-    benchmark on a busy host keeps what it measured)."""
-    out: dict = {"factors": list(factors), "split": SPLIT}
-    runs = (("torch_gpipe", lambda: torch_pipelining("gpipe", factors, torch_steps, warmup)),
-            ("torch_1f1b", lambda: torch_pipelining("1f1b", factors, torch_steps, warmup)),
-            ("ftpipe_sync", lambda: ftpipe(broker, f"{name}-sync", "sync", factors, steps,
-                                           warmup)),
-            ("ftpipe_async", lambda: ftpipe(broker, f"{name}-async", "async", factors, steps,
-                                            warmup)))
-    for key, run in runs:
-        say(f"{name}: {key}")
-        out[key] = run()
-        save(out)
+    benchmark on a busy host keeps what it measured). With ``repeats`` > 1 the four run that
+    many times, the order reversed every other time (GPipe, 1F1B, sync, async, then async,
+    sync, 1F1B, GPipe, ...), so a host that drifts during the benchmark weighs on every
+    system alike; each system's figure is then the median of its runs (``runs`` keeps all)."""
+    import statistics
+
+    out: dict = {"factors": list(factors), "split": SPLIT, "repeats": repeats}
+    systems = {"torch_gpipe": lambda: torch_pipelining("gpipe", factors, torch_steps, warmup),
+               "torch_1f1b": lambda: torch_pipelining("1f1b", factors, torch_steps, warmup),
+               "ftpipe_sync": lambda: ftpipe(broker, f"{name}-sync", "sync", factors, steps,
+                                             warmup),
+               "ftpipe_async": lambda: ftpipe(broker, f"{name}-async", "async", factors, steps,
+                                              warmup)}
+    runs: dict[str, list[dict]] = {key: [] for key in systems}
+    for repeat in range(repeats):
+        order = list(systems) if repeat % 2 == 0 else list(reversed(systems))
+        for key in order:
+            say(f"{name}: {key}" + (f" ({repeat + 1}/{repeats})" if repeats > 1 else ""))
+            result = systems[key]()
+            runs[key].append(result)
+            rates = [r["samples_per_s"] for r in runs[key] if "samples_per_s" in r]
+            out[key] = {**result, "samples_per_s": statistics.median(rates)} if rates \
+                else result
+            if repeats > 1:
+                out[key]["runs_samples_per_s"] = [round(r, 2) for r in rates]
+            save(out)
     gpipe, one_f = out["torch_gpipe"], out["torch_1f1b"]
     sync, asynchronous = out["ftpipe_sync"], out["ftpipe_async"]
 
@@ -467,6 +505,11 @@ def configuration(broker: BrokerProcess, name: str, factors: tuple[float, ...], 
             return None
         return round(a["samples_per_s"] / b["samples_per_s"], 3)
 
+    profiled = [r["stage_costs_s"] for r in runs["torch_gpipe"] + runs["torch_1f1b"]
+                if "stage_costs_s" in r]
+    if profiled:
+        medians = [statistics.median(costs) for costs in zip(*profiled)]
+        out["bounds"] = schedule_bounds(medians, factors)
     out["ratios"] = {"sync_over_torch_gpipe": ratio(sync, gpipe),
                      "async_over_torch_1f1b": ratio(asynchronous, one_f),
                      "async_over_sync": ratio(asynchronous, sync)}
@@ -483,6 +526,9 @@ def main() -> None:
     parser.add_argument("--equal-factor", type=int, choices=[1, 2, 4, 10], default=1,
                         help="'equal': the 4 devices emulated this many times slower than "
                              "the host (4: they ask for one core of the host's two)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="'equal' and 'h': run the four systems this many times, the "
+                             "order reversed every other time; report each one's median")
     parser.add_argument("--trace-pairs", type=int, default=3,
                         help="--only trace: traced/untraced pairs")
     parser.add_argument("--acc-lr", type=float, default=0.05)
@@ -507,7 +553,8 @@ def main() -> None:
     equal_factors = (args.equal_factor,) * 4
     equal_key = "equal" if args.equal_factor == 1 else f"equal_x{args.equal_factor}"
     if args.only is not None:
-        suffix = args.only if args.only != "equal" else equal_key.replace("_", "-")
+        suffix = args.only if args.only not in ("equal", "trace") or args.equal_factor == 1 \
+            else f"{args.only}-x{args.equal_factor}"
         args.out = args.out.with_name(f"{args.out.stem}-{suffix}.json")
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -522,10 +569,10 @@ def main() -> None:
             say("single process")
             results["single_process"] = single_process(max(2, args.steps // 2), 1)
             configuration(broker, equal_key, equal_factors, args.steps, args.warmup,
-                          args.steps, save(equal_key))
+                          args.steps, save(equal_key), args.repeats)
         if args.only in (None, "h"):
             configuration(broker, "h", FACTORS_H, args.steps, args.warmup, args.steps,
-                          save("scenario_h"))
+                          save("scenario_h"), args.repeats)
         if args.only in (None, "accuracy"):
             runs: list[dict] = []
             results["time_to_accuracy"] = {"runs": runs}
@@ -547,7 +594,7 @@ def main() -> None:
         if args.only == "trace":
             results["trace_overhead"] = trace_overhead(
                 broker, args.steps, args.warmup, args.trace_pairs, args.out.with_suffix(".png"),
-                save("trace_overhead"))
+                save("trace_overhead"), equal_factors)
             save("trace_overhead")(results["trace_overhead"])
         if args.profile_run or args.only == "profile":
             say("profiled ftpipe-iot sync run (equal devices)")

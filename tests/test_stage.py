@@ -188,9 +188,11 @@ def test_a_stage_that_forwards_the_next_step_still_exports_the_boundary_it_passe
             np.testing.assert_array_equal(later[layer].state[name], value, err_msg=name)
             compared += "running_mean" in name
     assert compared > 0
-    # the live buffers did move: an export of them would not be the boundary's
-    assert any(not np.array_equal(value, boundary[16 + int(key.split(".")[0])].state[
+    # and so do the live buffers: the recorder lent the next step's forward statistics of
+    # its own (``core.grouping.BatchNormRecorder``), and recorded what it computed
+    assert moved and all(np.array_equal(value, boundary[16 + int(key.split(".")[0])].state[
         key.split(".", 1)[1]]) for key, value in moved.items())
+    assert stage.recorder is not None and (1, 0) in stage.recorder.stats
 
 
 def test_a_stage_reports_its_cpu_seconds_and_emulated_sleep_apart_from_its_waits():
