@@ -20,7 +20,9 @@ from ftpipe_iot.errors import ConfigError
 from ftpipe_iot.planning.calibration import Calibration, StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
+from ftpipe_iot.planning.groups import evaluate_groups
 from ftpipe_iot.planning.layouts import Layout, choose_layout
+from ftpipe_iot.planning.rebalance import new_assignment
 from ftpipe_iot.protocol.messages import Capabilities
 from ftpipe_iot.protocol.plan import Member, Plan, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.specs import ModelSpec
@@ -80,6 +82,26 @@ def test_priced_messages_make_auto_choose_the_layout_that_sends_fewest_whatever_
     # data parallelism is a candidate only where a device holds the whole model
     small = [DeviceSpec(f"d{i}", 1.0, memory_bytes=8.0) for i in range(3)]
     assert choose_layout(costs, small, 4, Layout.AUTO, step_model=model).kind != "data"
+
+
+def test_auto_weighs_the_planner_against_the_best_single_pipeline_not_the_longest():
+    # the minimum-bottleneck pipeline takes the slow devices for the single layers they lower
+    # the bottleneck by, and pays their stages in the bubble (M + S - 1 stage times a step);
+    # with them, F16's hybrid was predicted 1.77x faster than a pipeline nobody would deploy
+    costs = LayerCosts((0.01,) * 6, (1000.0,) * 6, (1.0,) * 6, param_bytes=(1e9,) * 6)
+    specs = [DeviceSpec(f"s{i}", 2.5, 1e6) for i in range(4)] + \
+        [DeviceSpec("f0", 1.0, 1e6), DeviceSpec("f1", 1.0, 1e6)]
+    longest, _ = new_assignment(costs, specs)
+    assert len(longest) == 4
+    longest_s = evaluate_groups([(lo, hi, (d,)) for d, lo, hi in longest], costs, specs,
+                                4).step_s
+    choice = choose_layout(costs, specs, 4, Layout.AUTO)
+    assert choice.kind == "pipeline"
+    assert sorted(members for _, _, members, _ in choice.stages) == [("f0",), ("f1",)]
+    assert choice.pipeline_step_s < longest_s * 0.9
+    # --layout pipeline still deploys the controller's minimum-bottleneck pipeline
+    pinned = choose_layout(costs, specs, 4, Layout.PIPELINE)
+    assert [(m[0], lo, hi) for lo, hi, m, _ in pinned.stages] == longest
 
 
 def test_pipeline_and_data_layouts_ignore_the_prediction():

@@ -1,9 +1,14 @@
 """The layout of a new plan (pure): one device per stage, one stage held by every device, or
 whatever the fleet planner predicts is fastest (docs/design.md §7, §8).
 
-``auto`` compares two plans under the same group cost model (``planning.groups``): the single
-pipeline the controller has always deployed (``rebalance.new_assignment``) and the fleet
-planner's plan (``group_search.solve_groups``: pipeline, data parallelism or a hybrid). The
+``auto`` compares two plans under the same group cost model (``planning.groups``): the best
+single pipeline (the faster of the minimum-bottleneck one the controller has always deployed,
+``rebalance.new_assignment``, and ``group_search.best_single_pipeline``, which prices the
+bubble and leaves out the devices that would only lengthen it) and the fleet planner's plan
+(``group_search.solve_groups``: pipeline, data parallelism or a hybrid). Against the first
+alone, a plan over many devices of mixed speeds (fleet F16) compared with a 16-stage pipeline
+that no one would deploy: the planner's hybrid was predicted 1.77x faster and measured 1.02x
+the best pipeline. The
 planner's plan wins only when it is predicted at least ``min_gain`` faster per step: the model
 leaves out what it cannot see (the broker's own load, the cores the emulated devices share), so
 a marginal predicted gain is not worth the gradient traffic a group adds. Given a step model
@@ -22,13 +27,17 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ftpipe_iot.errors import PartitionError
 from ftpipe_iot.planning.calibration import StepModel
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
-from ftpipe_iot.planning.group_search import data_parallel_plan, solve_groups
+from ftpipe_iot.planning.group_search import (
+    best_single_pipeline,
+    data_parallel_plan,
+    solve_groups,
+)
 from ftpipe_iot.planning.groups import GradientExchange, GroupPlan, evaluate_groups
 from ftpipe_iot.planning.rebalance import new_assignment
 from ftpipe_iot.protocol.vocab import ScheduleName
@@ -91,6 +100,22 @@ def _refusal(schedule: Schedule,
     return schedule.supports(shape, JobOptions())
 
 
+def _shorter_pipeline(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches: int,
+                      step_s: Callable[[GroupPlan], float], than_s: float) -> GroupPlan | None:
+    """``group_search.best_single_pipeline`` when its step is predicted shorter than
+    ``than_s`` (the minimum-bottleneck pipeline's), else None. That pipeline takes every device
+    that lowers the bottleneck however much bubble it adds (M + S - 1 stage times a step), and
+    leaves a fast device out of nothing."""
+    try:
+        best = best_single_pipeline(costs, specs, micro_batches)
+    except PartitionError:
+        return None
+    if not best.fits_memory:
+        return None
+    best_s = step_s(best)
+    return best if best_s < than_s else None
+
+
 def _data_parallel(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches: int,
                    schedule: Schedule, exchange: GradientExchange) -> list[GroupPlan]:
     """Data parallelism as a candidate of its own, when some devices hold the whole model and
@@ -117,8 +142,9 @@ def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches:
     whole model does not fit some member's memory the planner decides instead, with a
     warning; when the schedule refuses the group, its refusal is raised (``PlanError``).
     ``auto`` takes :func:`solve_groups`' plan when it predicts a step at least ``min_gain``
-    shorter than the single pipeline's and the schedule supports it, else the single pipeline
-    (with a warning naming the plan the schedule refused). ``exchange``: what the run's groups
+    shorter than the best single pipeline's (the shorter of :func:`new_assignment`'s and
+    :func:`best_single_pipeline`'s) and the schedule supports it, else that pipeline (with a
+    warning naming the plan the schedule refused). ``exchange``: what the run's groups
     will exchange (``groups.exchange_for`` its resiliency), which prices them. ``step_model``:
     the candidates are compared by playing their steps out with the per-message cost fitted so
     far (``planning.calibration``), when one is given: the closed form's two and, as a third
@@ -158,6 +184,10 @@ def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches:
 
     def step_s(plan: GroupPlan) -> float:
         return plan.step_s if step_model is None else step_model.step_s(plan, costs, specs)
+
+    shorter = _shorter_pipeline(costs, specs, micro_batches, step_s, step_s(pipeline))
+    if shorter is not None:
+        pipeline, single = shorter, _stages(shorter)
 
     try:
         planned = solve_groups(costs, specs, micro_batches, exchange=exchange)
