@@ -6,9 +6,9 @@ single pipeline (the faster of the minimum-bottleneck one the controller has alw
 ``rebalance.new_assignment``, and ``group_search.best_single_pipeline``, which prices the
 bubble and leaves out the devices that would only lengthen it) and the fleet planner's plan
 (``group_search.solve_groups``: pipeline, data parallelism or a hybrid). Against the first
-alone, a plan over many devices of mixed speeds (fleet F16) compared with a 16-stage pipeline
-that no one would deploy: the planner's hybrid was predicted 1.77x faster and measured 1.02x
-the best pipeline. The
+alone, the planner's plan for a fleet of mixed speeds (F16) was compared with a pipeline over
+many slow devices that no one would deploy and predicted 1.77x faster, where the hybrid
+measured 1.02x the best single pipeline. The
 planner's plan wins only when it is predicted at least ``min_gain`` faster per step: the model
 leaves out what it cannot see (the broker's own load, the cores the emulated devices share), so
 a marginal predicted gain is not worth the gradient traffic a group adds. Given a step model
