@@ -101,19 +101,20 @@ def _refusal(schedule: Schedule,
 
 
 def _shorter_pipeline(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches: int,
-                      step_s: Callable[[GroupPlan], float], than_s: float) -> GroupPlan | None:
-    """``group_search.best_single_pipeline`` when its step is predicted shorter than
-    ``than_s`` (the minimum-bottleneck pipeline's), else None. That pipeline takes every device
-    that lowers the bottleneck however much bubble it adds (M + S - 1 stage times a step), and
-    leaves a fast device out of nothing."""
+                      step_s: Callable[[GroupPlan], float], than: GroupPlan, than_s: float
+                      ) -> tuple[GroupPlan, float]:
+    """The shorter (by ``step_s``) of ``than``, the minimum-bottleneck pipeline whose step is
+    ``than_s``, and ``group_search.best_single_pipeline``, with its step. The first takes every
+    device that lowers the bottleneck however much bubble it adds (M + S - 1 stage times a
+    step), and leaves a fast device out of nothing."""
     try:
         best = best_single_pipeline(costs, specs, micro_batches)
     except PartitionError:
-        return None
+        return than, than_s
     if not best.fits_memory:
-        return None
+        return than, than_s
     best_s = step_s(best)
-    return best if best_s < than_s else None
+    return (best, best_s) if best_s < than_s else (than, than_s)
 
 
 def _data_parallel(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches: int,
@@ -185,19 +186,19 @@ def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches:
     def step_s(plan: GroupPlan) -> float:
         return plan.step_s if step_model is None else step_model.step_s(plan, costs, specs)
 
-    shorter = _shorter_pipeline(costs, specs, micro_batches, step_s, step_s(pipeline))
-    if shorter is not None:
-        pipeline, single = shorter, _stages(shorter)
+    shortest, pipeline_s = _shorter_pipeline(costs, specs, micro_batches, step_s, pipeline,
+                                             step_s(pipeline))
+    if shortest is not pipeline:
+        single = _stages(shortest)
 
     try:
         planned = solve_groups(costs, specs, micro_batches, exchange=exchange)
     except PartitionError as exc:
-        return LayoutChoice(single, "pipeline", _finite(step_s(pipeline)), None,
+        return LayoutChoice(single, "pipeline", _finite(pipeline_s), None,
                             f"fleet planner: {exc}; a single pipeline instead")
     candidates = [planned, *(_data_parallel(costs, specs, micro_batches, schedule, exchange)
                              if step_model is not None else [])]
     planned_s, planned = min(((step_s(p), p) for p in candidates), key=lambda c: c[0])
-    pipeline_s = step_s(pipeline)
     if planned_s < pipeline_s * (1 - min_gain):
         refusal = _refusal(schedule, _stages(planned))
         if refusal is None:
