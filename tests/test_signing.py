@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import msgpack
 import numpy as np
@@ -27,7 +28,9 @@ from ftpipe_iot.protocol.signing import (
     CONTROLLER_NAMES,
     CpuSampler,
     Credentials,
+    NONCE_BYTES,
     IdentityKey,
+    NonceSequence,
     ReplayGuard,
     Roster,
     Signer,
@@ -300,6 +303,45 @@ def test_a_last_will_is_signed_and_taken_after_the_session_s_other_messages(tmp_
 def test_signed_roster_messages_round_trip():
     _, roster = _identities(*CONTROLLER_NAMES)
     assert RosterMessage.from_body(RosterMessage(roster).to_body()) == RosterMessage(roster)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(min_value=0, max_value=(1 << 96) - 1), st.integers(min_value=1, max_value=300))
+def test_a_nonce_sequence_never_repeats_and_wraps_around_the_96_bit_space(start, count):
+    nonces = NonceSequence(start.to_bytes(NONCE_BYTES, "big"))
+    drawn = [nonces.next() for _ in range(count)]
+    assert all(len(n) == NONCE_BYTES for n in drawn)
+    assert len(set(drawn)) == count
+    assert [int.from_bytes(n, "big") for n in drawn] == [
+        (start + i) % (1 << 96) for i in range(count)]
+
+
+def test_threads_sealing_at_once_never_share_a_nonce_and_processes_start_apart():
+    nonces = NonceSequence()
+    drawn: list[list[bytes]] = [[] for _ in range(4)]
+
+    def draw(into: list[bytes]) -> None:
+        for _ in range(5000):
+            into.append(nonces.next())
+
+    threads = [threading.Thread(target=draw, args=(d,)) for d in drawn]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({n for d in drawn for n in d}) == 20000
+    # two processes of a pair of peers (each its own Signer) start at unrelated points
+    assert NonceSequence().next() != NonceSequence().next()
+    with pytest.raises(ConfigError, match="12 bytes"):
+        NonceSequence(b"short")
+
+
+def test_frames_tagged_in_a_row_carry_distinct_nonces(tmp_path):
+    keys = LocalKeys(tmp_path)
+    credentials = Credentials.load(keys.key_path("dev0"), keys.roster_path)
+    sealer = credentials.sealer("dev0", ("controller",))
+    nonces = {sealer.seal(["h", i], b"payload")["mn"] for i in range(100)}
+    assert len(nonces) == 100
 
 
 def test_tags_for_known_receivers_prove_the_sender_to_each_of_them_and_no_one_else(tmp_path):
