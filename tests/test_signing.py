@@ -26,9 +26,9 @@ from ftpipe_iot.protocol.messages import (
 )
 from ftpipe_iot.protocol.signing import (
     CONTROLLER_NAMES,
+    NONCE_BYTES,
     CpuSampler,
     Credentials,
-    NONCE_BYTES,
     IdentityKey,
     NonceSequence,
     ReplayGuard,
