@@ -13,7 +13,7 @@ from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.protocol.plan import OptimizerName, TrainConfig
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import ControllerPhase as Phase
-from ftpipe_iot.protocol.wire import Envelope, MessageKind, encode
+from ftpipe_iot.protocol.wire import Envelope, MessageKind, decode, encode
 
 
 # Adam divides by the root of the second moment, which magnifies last-bit float differences in
@@ -118,3 +118,38 @@ def test_device_of_another_job_is_not_used():
     job.start()
     assert job.run() is Phase.DONE
     assert set(job.controller.plan.devices) == {"d0", "d1"}
+
+
+def test_the_next_steps_micro_batches_leave_before_the_finished_steps_state():
+    """The state a step ends with is signed for later readers; between two steps of a sync
+    pipeline it was the last thing the next step waited for, so it goes out after the feed."""
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8, max_steps=4)
+    job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
+    topics = Topics("t")
+    listener = job.broker.transport("listener")
+    listener.connect()
+    listener.subscribe(topics.state)
+    listener.subscribe(f"{topics.base}/stage/0/act/+")
+    job.start()
+    assert job.run() is Phase.DONE
+    order: list[tuple[str, int]] = []  # (kind, step) in publish order
+    while not listener.inbox.empty():
+        incoming = listener.inbox.get()
+        if incoming.retained or not (incoming.topic == topics.state or
+                                     incoming.topic.startswith(f"{topics.base}/stage/0/act/")):
+            continue
+        env = decode(incoming.payload)
+        if env.kind is MessageKind.STATE or (
+                env.kind is MessageKind.ACTIVATION and env.sender == "controller"):
+            order.append((env.kind.value, env.step))
+    first_feed = {}
+    for index, (kind, step) in enumerate(order):
+        if kind == MessageKind.ACTIVATION.value:
+            first_feed.setdefault(step, index)
+    checked = 0
+    for index, (kind, step) in enumerate(order):
+        # a state published as step ``step`` ends (its envelope counts ``step`` done steps)
+        if kind == MessageKind.STATE.value and step in first_feed and step >= 1:
+            assert first_feed[step] < index, order
+            checked += 1
+    assert checked >= 2, order

@@ -131,6 +131,10 @@ class Controller:
         self._resume_settle: float | None = None
         self.fenced = False  # another controller took the lease (a newer term): publish nothing
         self.beat = LeaseBeat()  # the lease's beat, every config.beat_s (control/lease.py)
+        # A step's state waits until the controller has answered the result that ended the step
+        # (the next step's micro-batches go out first): the state is signed for later readers,
+        # and between two steps it was the last thing a sync pipeline waited for.
+        self._state_pending = False
         self._since: int | None = None
         # devices of the plan whose failure peers covered: not watched until the next plan
         self.excluded: set[str] = set()
@@ -376,6 +380,8 @@ class Controller:
                 self.liveness.progressed(self.clock())
             if boundary is not None:
                 self._at_boundary(boundary)
+            if self._state_pending:
+                self._publish_state(ControllerStatus.TRAINING)
 
     def _on_weights(self, inbound: Inbound, replica: LayerReplica) -> None:
         if self.model is None:
@@ -636,7 +642,7 @@ class Controller:
         self.replanner.step_done(step, self.clock())
         self._calibrate()
         self._pace_replication(step)
-        self._publish_state(ControllerStatus.TRAINING)
+        self._state_pending = True  # published once the result is answered (``_on_result``)
 
     # -- replication interval -------------------------------------------------------------------
     def _pace_replication(self, step: int) -> None:
@@ -767,6 +773,7 @@ class Controller:
         return self.central.latest_weights()
 
     def _publish_state(self, state: ControllerStatus) -> None:
+        self._state_pending = False  # any state published now carries the step too
         known = self.model is not None
         self.beat.published(state, self.clock())
         self.out.state(ControllerState(state, self.job, self.phase,
