@@ -153,3 +153,32 @@ def test_the_next_steps_micro_batches_leave_before_the_finished_steps_state():
             assert first_feed[step] < index, order
             checked += 1
     assert checked >= 2, order
+
+
+def test_the_last_stage_sends_its_gradient_before_it_reports_the_loss():
+    """Stage data before reports: the neighbour waits for the gradient, nobody for the loss."""
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8, max_steps=3)
+    job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
+    topics = Topics("t")
+    listener = job.broker.transport("listener")
+    listener.connect()
+    listener.subscribe(topics.results)
+    listener.subscribe(f"{topics.base}/stage/0/grad/+")
+    job.start()
+    assert job.run() is Phase.DONE
+    last = job.controller.plan.stages[-1].leader
+    order: list[tuple[str, int, int]] = []
+    while not listener.inbox.empty():
+        incoming = listener.inbox.get()
+        env = decode(incoming.payload)
+        if env.sender == last and env.kind in (MessageKind.GRADIENT, MessageKind.RESULT):
+            order.append((env.kind.value, env.step, env.micro_batch))
+    # a training micro-batch's loss is the first result with its step and index (an epoch's
+    # evaluation batches, reported later, reuse the step's tag)
+    gradients = {(step, mb) for kind, step, mb in order if kind == MessageKind.GRADIENT.value}
+    losses = {(step, mb) for kind, step, mb in order
+              if kind == MessageKind.RESULT.value and (step, mb) in gradients}
+    assert len(losses) == len(gradients) == 2 * 3, order
+    for step, mb in losses:
+        gradient = order.index((MessageKind.GRADIENT.value, step, mb))
+        assert gradient < order.index((MessageKind.RESULT.value, step, mb)), order

@@ -43,6 +43,8 @@ from ftpipe_iot.transport.messenger import Messenger
 log = logging.getLogger("ftpipe_iot.device")
 
 StageMessage = Activation | Gradient | GroupPartial | Progress
+# A stage's outputs that go to other stages (the rest are reports to the agent)
+_DATA = (SendActivation, SendGradient, SendPartial)
 
 
 @dataclass(frozen=True)
@@ -208,16 +210,21 @@ class StageRunner:
         return self.plan.stages[stage].devices
 
     def _emit_all(self, outputs: list[StageOutput]) -> None:
+        """Stage data first, then the reports (each kind in the stage's order): another stage
+        waits for the data, and nothing waits for a loss or a micro-batch's end (the last
+        stage's loss was sealed and sent before the gradient its neighbour waits for). An
+        emulated link is busy with the data after that, as a real one would be while the
+        reports, control traffic, go past (``Traffic``)."""
+        sent = [self._publish(output) for output in outputs if isinstance(output, _DATA)]
         for output in outputs:
-            self._emit(output)
+            if not isinstance(output, _DATA):
+                self._deliver(output)
+        for n_bytes in sent:
+            self.hooks.link(n_bytes)
 
-    def _emit(self, output: StageOutput) -> None:
-        if isinstance(output, (SendActivation, SendGradient, SendPartial)):
-            with self.stage.timeline.span(SpanKind.SEND, output.step, output.micro_batch):
-                sent = self._send(output)
-            self.hooks.link(sent)
-        else:
-            self._deliver(output)
+    def _publish(self, output: SendActivation | SendGradient | SendPartial) -> int:
+        with self.stage.timeline.span(SpanKind.SEND, output.step, output.micro_batch):
+            return self._send(output)
 
     def _send(self, output: SendActivation | SendGradient | SendPartial) -> int:
         """Publish an output to the stage that takes it in; returns the bytes of the output."""
