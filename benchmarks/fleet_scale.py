@@ -355,6 +355,8 @@ def layout_predictions(plans: dict[str, GroupPlan], costs: LayerCosts,
     why = (f"the calibrated model predicts the fleet planner's {choice.kind} plan at "
            f"{choice.planner_step_s:.3f} s a step against {choice.pipeline_step_s:.3f} s for "
            f"the single pipeline ({gain:.2f}x)" if gain else "no plan of the fleet planner")
+    if chosen == "pipeline" and choice.warning:
+        why = choice.warning  # why the planner's plan was set aside (layouts.GROUP_MIN_GAIN)
     return {"per_layout": table, "message_cost_s": fitted.calibration.message_cost_s,
             "host_cores": cores,
             "calibrated_choice": {"kind": choice.kind, "takes": chosen, "why": why,

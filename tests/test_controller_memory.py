@@ -120,29 +120,35 @@ def test_device_of_another_job_is_not_used():
     assert set(job.controller.plan.devices) == {"d0", "d1"}
 
 
+def _published_in_order(steps: int, *topics: str) -> tuple[MemoryJob, list[Envelope]]:
+    """A two-device pipeline of ``steps`` steps run to the end, and every live message
+    published on ``topics`` (MQTT filters) meanwhile, decoded, in the order of publication."""
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8,
+                        max_steps=steps)
+    job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
+    listener = job.broker.transport("listener")
+    listener.connect()
+    for topic in topics:
+        listener.subscribe(topic)
+    job.start()
+    assert job.run() is Phase.DONE
+    published = []
+    while not listener.inbox.empty():
+        incoming = listener.inbox.get()
+        if not incoming.retained:
+            published.append(decode(incoming.payload))
+    return job, published
+
+
 def test_the_next_steps_micro_batches_leave_before_the_finished_steps_state():
     """The state a step ends with is signed for later readers; between two steps of a sync
     pipeline it was the last thing the next step waited for, so it goes out after the feed."""
-    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8, max_steps=4)
-    job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
     topics = Topics("t")
-    listener = job.broker.transport("listener")
-    listener.connect()
-    listener.subscribe(topics.state)
-    listener.subscribe(f"{topics.base}/stage/0/act/+")
-    job.start()
-    assert job.run() is Phase.DONE
-    order: list[tuple[str, int]] = []  # (kind, step) in publish order
-    while not listener.inbox.empty():
-        incoming = listener.inbox.get()
-        if incoming.retained or not (incoming.topic == topics.state or
-                                     incoming.topic.startswith(f"{topics.base}/stage/0/act/")):
-            continue
-        env = decode(incoming.payload)
-        if env.kind is MessageKind.STATE or (
-                env.kind is MessageKind.ACTIVATION and env.sender == "controller"):
-            order.append((env.kind.value, env.step))
-    first_feed = {}
+    _, published = _published_in_order(4, topics.state, f"{topics.base}/stage/0/act/+")
+    order = [(env.kind.value, env.step) for env in published
+             if env.kind is MessageKind.STATE or (env.kind is MessageKind.ACTIVATION and
+                                                  env.sender == "controller")]
+    first_feed: dict[int, int] = {}
     for index, (kind, step) in enumerate(order):
         if kind == MessageKind.ACTIVATION.value:
             first_feed.setdefault(step, index)
@@ -157,22 +163,11 @@ def test_the_next_steps_micro_batches_leave_before_the_finished_steps_state():
 
 def test_the_last_stage_sends_its_gradient_before_it_reports_the_loss():
     """Stage data before reports: the neighbour waits for the gradient, nobody for the loss."""
-    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8, max_steps=3)
-    job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
     topics = Topics("t")
-    listener = job.broker.transport("listener")
-    listener.connect()
-    listener.subscribe(topics.results)
-    listener.subscribe(f"{topics.base}/stage/0/grad/+")
-    job.start()
-    assert job.run() is Phase.DONE
+    job, published = _published_in_order(3, topics.results, f"{topics.base}/stage/0/grad/+")
     last = job.controller.plan.stages[-1].leader
-    order: list[tuple[str, int, int]] = []
-    while not listener.inbox.empty():
-        incoming = listener.inbox.get()
-        env = decode(incoming.payload)
-        if env.sender == last and env.kind in (MessageKind.GRADIENT, MessageKind.RESULT):
-            order.append((env.kind.value, env.step, env.micro_batch))
+    order = [(env.kind.value, env.step, env.micro_batch) for env in published
+             if env.sender == last and env.kind in (MessageKind.GRADIENT, MessageKind.RESULT)]
     # a training micro-batch's loss is the first result with its step and index (an epoch's
     # evaluation batches, reported later, reuse the step's tag)
     gradients = {(step, mb) for kind, step, mb in order if kind == MessageKind.GRADIENT.value}

@@ -265,7 +265,8 @@ def test_choose_stages_lays_out_what_the_schedule_supports(refusing_async):
     costs = _costs(1000.0)
     capacity = CapacityEstimator.for_costs(costs)
     inputs = LayoutInputs(["d0", "d1", "d2"], None, (), costs, capacity, {},
-                          layout=Layout.AUTO, micro_batches=6, schedule=ScheduleName.ASYNC)
+                          layout=Layout.AUTO, micro_batches=6, schedule=ScheduleName.ASYNC,
+                          min_gain=0.10)
     stages, lines = choose_stages(inputs)
     assert all(len(s.members) == 1 for s in stages)
     assert sum("set aside" in line for line in lines) == 1  # said once, in one line

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ftpipe_iot.control.plan_codecs import CodecPolicy
 from ftpipe_iot.errors import ConfigError
-from ftpipe_iot.planning.layouts import Layout
+from ftpipe_iot.planning.layouts import GROUP_MIN_GAIN, Layout
 from ftpipe_iot.planning.replication import DEFAULT_BUDGET
 from ftpipe_iot.protocol.messages import ControllerState
 from ftpipe_iot.protocol.plan import StageAssignment, TrainConfig
@@ -46,8 +46,11 @@ class ControllerConfig:
     retune_threshold: float = 0.05  # gain needed to retune a group's shares (no weights move)
     assignment: tuple[StageAssignment, ...] = ()  # pinned first plan
     # New plans (not pinned, no groups to keep): one device per stage, every device in one
-    # group, or the fleet planner's plan when it predicts a step repartition_threshold shorter.
+    # group, or the fleet planner's plan when it predicts a step group_min_gain shorter than
+    # the best single pipeline's (``planning.layouts.GROUP_MIN_GAIN``: its predictions for
+    # groups have run optimistic).
     layout: Layout = Layout.PIPELINE
+    group_min_gain: float = GROUP_MIN_GAIN
     # where the run's timeline goes (observability/trace.py); None: devices send no spans
     trace_dir: Path | None = None
     # the share of training time replica uploads may take: the interval grows from

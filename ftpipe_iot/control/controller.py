@@ -481,7 +481,7 @@ class Controller:
             stages, warnings = choose_stages(LayoutInputs(
                 devices, self.plan, self.config.assignment, self.model.cost_model,
                 self.capacity, self.roster.capabilities, self.train.resiliency,
-                self.config.layout, self.train.micro_batches, self.config.repartition_threshold,
+                self.config.layout, self.train.micro_batches, self.config.group_min_gain,
                 self.train.schedule, self.model.grouping_refusal, self.step_model))
             for warning in warnings:
                 self.recorder.message(warning)

@@ -14,7 +14,7 @@ from ftpipe_iot.planning.calibration import StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.costs import LayerCosts
 from ftpipe_iot.planning.groups import exchange_for
-from ftpipe_iot.planning.layouts import Layout, LayoutChoice, choose_layout
+from ftpipe_iot.planning.layouts import GROUP_MIN_GAIN, Layout, LayoutChoice, choose_layout
 from ftpipe_iot.planning.rebalance import comparable_specs, device_specs
 from ftpipe_iot.planning.resilience import split_for_resiliency, with_standbys
 from ftpipe_iot.planning.solver import stage_for
@@ -37,7 +37,7 @@ class LayoutInputs:
     resiliency: int = 0
     layout: Layout = Layout.PIPELINE
     micro_batches: int = 1
-    min_gain: float = 0.10  # predicted gain the fleet planner's plan needs (``auto``)
+    min_gain: float = GROUP_MIN_GAIN  # predicted gain the fleet planner's plan needs (auto)
     schedule: ScheduleName = ScheduleName.SYNC  # a new layout is one this schedule supports
     # why the model's layers cannot be held by a group (``core.grouping``): auto then keeps a
     # single pipeline (``check_grouping`` refused the rest before the job started)

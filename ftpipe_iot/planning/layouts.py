@@ -9,9 +9,12 @@ bubble and leaves out the devices that would only lengthen it) and the fleet pla
 alone, the planner's plan for a fleet of mixed speeds (F16) was compared with a pipeline over
 many slow devices that no one would deploy and predicted 1.77x faster, where the hybrid
 measured 1.02x the best single pipeline. The
-planner's plan wins only when it is predicted at least ``min_gain`` faster per step: the model
-leaves out what it cannot see (the broker's own load, the cores the emulated devices share), so
-a marginal predicted gain is not worth the gradient traffic a group adds. Given a step model
+planner's plan wins only when it is predicted at least ``min_gain`` faster per step
+(``GROUP_MIN_GAIN`` unless the caller says otherwise): the model leaves out what it cannot see
+(the broker's own load, the cores the emulated devices share), and its predictions for groups
+have run optimistic, so a predicted gain within that error is not worth the gradient traffic
+and the devices a group adds; when the plan is set aside for that, the choice says so.
+Given a step model
 (``planning.calibration``: the per-message cost fitted to the run, or its prior before the
 first fit), both sides are played out message by message, and the planner's side is the faster
 of its plan and data parallelism: the closed form counts no message, so on a model whose step
@@ -57,6 +60,15 @@ class Layout(str, enum.Enum):
     AUTO = "auto"  # the fleet planner's plan when predicted faster than the single pipeline
     PIPELINE = "pipeline"  # one device per stage (the pre-group behaviour)
     DATA = "data"  # one stage with every layer, held by every device
+
+
+#: The share of the best single pipeline's step a group plan (data parallelism or a hybrid) must
+#: be predicted to save before ``auto`` takes it: 25 %, 1.33x the pipeline's speed. The
+#: calibrated step model predicted F16's group plans (benchmarks/fleet_scale.py, factors x2.5)
+#: 1.5-14.6 % faster than they measured on a quiet host and up to 29 % on a busy one, and its
+#: hybrids, predicted 1.13-1.16x the best single pipeline, measured 0.96-1.04x; the digits
+#: demo's data parallelism over two devices, predicted 1.42x its pipeline, measured 1.41x.
+GROUP_MIN_GAIN = 0.25
 
 
 @dataclass(frozen=True)
@@ -132,7 +144,8 @@ def _data_parallel(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches
 
 
 def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches: int,
-                  layout: Layout, min_gain: float = 0.10, schedule: Schedule | None = None,
+                  layout: Layout, min_gain: float = GROUP_MIN_GAIN,
+                  schedule: Schedule | None = None,
                   exchange: GradientExchange = GradientExchange.SUMS,
                   step_model: StepModel | None = None) -> LayoutChoice:
     """The stages of a new plan over ``specs`` (in the controller's order) for ``layout``,
@@ -210,4 +223,12 @@ def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches:
                      f"single pipeline) is set aside, {refusal.reason}; a single pipeline "
                      "instead")
         warning = f"{warning}; {set_aside}" if warning else set_aside
+    elif math.isfinite(planned_s) and math.isfinite(pipeline_s) and planned_s > 0 and \
+            planned_s < pipeline_s:
+        short = (f"layout auto: the fleet planner's {_kind(planned)} plan is predicted "
+                 f"{pipeline_s / planned_s:.2f}x the best single pipeline ({planned_s:.4f} s "
+                 f"against {pipeline_s:.4f} s a step), under the {1 / (1 - min_gain):.2f}x a "
+                 "group must promise to pay for its exchange and the error of its prediction; "
+                 "a single pipeline instead")
+        warning = f"{warning}; {short}" if warning else short
     return LayoutChoice(single, "pipeline", _finite(pipeline_s), _finite(planned_s), warning)
