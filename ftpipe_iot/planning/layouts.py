@@ -64,10 +64,10 @@ class Layout(str, enum.Enum):
 
 #: The share of the best single pipeline's step a group plan (data parallelism or a hybrid) must
 #: be predicted to save before ``auto`` takes it: 25 %, 1.33x the pipeline's speed. The
-#: calibrated step model predicted F16's group plans (benchmarks/fleet_scale.py, factors x2.5)
-#: 1.5-14.6 % faster than they measured on a quiet host and up to 29 % on a busy one, and its
+#: calibrated step model predicted F16's data parallelism (benchmarks/fleet_scale.py, factors
+#: x2.5) 13-15 % faster than it measured on a quiet host and up to 29 % on a busy one, and its
 #: hybrids, predicted 1.13-1.16x the best single pipeline, measured 0.96-1.04x; the digits
-#: demo's data parallelism over two devices, predicted 1.42x its pipeline, measured 1.41x.
+#: demo's data parallelism over two devices, predicted 1.41-1.48x its pipeline, measured 1.41x.
 GROUP_MIN_GAIN = 0.25
 
 
