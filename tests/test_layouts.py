@@ -77,6 +77,8 @@ def test_a_group_predicted_within_the_models_error_gives_way_to_the_pipeline_and
     # a pipeline the planner cannot beat at all says nothing of the kind
     alone = choose_layout(_costs(1e7), _devices(4, 1e6), 8, Layout.AUTO)
     assert alone.warning is None or "must promise" not in alone.warning
+    with pytest.raises(ConfigError, match="group_min_gain must be in"):
+        ControllerConfig(group_min_gain=1.0)
 
 
 def test_priced_messages_make_auto_choose_the_layout_that_sends_fewest_whatever_the_noise():

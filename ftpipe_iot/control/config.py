@@ -70,6 +70,8 @@ class ControllerConfig:
         if not 0 <= self.replication_budget < 1:
             raise ConfigError(f"replication_budget must be in [0, 1), got "
                               f"{self.replication_budget}")
+        if not 0 <= self.group_min_gain < 1:
+            raise ConfigError(f"group_min_gain must be in [0, 1), got {self.group_min_gain}")
         computing = self.devices // (self.train.resiliency + 1)  # the others stand by
         if self.layout is Layout.DATA and computing > self.train.micro_batches:
             raise ConfigError(f"layout data puts {computing} devices in one group, which "

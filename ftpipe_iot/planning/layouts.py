@@ -223,8 +223,7 @@ def choose_layout(costs: LayerCosts, specs: Sequence[DeviceSpec], micro_batches:
                      f"single pipeline) is set aside, {refusal.reason}; a single pipeline "
                      "instead")
         warning = f"{warning}; {set_aside}" if warning else set_aside
-    elif math.isfinite(planned_s) and math.isfinite(pipeline_s) and planned_s > 0 and \
-            planned_s < pipeline_s:
+    elif 0 < planned_s < pipeline_s < math.inf:
         short = (f"layout auto: the fleet planner's {_kind(planned)} plan is predicted "
                  f"{pipeline_s / planned_s:.2f}x the best single pipeline ({planned_s:.4f} s "
                  f"against {pipeline_s:.4f} s a step), under the {1 / (1 - min_gain):.2f}x a "

@@ -312,10 +312,10 @@ class NonceSequence:
     point, so no system call per frame. ``os.urandom`` per frame took as much of a tag's time
     in a running device as the MAC itself (a cold system call: median 3.5 us, a tenth of the
     calls over 14 us, a few over a millisecond while the network thread held the GIL). A nonce
-    must never repeat under a key; a
-    pairwise key is shared by two peers and outlives their processes, so every process of
-    either peer draws its own start: two processes' runs of n nonces overlap with probability
-    about 2n / 2**96, less than random nonces drawn per frame would give."""
+    must never repeat under a key; a pairwise key is shared by two peers and outlives their
+    processes, so every process of either peer draws its own start: two processes' runs of n
+    nonces overlap with probability about 2n / 2**96, less than random nonces drawn per frame
+    would give."""
 
     _SPACE = 1 << (8 * NONCE_BYTES)
 
