@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from helpers import MemoryJob, max_weight_diff
@@ -10,9 +12,11 @@ from ftpipe_iot.control.controller import ControllerConfig
 from ftpipe_iot.core.data import DataSpec
 from ftpipe_iot.core.models import ModelSpec
 from ftpipe_iot.core.reference import train_reference
-from ftpipe_iot.protocol.plan import OptimizerName, TrainConfig
+from ftpipe_iot.protocol.messages import decode_message
+from ftpipe_iot.protocol.plan import Member, OptimizerName, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import ControllerPhase as Phase
+from ftpipe_iot.protocol.vocab import ResultType
 from ftpipe_iot.protocol.wire import Envelope, MessageKind, decode, encode
 
 
@@ -120,12 +124,16 @@ def test_device_of_another_job_is_not_used():
     assert set(job.controller.plan.devices) == {"d0", "d1"}
 
 
-def _published_in_order(steps: int, *topics: str) -> tuple[MemoryJob, list[Envelope]]:
-    """A two-device pipeline of ``steps`` steps run to the end, and every live message
-    published on ``topics`` (MQTT filters) meanwhile, decoded, in the order of publication."""
+def _published_in_order(steps: int, *topics: str, devices: int = 2,
+                        assignment: tuple[StageAssignment, ...] = ()
+                        ) -> tuple[MemoryJob, list[Envelope]]:
+    """A pipeline of ``devices`` devices (or ``assignment``) run ``steps`` steps to the end,
+    and every live message published on ``topics`` (MQTT filters) meanwhile, decoded, in the
+    order of publication."""
     train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8,
                         max_steps=steps)
-    job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
+    job = MemoryJob(ControllerConfig(train=train, devices=devices, assignment=assignment),
+                    devices=devices)
     listener = job.broker.transport("listener")
     listener.connect()
     for topic in topics:
@@ -161,19 +169,47 @@ def test_the_next_steps_micro_batches_leave_before_the_finished_steps_state():
     assert checked >= 2, order
 
 
+_REPORTS = (MessageKind.RESULT, MessageKind.RESULTS)
+
+
 def test_the_last_stage_sends_its_gradient_before_it_reports_the_loss():
     """Stage data before reports: the neighbour waits for the gradient, nobody for the loss."""
     topics = Topics("t")
     job, published = _published_in_order(3, topics.results, f"{topics.base}/stage/0/grad/+")
     last = job.controller.plan.stages[-1].leader
-    order = [(env.kind.value, env.step, env.micro_batch) for env in published
-             if env.sender == last and env.kind in (MessageKind.GRADIENT, MessageKind.RESULT)]
+    # a frame of reports carries the step and index of its first: the loss, where there is one
+    order = [("report" if env.kind in _REPORTS else env.kind.value, env.step, env.micro_batch)
+             for env in published
+             if env.sender == last and env.kind in (MessageKind.GRADIENT, *_REPORTS)]
     # a training micro-batch's loss is the first result with its step and index (an epoch's
     # evaluation batches, reported later, reuse the step's tag)
     gradients = {(step, mb) for kind, step, mb in order if kind == MessageKind.GRADIENT.value}
     losses = {(step, mb) for kind, step, mb in order
-              if kind == MessageKind.RESULT.value and (step, mb) in gradients}
+              if kind == "report" and (step, mb) in gradients}
     assert len(losses) == len(gradients) == 2 * 3, order
     for step, mb in losses:
         gradient = order.index((MessageKind.GRADIENT.value, step, mb))
-        assert gradient < order.index((MessageKind.RESULT.value, step, mb)), order
+        assert gradient < order.index(("report", step, mb)), order
+
+
+def test_the_reports_of_one_computation_go_in_one_frame():
+    """A member of a one-stage group is first and last stage: each micro-batch's loss and its
+    end come from one computation and go out in one ``ResultBatch``, with the step's end where
+    that micro-batch closed the step; the controller takes every report as it would alone."""
+    topics = Topics("t")
+    steps = 3
+    group = (StageAssignment(0, 0, 6, (Member("d0", 0.5), Member("d1", 0.5))),)
+    job, published = _published_in_order(steps, topics.results, devices=2, assignment=group)
+    frames = [env for env in published if env.kind in _REPORTS]
+    batches = [decode_message(env).message for env in frames
+               if env.kind is MessageKind.RESULTS]
+    kinds_together = [{r.result.type for r in batch.reports} for batch in batches]
+    # every training micro-batch (2 a step) reported its loss with its end, in one frame
+    training = [kinds for kinds in kinds_together
+                if {ResultType.LOSS, ResultType.MICRO_BATCH_DONE} <= kinds]
+    assert len(training) == 2 * steps, kinds_together
+    reports = sum(len(batch.reports) for batch in batches) + len(frames) - len(batches)
+    assert len(frames) < reports
+    summary = job.controller.summary
+    assert summary.steps == steps and len(summary.history) == steps
+    assert all(math.isfinite(h["loss"]) for h in summary.history)

@@ -39,7 +39,9 @@ from ftpipe_iot.protocol.results import (
     Missing,
     Ready,
     Replicated,
+    Report,
     Result,
+    ResultBatch,
     StageStepDone,
 )
 from ftpipe_iot.protocol.vocab import (
@@ -106,6 +108,10 @@ MESSAGES = [
     Result(Replicated(10, (0, 2), 1234, {"stale_plan": 1})),
     Result(Missing(10, (4, 5))),
     Result(DeviceError("cannot build the stage")),
+    ResultBatch((Report(3, 1, Result(MicroBatchLoss(2.3, 4, 8))),
+                 Report(3, 1, Result(MicroBatchFinished())),
+                 Report(3, -1, Result(StageStepDone(0, 0.1, 0.2, typical_s=0.3))))),
+    ResultBatch((Report(9, 4, Result(MicroBatchLoss(18.0, 50, 64, train=False))),)),
 ]
 
 
@@ -132,6 +138,9 @@ def test_every_body_round_trips_through_the_wire(message):
     assert _equal(inbound.message, message)
 
 
+DONE = {"type": "mb_done"}
+
+
 def _spans(**changed: object) -> dict:
     body = {"names": ["forward", "send"], "kinds": np.array([0, 1], np.uint8),
             "start": np.array([1.0, 2.0]), "duration": np.array([0.1, 0.1], np.float32),
@@ -150,6 +159,13 @@ def _spans(**changed: object) -> dict:
                           "backward_s": 0}, "stage"),
     (MessageKind.RESULT, {"type": "teleported"}, "type"),
     (MessageKind.RESULT, {"type": "missing", "version": 3, "layers": ["x"]}, "layers"),
+    (MessageKind.RESULTS, {"reports": []}, "reports"),
+    (MessageKind.RESULTS, {"reports": [[1, 0]]}, "reports"),
+    (MessageKind.RESULTS, {"reports": [[True, 0, DONE]]}, "reports"),
+    (MessageKind.RESULTS, {"reports": [[1, -2, DONE]]}, "reports"),
+    (MessageKind.RESULTS, {"reports": [[0, 0, DONE]] * 65}, "reports"),
+    (MessageKind.RESULTS, {"reports": [[1, 0, DONE], [1, 0, {"type": "loss", "loss": "high",
+                                                            "correct": 1, "count": 2}]]}, "loss"),
     (MessageKind.ACTIVATION, {"x": [1, 2], "y": np.zeros(2, np.int64), "train": True}, "x"),
     (MessageKind.ACTIVATION, {"x": np.zeros(2), "y": np.zeros(2, np.int64)}, "train"),
     (MessageKind.WEIGHTS, {"layer": 1, "version": 2, "state": {"w": [1.0]}}, "state"),

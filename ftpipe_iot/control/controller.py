@@ -13,6 +13,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -58,7 +59,14 @@ from ftpipe_iot.protocol.messages import (
     SpanBatch,
 )
 from ftpipe_iot.protocol.plan import Plan, StageAssignment, TrainConfig
-from ftpipe_iot.protocol.results import DeviceError, Missing, Ready, Replicated, Result
+from ftpipe_iot.protocol.results import (
+    DeviceError,
+    Missing,
+    Ready,
+    Replicated,
+    Result,
+    ResultBatch,
+)
 from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import (
@@ -288,6 +296,11 @@ class Controller:
                                           f"spans of {inbound.sender} on {incoming.topic}")
         elif isinstance(message, Result):
             self._on_result(inbound, message)
+        elif isinstance(message, ResultBatch):
+            for report in message.reports:  # each as if it had come alone, in their order
+                self._on_result(replace(inbound, step=report.step,
+                                        micro_batch=report.micro_batch, message=report.result),
+                                report.result)
         elif isinstance(message, LayerReplica):
             self._on_weights(inbound, message)
         elif isinstance(message, PlanMessage):

@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,9 +55,10 @@ from ftpipe_iot.protocol.results import (
     Missing,
     Ready,
     Replicated,
+    Report,
     Result,
+    ResultBatch,
     ResultBody,
-    StageStepDone,
 )
 from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.topics import Topics
@@ -415,7 +416,7 @@ class DeviceAgent:
             self.runner = StageRunner(
                 self.name, self.plan, stage, self.messenger, self.transport.inbox,
                 self.metrics, self.link,
-                RunnerHooks(report=self._report, step_done=self._on_step_done,
+                RunnerHooks(report=self._report_all, step_done=self._on_step_done,
                             link=self._emulate_link, computing=self._computing),
                 clock=self.clock)
             self._subscribed = self.runner.topics_to_follow
@@ -553,16 +554,14 @@ class DeviceAgent:
                     self.sleep(delay)
 
     def _on_step_done(self, output: StepDone) -> None:
+        """The stage applied a step, reported already (``StageRunner``): metrics, and the
+        replication due at it."""
         assert self.stage is not None and self.plan is not None
         self.metrics.forward_seconds.observe(output.forward_s)
         self.metrics.backward_seconds.observe(output.backward_s)
         self.metrics.steps.inc()
         self._last_step = output.step
         self._last_step_done = output
-        self._report(StageStepDone(self.stage.index, output.forward_s, output.backward_s,
-                                   output.layer_times, output.typical_s, output.micro_batches,
-                                   output.typical_cpu_s, output.typical_emulated_s),
-                     output.step)
         every = self._replicate_every
         asked = self._replicate_when_at == self.stage.version
         if asked:
@@ -573,10 +572,22 @@ class DeviceAgent:
 
     def _report(self, body: ResultBody, step: int = -1, micro_batch: int = -1,
                 plan_version: int | None = None) -> None:
+        self._send_results(Result(body), step, micro_batch, plan_version)
+
+    def _report_all(self, reports: Sequence[Report]) -> None:
+        """The reports of one computation: one ``Result``, or one ``ResultBatch`` for more."""
+        if len(reports) == 1:
+            self._send_results(reports[0].result, reports[0].step, reports[0].micro_batch)
+        else:
+            self._send_results(ResultBatch(tuple(reports)), reports[0].step,
+                               reports[0].micro_batch)
+
+    def _send_results(self, message: Result | ResultBatch, step: int, micro_batch: int,
+                      plan_version: int | None = None) -> None:
         version = plan_version if plan_version is not None else \
             self.plan.version if self.plan is not None else 0
         # The controller alone reads results: one tag for it instead of a signature.
-        self.messenger.send(self.topics.results, Result(body), version, step, micro_batch,
+        self.messenger.send(self.topics.results, message, version, step, micro_batch,
                             receivers=(self.options.controller,))
 
     def tick(self, heartbeat: bool = True) -> None:

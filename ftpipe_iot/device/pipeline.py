@@ -13,7 +13,7 @@ import logging
 import queue
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ftpipe_iot.core.outputs import (
@@ -34,7 +34,13 @@ from ftpipe_iot.errors import StageInputError
 from ftpipe_iot.observability.metrics import DeviceMetrics
 from ftpipe_iot.protocol.messages import Activation, Gradient, GroupPartial, Inbound, Progress
 from ftpipe_iot.protocol.plan import Plan
-from ftpipe_iot.protocol.results import MicroBatchFinished, MicroBatchLoss, ResultBody
+from ftpipe_iot.protocol.results import (
+    MicroBatchFinished,
+    MicroBatchLoss,
+    Report,
+    Result,
+    StageStepDone,
+)
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import SpanKind
 from ftpipe_iot.transport.base import Incoming
@@ -49,12 +55,13 @@ _DATA = (SendActivation, SendGradient, SendPartial)
 
 @dataclass(frozen=True)
 class RunnerHooks:
-    """What the runner asks of its agent: reports to the controller, the end of a step, the
+    """What the runner asks of its agent: reports to the controller (those of one computation
+    together), the end of a step once reported, the
     emulated link for a payload of ``n`` bytes sent or taken in, and the step being computed
     (profiles schedule by step)."""
 
-    report: Callable[[ResultBody, int, int], None]
-    step_done: Callable[[StepDone], None]
+    report: Callable[[Sequence[Report]], None]
+    step_done: Callable[[StepDone], None]  # after its report went out
     link: Callable[[int], None]
     computing: Callable[[int], None]
 
@@ -210,15 +217,20 @@ class StageRunner:
         return self.plan.stages[stage].devices
 
     def _emit_all(self, outputs: list[StageOutput]) -> None:
-        """Stage data first, then the reports (each kind in the stage's order): another stage
-        waits for the data, and nothing waits for a loss or a micro-batch's end (the last
-        stage's loss was sealed and sent before the gradient its neighbour waits for). An
-        emulated link is busy with the data after that, as a real one would be while the
-        reports, control traffic, go past (``Traffic``)."""
+        """Stage data first, then the reports in one frame (``ResultBatch``), then the step's
+        end to the agent (which may start a replication): another stage waits for the data,
+        and nothing waits for a loss or a micro-batch's end (the last stage's loss was sealed
+        and sent before the gradient its neighbour waits for). An emulated link is busy with
+        the data after that, as a real one would be while the reports, control traffic, go
+        past (``Traffic``)."""
         sent = [self._publish(output) for output in outputs if isinstance(output, _DATA)]
+        reports = [self._report_of(output) for output in outputs
+                   if not isinstance(output, _DATA)]
+        if reports:
+            self.hooks.report(reports)
         for output in outputs:
-            if not isinstance(output, _DATA):
-                self._deliver(output)
+            if isinstance(output, StepDone):
+                self.hooks.step_done(output)
         for n_bytes in sent:
             self.hooks.link(n_bytes)
 
@@ -261,20 +273,23 @@ class StageRunner:
                          output.covers),
             version, output.step, output.micro_batch, receivers=self._holders(index))
 
-    def _deliver(self, output: StageOutput) -> None:
-        """Report a result or a step's end to the agent."""
+    def _report_of(self, output: StageOutput) -> Report:
+        """What the controller is told of a loss, a micro-batch's end or a step's end."""
         key = (output.step, getattr(output, "micro_batch", -1))
         if isinstance(output, MicroBatchResult):
             if not output.train:
                 self.routes.pop(key, None)
-            self.hooks.report(MicroBatchLoss(output.loss, output.correct, output.count,
-                                             output.train), output.step, output.micro_batch)
-        elif isinstance(output, MicroBatchDone):
+            return Report(output.step, output.micro_batch, Result(MicroBatchLoss(
+                output.loss, output.correct, output.count, output.train)))
+        if isinstance(output, MicroBatchDone):
             self.routes.pop(key, None)
-            self.hooks.report(MicroBatchFinished(), output.step, output.micro_batch)
-        elif isinstance(output, StepDone):
-            self.role.step_done(output.step)
-            self.hooks.step_done(output)
+            return Report(output.step, output.micro_batch, Result(MicroBatchFinished()))
+        assert isinstance(output, StepDone)
+        self.role.step_done(output.step)
+        return Report(output.step, -1, Result(StageStepDone(
+            self.stage.index, output.forward_s, output.backward_s, output.layer_times,
+            output.typical_s, output.micro_batches, output.typical_cpu_s,
+            output.typical_emulated_s)))
 
 
 class DeferredInbox:

@@ -20,6 +20,7 @@ from ftpipe_iot.protocol.fields import REQUIRED, BodyReader
 from ftpipe_iot.protocol.plan import Plan, StageAssignment
 from ftpipe_iot.protocol.results import (
     Result,
+    ResultBatch,
 )
 from ftpipe_iot.protocol.signing import Roster
 from ftpipe_iot.protocol.vocab import (
@@ -536,12 +537,12 @@ class RosterMessage:
 
 
 Message = PlanMessage | Command | ControllerState | Event | Activation | Gradient | LayerReplica \
-    | GroupPartial | Progress | DeviceStatus | Heartbeat | SpanBatch | Result | RosterMessage \
-    | CollabMessage
+    | GroupPartial | Progress | DeviceStatus | Heartbeat | SpanBatch | Result | ResultBatch \
+    | RosterMessage | CollabMessage
 _BY_KIND: dict[MessageKind, Any] = {
     cls.KIND: cls for cls in (PlanMessage, Command, ControllerState, Event, Activation, Gradient,
                               LayerReplica, GroupPartial, Progress, DeviceStatus, Heartbeat,
-                              SpanBatch, Result, RosterMessage)
+                              SpanBatch, Result, ResultBatch, RosterMessage)
 } | COLLAB_BODIES
 
 

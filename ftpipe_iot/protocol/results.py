@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ftpipe_iot.protocol.fields import BodyReader
+from ftpipe_iot.protocol.fields import REQUIRED, BodyReader
 from ftpipe_iot.protocol.vocab import MessageKind, ResultType
 
 
@@ -180,3 +180,49 @@ class Result:
     def from_body(cls, raw: object) -> Result:
         f = BodyReader(raw, "result")
         return cls(_RESULTS[f.enum("type", ResultType)].parse(f))
+
+
+#: Reports a ``ResultBatch`` may carry: a computation makes a handful (a loss, the micro-batch's
+#: end, the step's end); a body claiming more is not from a device of this version.
+MAX_BATCHED_REPORTS = 64
+
+
+@dataclass(frozen=True)
+class Report:
+    """One result with the step and micro-batch it is about (what the envelope says for a lone
+    ``Result``)."""
+
+    step: int
+    micro_batch: int
+    result: Result
+
+
+@dataclass(frozen=True)
+class ResultBatch:
+    """The reports one computation made, in one frame on the results topic (a micro-batch's
+    loss and its end, with the step's end when it closed the step), in the order they were made.
+
+    One frame instead of one each: every frame is sealed, published, taken in by the broker and
+    checked by the controller, and on the digits demo's data parallelism the results were half
+    of every frame sent (docs/design.md §4). A lone report still goes as a ``Result``."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.RESULTS
+    reports: tuple[Report, ...]
+
+    def to_body(self) -> dict[str, Any]:
+        return {"reports": [[r.step, r.micro_batch, r.result.to_body()] for r in self.reports]}
+
+    @classmethod
+    def from_body(cls, raw: object) -> ResultBatch:
+        f = BodyReader(raw, "results")
+        rows = f._get("reports", REQUIRED)
+        if not isinstance(rows, list) or not 0 < len(rows) <= MAX_BATCHED_REPORTS:
+            raise f.fail("reports", f"a list of 1 to {MAX_BATCHED_REPORTS} reports", rows)
+        reports = []
+        for row in rows:
+            if not isinstance(row, (list, tuple)) or len(row) != 3 or \
+                    not all(isinstance(v, int) and not isinstance(v, bool) and v >= -1
+                            for v in row[:2]):
+                raise f.fail("reports", "[step, micro-batch, result] rows", row)
+            reports.append(Report(int(row[0]), int(row[1]), Result.from_body(row[2])))
+        return cls(tuple(reports))

@@ -18,6 +18,7 @@ class MessageKind(str, Enum):
     ACTIVATION = "act"
     GRADIENT = "grad"
     RESULT = "result"
+    RESULTS = "results"  # the reports one computation made, in one frame
     WEIGHTS = "weights"
     REDUCE = "reduce"
     PROGRESS = "progress"
