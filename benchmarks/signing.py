@@ -141,6 +141,17 @@ def demo(pairs: int, epochs: int, layout_name: str = "pipeline") -> dict:
             say(f"demo {label} #{index}: {summary['samples_per_s']:.0f} samples/s, "
                 f"crypto {crypto:.3f} CPU-s of {cpu_s:.1f}")
     result = _compare(runs)
+    # ``auto`` decides its layout in each run: now and then one side of a pair runs another
+    # layout (a pipeline of three where the rest ran data parallelism), and that pair measures
+    # the layouts, not the signatures. The runs on the layout most runs had are compared too.
+    layouts = [str(r["layout"]) for rows in runs.values() for r in rows]
+    usual = max(set(layouts), key=layouts.count)
+    alike = {label: [r for r in rows if str(r["layout"]) == usual]
+             for label, rows in runs.items()}
+    result["usual_layout"] = usual
+    result["runs_on_another_layout"] = len(layouts) - layouts.count(usual)
+    if all(alike.values()):
+        result["slowdown_pct_usual_layout"] = _compare(alike)["slowdown_pct"]
     cpu = {label: statistics.median(r["processes_cpu_ms_per_step"] for r in rows)
            for label, rows in runs.items()}
     result["median_cpu_ms_per_step"] = cpu

@@ -12,11 +12,11 @@ from ftpipe_iot.control.controller import ControllerConfig
 from ftpipe_iot.core.data import DataSpec
 from ftpipe_iot.core.models import ModelSpec
 from ftpipe_iot.core.reference import train_reference
-from ftpipe_iot.protocol.messages import decode_message
+from ftpipe_iot.protocol.messages import ControllerState, decode_message
 from ftpipe_iot.protocol.plan import Member, OptimizerName, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import ControllerPhase as Phase
-from ftpipe_iot.protocol.vocab import ResultType
+from ftpipe_iot.protocol.vocab import ControllerStatus, ResultType
 from ftpipe_iot.protocol.wire import Envelope, MessageKind, decode, encode
 
 
@@ -213,3 +213,45 @@ def test_the_reports_of_one_computation_go_in_one_frame():
     summary = job.controller.summary
     assert summary.steps == steps and len(summary.history) == steps
     assert all(math.isfinite(h["loss"]) for h in summary.history)
+
+
+def _states(beat_s: float, steps: int) -> tuple[MemoryJob, list[tuple[int, ControllerState]]]:
+    """A two-device pipeline replicating every 2 steps, run ``steps`` steps by a leader that
+    promises a beat every ``beat_s`` (0: none), and every live state it published: (step count,
+    state)."""
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8,
+                        max_steps=steps, replicate_every=2)
+    job = MemoryJob(ControllerConfig(train=train, devices=2, beat_s=beat_s), devices=2)
+    listener = job.broker.transport("listener")
+    listener.connect()
+    listener.subscribe(Topics("t").state)
+    job.start()
+    assert job.run() is Phase.DONE
+    states = []
+    while not listener.inbox.empty():
+        incoming = listener.inbox.get()
+        if not incoming.retained:
+            env = decode(incoming.payload)
+            states.append((env.step, decode_message(env).message))
+    return job, states
+
+
+def test_a_leader_that_beats_its_lease_leaves_a_bare_step_count_to_the_beat():
+    """Every step's state cost a signature and a check on every device; a leader that beats
+    publishes one only when it says more than the step count (a newly complete checkpoint, a
+    phase; the job's end is ``Controller.run``'s, which this job does not go through). Without
+    a beat every step still has its state."""
+    steps = 8
+    _, every_step = _states(0.0, steps)
+    counts = {count for count, state in every_step if state.state is ControllerStatus.TRAINING}
+    assert set(range(1, steps)) <= counts
+    job, beating = _states(3600.0, steps)  # no beat falls due during the job
+    training = [(count, state) for count, state in beating
+                if state.state is ControllerStatus.TRAINING]
+    assert 0 < len(training) < steps - 1, training
+    # every checkpoint completed while training was announced, by the step after it at latest
+    announced = {state.complete_version for _, state in beating}
+    completed = {state.complete_version for _, state in every_step
+                 if state.state is ControllerStatus.TRAINING}
+    assert completed <= announced, (completed, announced)
+    assert job.controller.summary.steps == steps
