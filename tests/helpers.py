@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -12,7 +13,9 @@ from prometheus_client import CollectorRegistry
 from ftpipe_iot.control.controller import Controller, ControllerConfig
 from ftpipe_iot.device.agent import DeviceAgent, DeviceOptions, device_will
 from ftpipe_iot.planning.profiles import DeviceProfile
+from ftpipe_iot.protocol.signing import Credentials
 from ftpipe_iot.protocol.vocab import ControllerPhase as Phase
+from ftpipe_iot.runtime.keys import LocalKeys
 from ftpipe_iot.runtime.supervise import ProcessGroup
 from ftpipe_iot.transport.base import Transport, Will
 from ftpipe_iot.transport.connection import BrokerConfig
@@ -27,18 +30,29 @@ class MemoryJob:
     def __init__(self, config: ControllerConfig, devices: int = 3, job: str = "t",
                  options: DeviceOptions = DeviceOptions(),
                  profiles: dict[str, DeviceProfile] | None = None,
-                 connect: Callable[[str, Will | None], Transport] | None = None) -> None:
+                 connect: Callable[[str, Will | None], Transport] | None = None,
+                 keys: Path | None = None) -> None:
         """``profiles``: the emulated device class of some devices (by name, ``d0``...);
         ``connect(client_id, will)``: each process's transport (default: this job's in-memory
-        broker; ``mqtt_connector`` puts the same pumping over a real broker)."""
+        broker; ``mqtt_connector`` puts the same pumping over a real broker); ``keys``: a
+        directory for every process's signing key and the roster (signed; default unsigned)."""
         self.broker = MemoryBroker()
         connect = connect or self.broker.transport
+        names = [f"d{i}" for i in range(devices)]
+        credentials: dict[str, Credentials | None] = dict.fromkeys(["controller", *names])
+        if keys is not None:
+            local = LocalKeys(keys)
+            paths = {name: local.key_path(name) for name in credentials}  # one roster for all
+            credentials = {name: Credentials.load(path, local.roster_path,
+                                                  publishes_roster=name == "controller")
+                           for name, path in paths.items()}
         self.controller = Controller(job, config, connect("controller", None),
-                                     CollectorRegistry())
+                                     CollectorRegistry(), credentials=credentials["controller"])
         self.devices = [
-            DeviceAgent(f"d{i}", job, connect(f"d{i}", device_will(f"d{i}", job)),
-                        CollectorRegistry(), options, (profiles or {}).get(f"d{i}"))
-            for i in range(devices)
+            DeviceAgent(name, job, connect(name, device_will(name, job)),
+                        CollectorRegistry(), options, (profiles or {}).get(name),
+                        credentials=credentials[name])
+            for name in names
         ]
 
     def close(self) -> None:

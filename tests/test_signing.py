@@ -8,11 +8,14 @@ import threading
 import msgpack
 import numpy as np
 import pytest
+from helpers import MemoryJob
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.outbox import JobOutbox
+from ftpipe_iot.core.models import ModelSpec
 from ftpipe_iot.errors import BadSignature, ConfigError
 from ftpipe_iot.observability.metrics import DeviceMetrics
 from ftpipe_iot.protocol.messages import (
@@ -24,6 +27,7 @@ from ftpipe_iot.protocol.messages import (
     RosterMessage,
     envelope,
 )
+from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.signing import (
     CONTROLLER_NAMES,
     NONCE_BYTES,
@@ -39,11 +43,17 @@ from ftpipe_iot.protocol.signing import (
     write_private_key,
 )
 from ftpipe_iot.protocol.topics import Topics
-from ftpipe_iot.protocol.vocab import CommandOp, ControllerStatus, DeviceState, MessageKind
+from ftpipe_iot.protocol.vocab import (
+    CommandOp,
+    ControllerPhase,
+    ControllerStatus,
+    DeviceState,
+    MessageKind,
+)
 from ftpipe_iot.protocol.wire import Reassembler, WireOptions, encode
 from ftpipe_iot.runtime.keys import LocalKeys
 from ftpipe_iot.transport.base import Incoming
-from ftpipe_iot.transport.memory import MemoryBroker
+from ftpipe_iot.transport.memory import MemoryBroker, MemoryTransport
 from ftpipe_iot.transport.messenger import Messenger, will_of
 
 JOB = "sig"
@@ -567,3 +577,40 @@ def test_sampled_crypto_time_counts_every_kind_unbiased_at_an_eighth_of_the_cloc
     assert len(reads) < 2 * len(kinds) / 6  # the clock was read for about one call in 8
     with pytest.raises(ConfigError):
         CpuSampler(every=0)
+
+
+def _partials_tagged_for(tmp_path, monkeypatch, echoes: bool
+                         ) -> tuple[list[set[str]], list[dict[str, int]]]:
+    """A signed group of two (d0, d1) trained 3 steps in memory; for every group partial,
+    whom its tags were made for, and the drops counted by the job's processes."""
+    if echoes:  # a broker on MQTT 3.1.1: a holder's own publishes come back to it
+        monkeypatch.setattr(MemoryTransport, "honours_no_local", property(lambda self: False))
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8,
+                        max_steps=3)
+    group = (StageAssignment(0, 0, 6, (Member("d0", 0.5), Member("d1", 0.5))),)
+    job = MemoryJob(ControllerConfig(train=train, devices=2, assignment=group), devices=2,
+                    keys=tmp_path / "keys")
+    listener = job.broker.transport("listener")
+    listener.connect()
+    listener.subscribe(Topics("t").stage_reduce(0))
+    job.start()
+    assert job.run() is ControllerPhase.DONE
+    tagged = []
+    while not listener.inbox.empty():
+        raw = msgpack.unpackb(listener.inbox.get().payload, raw=False)
+        if raw.get("k") == MessageKind.REDUCE.value:
+            tagged.append(set(raw["mac"]))
+    return tagged, [d.messenger.drops.counts for d in job.devices]
+
+
+def test_a_member_tags_its_partials_for_the_other_members_and_itself_only_where_echoes_come(
+        tmp_path, monkeypatch):
+    """A tag is a pass over the payload, and a partial is the stage's whole gradient: the
+    member's own tag was half of sealing one in a group of two. It is made only where the
+    broker sends the member its own publishes back (it checks the echo, then drops it)."""
+    tagged, drops = _partials_tagged_for(tmp_path, monkeypatch, echoes=False)
+    assert len(tagged) == 2 * 3 and all(len(tags) == 1 for tags in tagged), tagged
+    assert not any("bad_signature" in counts for counts in drops), drops
+    tagged, drops = _partials_tagged_for(tmp_path / "echo", monkeypatch, echoes=True)
+    assert tagged and all(tags == {"d0", "d1"} for tags in tagged), tagged
+    assert not any("bad_signature" in counts for counts in drops), drops

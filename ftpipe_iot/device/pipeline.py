@@ -216,6 +216,17 @@ class StageRunner:
         standbys: watchers follow the whole stage): the receivers their tags are made for."""
         return self.plan.stages[stage].devices
 
+    def _exchange_readers(self, stage: int) -> tuple[str, ...]:
+        """Who reads this holder's contributions and progress: the stage's other holders, and
+        this one too where the broker sends its own publishes back (MQTT 3.1.1: it checks the
+        echo before dropping it). A tag is a pass over the payload, and a partial is the
+        stage's whole gradient: one for itself was half of what sealing a partial cost a
+        group of two."""
+        holders = self._holders(stage)
+        if not self.messenger.transport.honours_no_local:
+            return holders
+        return tuple(d for d in holders if d != self.name) or holders
+
     def _emit_all(self, outputs: list[StageOutput]) -> None:
         """Stage data first, then the reports in one frame (``ResultBatch``), then the step's
         end to the agent (which may start a replication): another stage waits for the data,
@@ -258,7 +269,7 @@ class StageRunner:
                                                     self.clock()):  # watchers learn we're alive
                 self.messenger.send(self.topics.stage_reduce(index), Progress(index), version,
                                     output.step, output.micro_batch, qos=0,
-                                    receivers=self._holders(index))
+                                    receivers=self._exchange_readers(index))
             return sent
         if isinstance(output, SendGradient):
             came = self.routes.pop(key, None)
@@ -271,7 +282,7 @@ class StageRunner:
             self.topics.stage_reduce(index),
             GroupPartial(index, self.stage.member, output.grads, output.batch_norm,
                          output.covers),
-            version, output.step, output.micro_batch, receivers=self._holders(index))
+            version, output.step, output.micro_batch, receivers=self._exchange_readers(index))
 
     def _report_of(self, output: StageOutput) -> Report:
         """What the controller is told of a loss, a micro-batch's end or a step's end."""

@@ -80,6 +80,11 @@ class Transport(Protocol):
         """Subscribe; subscriptions survive reconnects. ``no_local``: this client's own
         publishes on the topic are not delivered back (where the protocol can say so)."""
 
+    @property
+    def honours_no_local(self) -> bool:
+        """Whether a ``no_local`` subscription keeps this client's own publishes from coming
+        back (MQTT 5, the in-memory broker); under MQTT 3.1.1 they come back."""
+
     def unsubscribe(self, topic: str) -> None:
         """Drop a subscription."""
 

@@ -72,6 +72,10 @@ class MemoryTransport:
     def bulk_stats(self) -> BulkStats:
         return BulkStats()
 
+    @property
+    def honours_no_local(self) -> bool:
+        return True
+
     def subscribe(self, topic: str, qos: int = 1, no_local: bool = False) -> None:
         self.subscriptions.add(topic)
         if no_local:

@@ -254,6 +254,10 @@ class MqttTransport:
             return 0
         return self._bulk.flush(timeout_s if self._connected.is_set() else 0.0)
 
+    @property
+    def honours_no_local(self) -> bool:
+        return self.protocol is MqttProtocol.V5
+
     def subscribe(self, topic: str, qos: int = 1, no_local: bool = False) -> None:
         with self._lock:
             self._subscriptions[topic] = (qos, no_local)
