@@ -125,15 +125,15 @@ def test_device_of_another_job_is_not_used():
 
 
 def _published_in_order(steps: int, *topics: str, devices: int = 2,
-                        assignment: tuple[StageAssignment, ...] = ()
-                        ) -> tuple[MemoryJob, list[Envelope]]:
-    """A pipeline of ``devices`` devices (or ``assignment``) run ``steps`` steps to the end,
-    and every live message published on ``topics`` (MQTT filters) meanwhile, decoded, in the
-    order of publication."""
+                        assignment: tuple[StageAssignment, ...] = (), beat_s: float = 0.0,
+                        replicate_every: int = 10) -> tuple[MemoryJob, list[Envelope]]:
+    """A pipeline of ``devices`` devices (or ``assignment``) run ``steps`` steps to the end
+    by a leader that promises a beat every ``beat_s`` (0: none), and every live message
+    published on ``topics`` (MQTT filters) meanwhile, decoded, in the order of publication."""
     train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8,
-                        max_steps=steps)
-    job = MemoryJob(ControllerConfig(train=train, devices=devices, assignment=assignment),
-                    devices=devices)
+                        max_steps=steps, replicate_every=replicate_every)
+    job = MemoryJob(ControllerConfig(train=train, devices=devices, assignment=assignment,
+                                     beat_s=beat_s), devices=devices)
     listener = job.broker.transport("listener")
     listener.connect()
     for topic in topics:
@@ -216,24 +216,11 @@ def test_the_reports_of_one_computation_go_in_one_frame():
 
 
 def _states(beat_s: float, steps: int) -> tuple[MemoryJob, list[tuple[int, ControllerState]]]:
-    """A two-device pipeline replicating every 2 steps, run ``steps`` steps by a leader that
-    promises a beat every ``beat_s`` (0: none), and every live state it published: (step count,
-    state)."""
-    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8,
-                        max_steps=steps, replicate_every=2)
-    job = MemoryJob(ControllerConfig(train=train, devices=2, beat_s=beat_s), devices=2)
-    listener = job.broker.transport("listener")
-    listener.connect()
-    listener.subscribe(Topics("t").state)
-    job.start()
-    assert job.run() is Phase.DONE
-    states = []
-    while not listener.inbox.empty():
-        incoming = listener.inbox.get()
-        if not incoming.retained:
-            env = decode(incoming.payload)
-            states.append((env.step, decode_message(env).message))
-    return job, states
+    """Every live state of a two-device pipeline replicating every 2 steps, led with a beat
+    every ``beat_s`` (0: none): (step count, state)."""
+    job, published = _published_in_order(steps, Topics("t").state, beat_s=beat_s,
+                                          replicate_every=2)
+    return job, [(env.step, decode_message(env).message) for env in published]
 
 
 def test_a_leader_that_beats_its_lease_leaves_a_bare_step_count_to_the_beat():
