@@ -579,28 +579,41 @@ def test_sampled_crypto_time_counts_every_kind_unbiased_at_an_eighth_of_the_cloc
         CpuSampler(every=0)
 
 
-def _partials_tagged_for(tmp_path, monkeypatch, echoes: bool
-                         ) -> tuple[list[set[str]], list[dict[str, int]]]:
-    """A signed group of two (d0, d1) trained 3 steps in memory; for every group partial,
-    whom its tags were made for, and the drops counted by the job's processes."""
+def _tags_of(tmp_path, monkeypatch, stages: tuple[StageAssignment, ...], resiliency: int = 0,
+             echoes: bool = False) -> tuple[list[tuple[str, str, set[str]]], list[dict[str, int]]]:
+    """A signed job on ``stages`` trained 3 steps in memory: every stage input, gradient and
+    group exchange frame as (kind, topic, the names its tags were made for), and the drops
+    counted by the job's processes."""
     if echoes:  # a broker on MQTT 3.1.1: a holder's own publishes come back to it
         monkeypatch.setattr(MemoryTransport, "honours_no_local", property(lambda self: False))
     train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8,
-                        max_steps=3)
-    group = (StageAssignment(0, 0, 6, (Member("d0", 0.5), Member("d1", 0.5))),)
-    job = MemoryJob(ControllerConfig(train=train, devices=2, assignment=group), devices=2,
-                    keys=tmp_path / "keys")
+                        max_steps=3, resiliency=resiliency)
+    devices = sum(len(stage.members) for stage in stages)
+    job = MemoryJob(ControllerConfig(train=train, devices=devices, assignment=stages),
+                    devices=devices, keys=tmp_path / "keys")
     listener = job.broker.transport("listener")
     listener.connect()
-    listener.subscribe(Topics("t").stage_reduce(0))
+    topics = Topics("t")
+    for stage in stages:
+        for topic in (topics.stage_act_all(stage.stage), topics.stage_grad_all(stage.stage),
+                      topics.stage_reduce(stage.stage)):
+            listener.subscribe(topic)
     job.start()
     assert job.run() is ControllerPhase.DONE
     tagged = []
     while not listener.inbox.empty():
-        raw = msgpack.unpackb(listener.inbox.get().payload, raw=False)
-        if raw.get("k") == MessageKind.REDUCE.value:
-            tagged.append(set(raw["mac"]))
+        incoming = listener.inbox.get()
+        raw = msgpack.unpackb(incoming.payload, raw=False)
+        tagged.append((raw["k"], incoming.topic, set(raw["mac"])))
     return tagged, [d.messenger.drops.counts for d in job.devices]
+
+
+def _partials_tagged_for(tmp_path, monkeypatch, echoes: bool
+                         ) -> tuple[list[set[str]], list[dict[str, int]]]:
+    """A signed group of two (d0, d1): whom every group partial's tags were made for."""
+    group = (StageAssignment(0, 0, 6, (Member("d0", 0.5), Member("d1", 0.5))),)
+    tagged, drops = _tags_of(tmp_path, monkeypatch, group, echoes=echoes)
+    return [tags for kind, _, tags in tagged if kind == MessageKind.REDUCE.value], drops
 
 
 def test_a_member_tags_its_partials_for_the_other_members_and_itself_only_where_echoes_come(
@@ -614,3 +627,24 @@ def test_a_member_tags_its_partials_for_the_other_members_and_itself_only_where_
     tagged, drops = _partials_tagged_for(tmp_path / "echo", monkeypatch, echoes=True)
     assert tagged and all(tags == {"d0", "d1"} for tags in tagged), tagged
     assert not any("bad_signature" in counts for counts in drops), drops
+
+
+def test_inputs_and_gradients_are_tagged_for_their_addressee_alone_unless_its_stage_watches(
+        tmp_path, monkeypatch):
+    """A group member at resiliency 0 follows its own inputs and gradients only: a tag for
+    another member would be a pass over the payload nobody checks. At resiliency 1 every
+    holder follows the whole stage (to take over), so every input and gradient is tagged for
+    all of them. Stage 0's data comes from the controller, stage 1's input and stage 0's
+    gradients from the devices."""
+    stages = (StageAssignment(0, 0, 3, (Member("d0", 0.5), Member("d1", 0.5))),
+              StageAssignment(1, 3, 6, (Member("d2", 0.5), Member("d3", 0.5))))
+    for resiliency in (0, 1):
+        tagged, drops = _tags_of(tmp_path / f"r{resiliency}", monkeypatch, stages, resiliency)
+        data = [(topic, tags) for kind, topic, tags in tagged
+                if kind in (MessageKind.ACTIVATION.value, MessageKind.GRADIENT.value)]
+        assert {topic.split("/")[-2] for topic, _ in data} >= {"act", "grad"}, data
+        for topic, tags in data:
+            stage = 0 if "/stage/0/" in topic else 1
+            holders = {m.device for m in stages[stage].members}
+            assert tags == (holders if resiliency else {topic.split("/")[-1]}), (topic, tags)
+        assert not any("bad_signature" in counts for counts in drops), (resiliency, drops)

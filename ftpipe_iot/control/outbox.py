@@ -25,13 +25,13 @@ class JobOutbox:
         self.messenger = messenger
         self.topics = topics
         self.plan_version = 0
-        self.stage_zero: tuple[str, ...] = ()  # who reads the data fed: every holder of stage 0
+        self._plan: Plan | None = None
         self.devices: tuple[str, ...] = ()  # the plan's devices: they read the state each step
 
     def use(self, plan: Plan) -> None:
-        """Tag what follows with ``plan`` (its version; its first stage's holders)."""
+        """Tag what follows with ``plan`` (its version; who reads the data fed)."""
         self.plan_version = plan.version
-        self.stage_zero = plan.stages[0].devices if plan.stages else ()
+        self._plan = plan
         self.devices = (*plan.devices, self.messenger.name)  # we read it too: fencing
 
     def plan(self, plan: Plan) -> None:
@@ -65,8 +65,9 @@ class JobOutbox:
 
     def batch(self, batch: Activation, step: int, index: int, device: str) -> None:
         """A micro-batch of data into stage 0's member ``device``."""
+        readers = self._plan.input_readers(0, device) if self._plan is not None else None
         self.messenger.send(self.topics.stage_act(0, device), batch, self.plan_version, step,
-                            index, receivers=self.stage_zero or None)
+                            index, receivers=readers)
 
     def replicas(self, replicas: Iterable[LayerReplica]) -> None:
         """The controller's own copies of layers, retained on their weights topics."""

@@ -211,18 +211,13 @@ class StageRunner:
             self._emit_all(self.stage.backward(item.step, item.micro_batch, item.gradient))
 
     # -- out ------------------------------------------------------------------------------------
-    def _holders(self, stage: int) -> tuple[str, ...]:
-        """Every device that may read a stage's inputs, gradients and partials (its members and
-        standbys: watchers follow the whole stage): the receivers their tags are made for."""
-        return self.plan.stages[stage].devices
-
     def _exchange_readers(self, stage: int) -> tuple[str, ...]:
         """Who reads this holder's contributions and progress: the stage's other holders, and
         this one too where the broker sends its own publishes back (MQTT 3.1.1: it checks the
         echo before dropping it). A tag is a pass over the payload, and a partial is the
         stage's whole gradient: one for itself was half of what sealing a partial cost a
         group of two."""
-        holders = self._holders(stage)
+        holders = self.plan.stages[stage].devices
         if not self.messenger.transport.honours_no_local:
             return holders
         return tuple(d for d in holders if d != self.name) or holders
@@ -264,7 +259,8 @@ class StageRunner:
             sent = self.messenger.send(
                 self.topics.stage_act(index + 1, device),
                 Activation(output.x, output.y, output.train, route, counts), version,
-                output.step, output.micro_batch, receivers=self._holders(index + 1))
+                output.step, output.micro_batch,
+                receivers=self.plan.input_readers(index + 1, device))
             if output.train and self.role.forwarded(output.step, output.micro_batch,
                                                     self.clock()):  # watchers learn we're alive
                 self.messenger.send(self.topics.stage_reduce(index), Progress(index), version,
@@ -276,7 +272,8 @@ class StageRunner:
             device = came[1] if came else self.plan.stages[index - 1].leader
             return self.messenger.send(
                 self.topics.stage_grad(index - 1, device), Gradient(output.grad), version,
-                output.step, output.micro_batch, receivers=self._holders(index - 1))
+                output.step, output.micro_batch,
+                receivers=self.plan.input_readers(index - 1, device))
         self.role.contribution_seen(output.step, output.micro_batch, self.clock())
         return self.messenger.send(
             self.topics.stage_reduce(index),

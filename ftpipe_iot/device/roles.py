@@ -122,6 +122,6 @@ def role_for(name: str, plan: Plan, stage: Stage) -> ComputingHolder:
     """The role of device ``name`` for ``stage`` under ``plan``: watching when the job asks
     for resiliency and the stage has another holder to watch."""
     topics = Topics(plan.job)
-    if plan.train.resiliency >= 1 and stage.group_size > 1:
+    if plan.holders_watch(stage.index):
         return WatchingHolder(name, stage, topics)
     return ComputingHolder(name, stage, topics)

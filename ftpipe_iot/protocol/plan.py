@@ -384,6 +384,19 @@ class Plan:
         """Every device of the plan, stage by stage, members in order."""
         return tuple(d for stage in self.stages for d in stage.devices)
 
+    def holders_watch(self, stage: int) -> bool:
+        """Whether the holders of ``stage`` follow each other's inputs, gradients and
+        contributions to take over what one of them is late with: at ``--resiliency`` 1 or
+        more, where the stage has another holder to watch (``device.roles``)."""
+        return self.train.resiliency >= 1 and len(self.stages[stage].members) > 1
+
+    def input_readers(self, stage: int, addressee: str) -> tuple[str, ...]:
+        """Who reads an input or a gradient sent to ``addressee``, a holder of ``stage``: the
+        stage's every holder where they watch each other, else the addressee alone (the
+        receivers a frame is tagged for: a tag nobody checks is a pass over the payload for
+        nothing)."""
+        return self.stages[stage].devices if self.holders_watch(stage) else (addressee,)
+
     def stage_of(self, device: str) -> StageAssignment | None:
         for stage in self.stages:
             if device in stage.devices:

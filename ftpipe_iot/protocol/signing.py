@@ -34,6 +34,7 @@ import itertools
 import json
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -81,15 +82,32 @@ class TagContent:
     payload: bytes
 
 
+class _HeaderPacker(threading.local):
+    """One msgpack packer per thread for the few hundred bytes a frame's proof covers.
+    ``msgpack.packb`` makes a packer with a 256 KiB buffer on every call: 20 us of a tag's
+    30 us in a running device (the allocation and the cold code after a computation has
+    evicted the caches), against 5 us for a packer kept warm. Per thread: a packer holds its
+    buffer between calls, and the worker and the heartbeat thread seal at once."""
+
+    def __init__(self) -> None:
+        self.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+
+    def pack(self, fields: list[object]) -> bytes:
+        return self.packer.pack(fields)
+
+
+_header_packer = _HeaderPacker()
+
+
 def tag_content(header: list[object], payload: bytes) -> TagContent:
     """The content a per-receiver tag covers (``TagContent``)."""
-    return TagContent(msgpack.packb([_TAG_DOMAIN, *header], use_bin_type=True), payload)
+    return TagContent(_header_packer.pack([_TAG_DOMAIN, *header]), payload)
 
 
 def signed_content(header: list[object], payload: bytes) -> bytes:
     """The exact bytes an Ed25519 signature of a frame covers: a domain tag, the header fields
     in a fixed order and the payload's digest."""
-    return msgpack.packb([_DOMAIN, *header, payload_digest(payload)], use_bin_type=True)
+    return _header_packer.pack([_DOMAIN, *header, payload_digest(payload)])
 
 
 # -- keys ----------------------------------------------------------------------------------------
