@@ -16,7 +16,7 @@ from ftpipe_iot.protocol.messages import ControllerState, decode_message
 from ftpipe_iot.protocol.plan import Member, OptimizerName, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import ControllerPhase as Phase
-from ftpipe_iot.protocol.vocab import ControllerStatus, ResultType
+from ftpipe_iot.protocol.vocab import ControllerStatus, ResultType, ScheduleName
 from ftpipe_iot.protocol.wire import Envelope, MessageKind, decode, encode
 
 
@@ -126,12 +126,15 @@ def test_device_of_another_job_is_not_used():
 
 def _published_in_order(steps: int, *topics: str, devices: int = 2,
                         assignment: tuple[StageAssignment, ...] = (), beat_s: float = 0.0,
-                        replicate_every: int = 10) -> tuple[MemoryJob, list[Envelope]]:
+                        replicate_every: int = 10, **train_options: object
+                        ) -> tuple[MemoryJob, list[Envelope]]:
     """A pipeline of ``devices`` devices (or ``assignment``) run ``steps`` steps to the end
     by a leader that promises a beat every ``beat_s`` (0: none), and every live message
-    published on ``topics`` (MQTT filters) meanwhile, decoded, in the order of publication."""
-    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=8,
-                        max_steps=steps, replicate_every=replicate_every)
+    published on ``topics`` (MQTT filters) meanwhile, decoded, in the order of publication.
+    ``train_options``: more of the job's ``TrainConfig`` (2 micro-batches of 8 by default)."""
+    options = {"micro_batches": 2, **train_options}
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batch_size=8, max_steps=steps,
+                        replicate_every=replicate_every, **options)
     job = MemoryJob(ControllerConfig(train=train, devices=devices, assignment=assignment,
                                      beat_s=beat_s), devices=devices)
     listener = job.broker.transport("listener")
@@ -172,47 +175,106 @@ def test_the_next_steps_micro_batches_leave_before_the_finished_steps_state():
 _REPORTS = (MessageKind.RESULT, MessageKind.RESULTS)
 
 
+def _report_frames(published: list[Envelope], sender: str | None = None
+                   ) -> list[list[tuple[str, int, int]]]:
+    """The frames of reports in ``published`` (of ``sender``, or all), each as its reports'
+    (type, step, micro-batch) in order: a ``ResultBatch``'s reports, or a lone ``Result``."""
+    frames = []
+    for env in published:
+        if env.kind not in _REPORTS or (sender is not None and env.sender != sender):
+            continue
+        message = decode_message(env).message
+        if env.kind is MessageKind.RESULTS:
+            frames.append([(r.result.type.value, r.step, r.micro_batch)
+                           for r in message.reports])
+        else:
+            frames.append([(message.type.value, env.step, env.micro_batch)])
+    return frames
+
+
 def test_the_last_stage_sends_its_gradient_before_it_reports_the_loss():
-    """Stage data before reports: the neighbour waits for the gradient, nobody for the loss."""
+    """Stage data before reports: the neighbour waits for the gradient, nobody for the loss
+    (sent with the step's end here, the whole step in flight at once, or on its own)."""
     topics = Topics("t")
-    job, published = _published_in_order(3, topics.results, f"{topics.base}/stage/0/grad/+")
-    last = job.controller.plan.stages[-1].leader
-    # a frame of reports carries the step and index of its first: the loss, where there is one
-    order = [("report" if env.kind in _REPORTS else env.kind.value, env.step, env.micro_batch)
-             for env in published
-             if env.sender == last and env.kind in (MessageKind.GRADIENT, *_REPORTS)]
-    # a training micro-batch's loss is the first result with its step and index (an epoch's
-    # evaluation batches, reported later, reuse the step's tag)
-    gradients = {(step, mb) for kind, step, mb in order if kind == MessageKind.GRADIENT.value}
-    losses = {(step, mb) for kind, step, mb in order
-              if kind == "report" and (step, mb) in gradients}
-    assert len(losses) == len(gradients) == 2 * 3, order
-    for step, mb in losses:
-        gradient = order.index((MessageKind.GRADIENT.value, step, mb))
-        assert gradient < order.index(("report", step, mb)), order
+    for options in ({}, {"max_in_flight": 1}):
+        job, published = _published_in_order(3, topics.results, f"{topics.base}/stage/0/grad/+",
+                                              **options)
+        last = job.controller.plan.stages[-1].leader
+        order = []
+        for env in published:
+            if env.sender == last and env.kind is MessageKind.GRADIENT:
+                order.append(("grad", env.step, env.micro_batch))
+            elif env.sender == last and env.kind in _REPORTS:
+                order += _report_frames([env])[0]
+        gradients = {(step, mb) for kind, step, mb in order if kind == "grad"}
+        losses = [(step, mb) for kind, step, mb in order
+                  if kind == ResultType.LOSS.value and (step, mb) in gradients]
+        assert len(losses) == len(gradients) == 2 * 3, order
+        for step, mb in losses:
+            assert order.index(("grad", step, mb)) < \
+                order.index((ResultType.LOSS.value, step, mb)), order
 
 
-def test_the_reports_of_one_computation_go_in_one_frame():
-    """A member of a one-stage group is first and last stage: each micro-batch's loss and its
-    end come from one computation and go out in one ``ResultBatch``, with the step's end where
-    that micro-batch closed the step; the controller takes every report as it would alone."""
-    topics = Topics("t")
+def test_a_holders_reports_wait_for_its_step_end_where_the_controller_needs_none_sooner():
+    """Sync with the whole step in flight (the default's 8 >= the step's micro-batches):
+    nothing the controller does waits for a loss or a micro-batch's end before the step
+    ends. A pipeline's stage sends its step's reports with its step's end, one frame a step;
+    a group member sends them with its contribution to the group (the controller may end
+    the step with the other member's step end, and needs its losses then), so its two
+    micro-batches' losses and ends go in one frame, its step's end in another. The
+    controller takes every report as it would alone."""
     steps = 3
+    job, published = _published_in_order(steps, Topics("t").results)
+    assert job.controller.plan.reports_at_step_end
+    for stage in job.controller.plan.stages:
+        frames = [[kind for kind, _, _ in frame]
+                  for frame in _report_frames(published, stage.leader)]
+        training = [f for f in frames if ResultType.STEP_DONE.value in f]
+        assert len(training) == steps, frames
+        # stage 0 its two micro-batches' ends, stage 1 their losses, then the step's end
+        assert all(f[-1] == ResultType.STEP_DONE.value and len(f) == 3 for f in training), \
+            frames
+        assert not any(ResultType.MICRO_BATCH_DONE.value in f or
+                       (ResultType.LOSS.value in f and len(f) < 3)
+                       for f in frames if f not in training), frames
     group = (StageAssignment(0, 0, 6, (Member("d0", 0.5), Member("d1", 0.5))),)
-    job, published = _published_in_order(steps, topics.results, devices=2, assignment=group)
-    frames = [env for env in published if env.kind in _REPORTS]
-    batches = [decode_message(env).message for env in frames
-               if env.kind is MessageKind.RESULTS]
-    kinds_together = [{r.result.type for r in batch.reports} for batch in batches]
-    # every training micro-batch (2 a step) reported its loss with its end, in one frame
-    training = [kinds for kinds in kinds_together
-                if {ResultType.LOSS, ResultType.MICRO_BATCH_DONE} <= kinds]
-    assert len(training) == 2 * steps, kinds_together
-    reports = sum(len(batch.reports) for batch in batches) + len(frames) - len(batches)
-    assert len(frames) < reports
+    job, published = _published_in_order(steps, Topics("t").results, devices=2,
+                                         assignment=group, micro_batches=4)
+    for member in ("d0", "d1"):
+        frames = [[kind for kind, _, _ in frame]
+                  for frame in _report_frames(published, member)]
+        computed = [f for f in frames if ResultType.MICRO_BATCH_DONE.value in f]
+        assert len(computed) == steps and all(
+            f.count(ResultType.LOSS.value) == f.count(ResultType.MICRO_BATCH_DONE.value) == 2
+            for f in computed), frames
     summary = job.controller.summary
     assert summary.steps == steps and len(summary.history) == steps
     assert all(math.isfinite(h["loss"]) for h in summary.history)
+
+
+@pytest.mark.parametrize("why, options", [
+    ("fewer in flight than a step's micro-batches", {"max_in_flight": 1}),
+    ("1f1b's bound: one in flight per computing device", {"schedule": ScheduleName.FLUSH,
+                                                          "micro_batches": 4}),
+    ("the next step starts before this one ends", {"schedule": ScheduleName.ASYNC}),
+    ("holders that watch each other", {"resiliency": 1}),
+])
+def test_a_micro_batchs_reports_go_at_once_where_the_controller_may_need_them(why, options):
+    """Where the controller may need a micro-batch's end before the step's end (to feed
+    more), or a hung holder's losses must already be out (watching holders), each
+    computation's reports go out as it ends, never held for the step's end."""
+    steps = 3
+    group = (StageAssignment(0, 0, 3, (Member("d0", 0.5), Member("d1", 0.5))),
+             StageAssignment(1, 3, 6, (Member("d2", 1.0),)))
+    job, published = _published_in_order(steps, Topics("t").results, devices=3,
+                                         assignment=group, **options)
+    assert not job.controller.plan.reports_at_step_end, why
+    frames = [[kind for kind, _, _ in frame] for frame in _report_frames(published)]
+    ends = [frame for frame in frames if ResultType.MICRO_BATCH_DONE.value in frame]
+    assert ends and all(ResultType.STEP_DONE.value not in frame or len(frame) <= 3
+                        for frame in ends), (why, frames)
+    assert len(ends) >= job.controller.summary.steps * 2, (why, frames)
+    assert job.controller.summary.steps == steps
 
 
 def _states(beat_s: float, steps: int) -> tuple[MemoryJob, list[tuple[int, ControllerState]]]:

@@ -49,8 +49,7 @@ class PlanTraining:
         self.feed = TrainFeed(model.schedule, plan.n_stages, plan.resume_step,
                               model.total_steps,
                               self.versions.schedule.in_flight_limit(
-                                  self.train.max_in_flight,
-                                  sum(m.share > 0 for s in plan.stages for m in s.members)),
+                                  self.train.max_in_flight, plan.computing_holders),
                               self.versions)
         self.eval_round: EvalRound | None = None
         self.counts: Counts = plan_counts(plan.stages, self.train.micro_batches)

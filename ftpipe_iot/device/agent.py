@@ -51,6 +51,7 @@ from ftpipe_iot.protocol.messages import (
 )
 from ftpipe_iot.protocol.plan import Plan
 from ftpipe_iot.protocol.results import (
+    MAX_BATCHED_REPORTS,
     DeviceError,
     Missing,
     Ready,
@@ -575,12 +576,12 @@ class DeviceAgent:
         self._send_results(Result(body), step, micro_batch, plan_version)
 
     def _report_all(self, reports: Sequence[Report]) -> None:
-        """The reports of one computation: one ``Result``, or one ``ResultBatch`` for more."""
-        if len(reports) == 1:
-            self._send_results(reports[0].result, reports[0].step, reports[0].micro_batch)
-        else:
-            self._send_results(ResultBatch(tuple(reports)), reports[0].step,
-                               reports[0].micro_batch)
+        """Reports made together (one computation's, or a step's held for its end): one
+        ``Result``, or ``ResultBatch`` frames of at most ``MAX_BATCHED_REPORTS`` each."""
+        for first in range(0, len(reports), MAX_BATCHED_REPORTS):
+            part = reports[first:first + MAX_BATCHED_REPORTS]
+            message = part[0].result if len(part) == 1 else ResultBatch(tuple(part))
+            self._send_results(message, part[0].step, part[0].micro_batch)
 
     def _send_results(self, message: Result | ResultBatch, step: int, micro_batch: int,
                       plan_version: int | None = None) -> None:

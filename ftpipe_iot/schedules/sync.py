@@ -26,6 +26,12 @@ class Synchronous(Schedule):
     def forward_version(self, step: int, steps_per_epoch: int, drain_every: int) -> int:
         return max(step, 0)
 
+    def reports_wait_for_step_end(self, micro_batches: int, in_flight_limit: int,
+                                  watched: bool) -> bool:
+        # the next step starts only when this one ends: with the whole step in flight at once,
+        # nothing the controller does waits for a report before the step's end
+        return not watched and in_flight_limit >= micro_batches
+
     def step_time_s(self, stage_times_s: Sequence[float], micro_batches: int,
                     drain_every: int) -> float:
         # fill and drain every step: the bubble shrinks as M grows
