@@ -14,6 +14,7 @@ from ftpipe_iot.core.models import ModelSpec
 from ftpipe_iot.core.reference import train_reference
 from ftpipe_iot.protocol.messages import ControllerState, decode_message
 from ftpipe_iot.protocol.plan import Member, OptimizerName, StageAssignment, TrainConfig
+from ftpipe_iot.protocol.results import MAX_BATCHED_REPORTS
 from ftpipe_iot.protocol.topics import Topics
 from ftpipe_iot.protocol.vocab import ControllerPhase as Phase
 from ftpipe_iot.protocol.vocab import ControllerStatus, ResultType, ScheduleName
@@ -304,3 +305,23 @@ def test_a_leader_that_beats_its_lease_leaves_a_bare_step_count_to_the_beat():
                  if state.state is ControllerStatus.TRAINING}
     assert completed <= announced, (completed, announced)
     assert job.controller.summary.steps == steps
+
+
+def test_a_steps_reports_beyond_one_frames_worth_go_in_several_frames_in_order():
+    """A stage holding a step of 70 micro-batches has 71 reports at its step's end, more
+    than a ``ResultBatch`` carries (64): they go in frames of at most 64, in order, and the
+    controller completes the step from them."""
+    job, published = _published_in_order(1, Topics("t").results, micro_batches=70,
+                                         max_in_flight=70)
+    assert job.controller.plan.reports_at_step_end
+    first = job.controller.plan.stages[0].leader
+    frames = _report_frames(published, first)
+    sizes = [len(frame) for frame in frames if any(r[2] >= 0 for r in frame)]
+    assert sizes == [MAX_BATCHED_REPORTS, 70 + 1 - MAX_BATCHED_REPORTS], sizes
+    flat = [report for frame in frames for report in frame]
+    ends = [i for i, (kind, _, _) in enumerate(flat) if kind == ResultType.STEP_DONE.value]
+    done = [(i, mb) for i, (kind, _, mb) in enumerate(flat)
+            if kind == ResultType.MICRO_BATCH_DONE.value]
+    assert [mb for _, mb in done] == list(range(70)) and len(ends) == 1, flat
+    assert max(i for i, _ in done) < ends[0], flat
+    assert job.controller.summary.steps == 1
