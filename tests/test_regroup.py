@@ -218,14 +218,27 @@ def test_a_plan_change_to_another_group_layout_loads_its_weights_and_stays_exact
     assert max_weight_diff(gathered, train_reference(train, job.controller.data, 4)) > 1e-4
 
 
-def test_a_layer_move_that_measures_slower_is_taken_back_and_training_stays_exact():
-    # the A/B guard of layer moves: a move (forced here, onto a device 40x slower) is judged
-    # against the steps before it, measures slower, and the layout it replaced comes back
+_SLOWER_CHANGES = {
+    # a layer move onto a device 40x slower
+    "layer move": ((StageAssignment.single(0, "d0", 0, 3), StageAssignment.single(1, "d1", 3, 6)),
+                   (StageAssignment.single(0, "d2", 0, 6),),
+                   lambda worse: Rebalance([("d2", 0, 6)], current_s=0.02, proposed_s=0.01)),
+    # a change of members and shares: a group of two takes in that device
+    "regroup": ((StageAssignment(0, 0, 6, (Member("d0", 0.5), Member("d1", 0.5))),),
+                (StageAssignment(0, 0, 6, (Member("d0", 0.25), Member("d1", 0.25),
+                                           Member("d2", 0.5))),),
+                lambda worse: Regroup(worse, current_s=0.02, proposed_s=0.01)),
+}
+
+
+@pytest.mark.parametrize("change", sorted(_SLOWER_CHANGES))
+def test_a_change_that_measures_slower_is_taken_back_and_training_stays_exact(change):
+    # the A/B guard: a move (forced here, onto a device 40x slower) is judged against the
+    # steps before it, measures slower, and the layout it replaced comes back
+    before, worse, move = _SLOWER_CHANGES[change]
     steps = 22
     train = TrainConfig(model=ModelSpec("mlp"), micro_batches=4, micro_batch_size=8,
                         max_steps=steps, lr=0.05)
-    before = (StageAssignment.single(0, "d0", 0, 3), StageAssignment.single(1, "d1", 3, 6))
-    worse = (StageAssignment.single(0, "d2", 0, 6),)
     job = MemoryJob(ControllerConfig(train=train, devices=3, assignment=before), devices=3)
     slow = parse_profile({"version": 1, "name": "slow", "factor": 40})
     job.devices[2] = DeviceAgent("d2", "t", job.broker.transport("d2", device_will("d2", "t")),
@@ -234,8 +247,7 @@ def test_a_layer_move_that_measures_slower_is_taken_back_and_training_stays_exac
 
     def consider(step, *args, **kwargs):
         if step == 8:
-            replanner.request(ReplanReason.REBALANCE, worse,
-                              Rebalance([("d2", 0, 6)], current_s=0.02, proposed_s=0.01))
+            replanner.request(ReplanReason.REBALANCE, worse, move(worse))
         return None
 
     replanner.consider = consider
@@ -246,38 +258,5 @@ def test_a_layer_move_that_measures_slower_is_taken_back_and_training_stays_exac
     assert summary.layout_reverts == 1 and len(moves) == 2, summary.events
     assert moves[1]["stages"] == [s.to_dict() for s in before]
     assert moves[1]["at_step"] >= 8 + 1 + 5  # judged on the steps after the move
-    gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
-    assert max_weight_diff(gathered, train_reference(train, job.controller.data, steps)) < 1e-5
-
-
-def test_a_regroup_that_takes_in_a_slower_member_and_measures_slower_is_taken_back():
-    # the A/B guard judges a change of members and shares as it judges a layer move: a group
-    # of two takes in an idle device (forced here, one 40x slower), measures slower, and the
-    # group it replaced comes back; training stays exact through both changes
-    steps = 22
-    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=4, micro_batch_size=8,
-                        max_steps=steps, lr=0.05)
-    before = (StageAssignment(0, 0, 6, (Member("d0", 0.5), Member("d1", 0.5))),)
-    worse = (StageAssignment(0, 0, 6, (Member("d0", 0.25), Member("d1", 0.25),
-                                       Member("d2", 0.5))),)
-    job = MemoryJob(ControllerConfig(train=train, devices=3, assignment=before), devices=3)
-    slow = parse_profile({"version": 1, "name": "slow", "factor": 40})
-    job.devices[2] = DeviceAgent("d2", "t", job.broker.transport("d2", device_will("d2", "t")),
-                                 CollectorRegistry(), profile=slow)
-    replanner = job.controller.replanner
-
-    def consider(step, *args, **kwargs):
-        if step == 8:
-            replanner.request(ReplanReason.REBALANCE, worse,
-                              Regroup(worse, current_s=0.02, proposed_s=0.01))
-        return None
-
-    replanner.consider = consider
-    job.start()
-    assert job.run() is ControllerPhase.DONE
-    summary = job.controller.summary
-    moves = [e for e in summary.events if e["type"] == "repartitioned"]
-    assert summary.layout_reverts == 1 and len(moves) == 2, summary.events
-    assert moves[1]["stages"] == [s.to_dict() for s in before]
     gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     assert max_weight_diff(gathered, train_reference(train, job.controller.data, steps)) < 1e-5
