@@ -140,7 +140,7 @@ def demo(pairs: int, epochs: int, layout_name: str = "pipeline") -> dict:
                                 "loadavg_before": before, "loadavg_after": loadavg()})
             say(f"demo {label} #{index}: {summary['samples_per_s']:.0f} samples/s, "
                 f"crypto {crypto:.3f} CPU-s of {cpu_s:.1f}")
-    result = _compare(runs)
+    result = {**_compare(runs), **pair_costs(runs)}
     # ``auto`` decides its layout in each run: now and then one side of a pair runs another
     # layout (a pipeline of three where the rest ran data parallelism), and that pair measures
     # the layouts, not the signatures. The runs on the layout most runs had are compared too.
@@ -209,7 +209,7 @@ def mobilenetv2(pairs: int, steps: int, warmup: int) -> dict:
                                     "loadavg_after": result["loadavg_after"]})
                 say(f"mobilenetv2 {label} #{index}: {result['samples_per_s']:.1f} samples/s, "
                     f"crypto {result['crypto_s']:.2f} s of {cpu:.0f} CPU-s")
-    return _compare(runs)
+    return {**_compare(runs), **pair_costs(runs)}
 
 
 def _compare(runs: dict[str, list[dict]]) -> dict:
@@ -217,6 +217,15 @@ def _compare(runs: dict[str, list[dict]]) -> dict:
     unsigned = statistics.median(r["samples_per_s"] for r in runs["unsigned"])
     return {"runs": runs, "median_samples_per_s": {"signed": signed, "unsigned": unsigned},
             "slowdown_pct": round(100 * (1 - signed / unsigned), 2)}
+
+
+def pair_costs(runs: dict[str, list[dict]]) -> dict:
+    """What signing cost each pair (run ``i`` of each side is pair ``i``), in per cent of the
+    unsigned run's samples/s, and their spread: on a shared 2-core host single pairs differ
+    by more than the targets, and the medians alone hide that."""
+    costs = [round(100 * (1 - signed["samples_per_s"] / unsigned["samples_per_s"]), 1)
+             for signed, unsigned in zip(runs["signed"], runs["unsigned"])]
+    return {"pairs_pct": costs, "pairs_range_pct": [min(costs), max(costs)] if costs else []}
 
 
 def plot(results: dict, path: Path) -> None:

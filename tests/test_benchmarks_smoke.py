@@ -227,3 +227,14 @@ def test_l8_bytes_per_cut_encodes_every_cut_as_the_messenger_does(monkeypatch, t
             assert sizes["none"] > sizes["fp16"] > sizes["int8"] > sizes["int4"], row
     dense = next(r for r in rows if r["cut"] == 8)  # after a linear bottleneck: no zeros
     assert dense["activation_bytes"]["none"] / dense["activation_bytes"]["int8"] > 3.5
+
+
+def test_the_signing_benchmark_reports_every_pairs_cost_and_their_spread(monkeypatch):
+    """Run i of each side is pair i; each pair's cost is against its own unsigned run."""
+    monkeypatch.syspath_prepend(str(REPO))
+    import benchmarks.signing as signing
+
+    runs = {"signed": [{"samples_per_s": 90.0}, {"samples_per_s": 110.0}],
+            "unsigned": [{"samples_per_s": 100.0}, {"samples_per_s": 100.0}]}
+    assert signing.pair_costs(runs) == {"pairs_pct": [10.0, -10.0],
+                                        "pairs_range_pct": [-10.0, 10.0]}
