@@ -48,8 +48,7 @@ class PlanTraining:
         self.versions = StepVersions.of(self.train, model.schedule.steps_per_epoch)
         self.feed = TrainFeed(model.schedule, plan.n_stages, plan.resume_step,
                               model.total_steps,
-                              self.versions.schedule.in_flight_limit(
-                                  self.train.max_in_flight, plan.computing_holders),
+                              plan.in_flight_limit,
                               self.versions)
         self.eval_round: EvalRound | None = None
         self.counts: Counts = plan_counts(plan.stages, self.train.micro_batches)

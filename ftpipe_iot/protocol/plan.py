@@ -385,10 +385,13 @@ class Plan:
         return tuple(d for stage in self.stages for d in stage.devices)
 
     @property
-    def computing_holders(self) -> int:
-        """Devices that compute (one per stage of a pipeline, every member of a group with a
-        share): the schedule's in-flight bound counts them."""
-        return sum(m.share > 0 for stage in self.stages for m in stage.members)
+    def in_flight_limit(self) -> int:
+        """Micro-batches the controller keeps in flight at most: ``--max-in-flight`` as the
+        job's schedule bounds it for the devices that compute (one per stage of a pipeline,
+        every member of a group with a share; ``Schedule.in_flight_limit``)."""
+        computing = sum(m.share > 0 for stage in self.stages for m in stage.members)
+        return schedule_for(self.train.schedule).in_flight_limit(self.train.max_in_flight,
+                                                                 computing)
 
     @property
     def reports_at_step_end(self) -> bool:
@@ -396,10 +399,9 @@ class Plan:
         end (a group member: until it sends its contribution) and send them then in one frame
         (``Schedule.reports_wait_for_step_end``): a frame or two a step for each holder
         instead of one a computation, where the controller needs no report sooner."""
-        schedule = schedule_for(self.train.schedule)
-        limit = schedule.in_flight_limit(self.train.max_in_flight, self.computing_holders)
         watched = any(self.holders_watch(stage) for stage in range(self.n_stages))
-        return schedule.reports_wait_for_step_end(self.train.micro_batches, limit, watched)
+        return schedule_for(self.train.schedule).reports_wait_for_step_end(
+            self.train.micro_batches, self.in_flight_limit, watched)
 
     def holders_watch(self, stage: int) -> bool:
         """Whether the holders of ``stage`` follow each other's inputs, gradients and
