@@ -24,8 +24,8 @@ Per configuration: seconds of training until the test accuracy first reaches ``-
 accuracy per epoch with its time, the final accuracy, bytes on the wire per step, failures
 detected (default liveness settings: every one on these links is a false one), and for the
 pipeline runs the replication interval the controller paced to the links and the share of
-the training time replication took (the steps at which a replica went out against the median
-step). Bytes per cut: the wire message of one micro-batch's activations (and of its gradient)
+the training time replication took (the extra time of the long steps against the median step;
+steps that held an evaluation or a new plan are counted apart, ``replication_share``). Bytes per cut: the wire message of one micro-batch's activations (and of its gradient)
 at every cut of the model, encoded as the messenger encodes it (``protocol.wire.encode``) from
 the real activations of a batch of the training data, for each codec. Wire bytes per step are
 kept as run facts but compare different plans (other cuts, other replicas), so the codec's
@@ -56,6 +56,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -113,19 +114,68 @@ def training_start(summary: dict) -> float:
     return started[0] if started else 0.0
 
 
+def pauses(summary: dict) -> dict[int, str]:
+    """The history steps whose interval (from the step before) held a pause that is not
+    replication: an evaluation (``epoch_evaluated`` at step s falls between steps s - 1 and s)
+    or a new plan (a re-plan, a recovery: the plan's first step is its resume step)."""
+    out: dict[int, str] = {}
+    for event in summary.get("events", []):
+        if event["type"] == "epoch_evaluated":
+            out[event["step"]] = "evaluation"
+        elif event["type"] == "plan_changed":
+            out.setdefault(event["resume_step"], "plan_change")
+    return out
+
+
 def replication_share(summary: dict) -> dict:
     """The replication interval the controller paced to the links and the share of training
-    time replication took: the extra time of the steps at which a replica went out (a step
-    longer than twice the median) over the training time."""
+    time replication took: the extra time of the long steps (longer than twice the median)
+    over the training time, apart from the steps that held an evaluation or a new plan, whose
+    extra time is counted beside it (``pauses``). A long step with no such pause is counted as
+    replication's, whatever slowed it, so the figure errs against the product; how many of
+    them ended within two steps of a replication point (the devices replicate after step s
+    where (s + 1) is a multiple of the interval in force) says how much of it is replication's."""
     times = sorted((h["step"], h["t"]) for h in summary["history"])
-    intervals = [b[1] - a[1] for a, b in zip(times, times[1:]) if b[0] == a[0] + 1]
+    intervals = [(b[0], b[1] - a[1]) for a, b in zip(times, times[1:]) if b[0] == a[0] + 1]
     if len(intervals) < 4:
         return {"paced": summary.get("replication", {}), "share_of_training": None}
-    median = statistics.median(intervals)
-    extra = sum(i - median for i in intervals if i > 2 * median)
-    total = sum(intervals)
+    median = statistics.median(i for _, i in intervals)
+    total = sum(i for _, i in intervals)
+    paused = pauses(summary)
+    every = _interval_by_step(summary)
+    extra: dict[str, float] = {"replication": 0.0, "evaluation": 0.0, "plan_change": 0.0}
+    long_steps, near_replication = 0, 0
+    for step, interval in intervals:
+        if interval <= 2 * median:
+            continue
+        cause = paused.get(step, "replication")
+        extra[cause] += interval - median
+        if cause == "replication":
+            long_steps += 1
+            near_replication += any(every(s) and (s + 1) % every(s) == 0
+                                    for s in (step - 1, step - 2))
+    share = {cause: round(seconds / total, 4) if total else None
+             for cause, seconds in extra.items()}
     return {"paced": summary.get("replication", {}),
-            "share_of_training": round(extra / total, 4) if total else None}
+            "share_of_training": share["replication"],
+            "evaluation_share": share["evaluation"], "plan_change_share": share["plan_change"],
+            "long_steps": long_steps, "long_steps_after_a_replication": near_replication}
+
+
+def _interval_by_step(summary: dict) -> Callable[[int], int]:
+    """The replication interval in force at each step: the job's base, then each
+    ``replication_paced`` event's from its step on."""
+    base = int(summary.get("replication", {}).get("base", 0))
+    changes = sorted((e["at_step"], e["steps"]) for e in summary.get("events", [])
+                     if e["type"] == "replication_paced")
+
+    def at(step: int) -> int:
+        every = base
+        for from_step, steps in changes:
+            if from_step < step:
+                every = steps
+        return every
+    return at
 
 
 def result_of(name: str, summary: dict, target: float, extra: dict | None = None) -> dict:

@@ -215,6 +215,28 @@ def test_l8_verdicts_compare_equal_epochs_and_the_codec_per_cut(monkeypatch):
     assert verdicts["int8_accuracy_points_below_none"] == -2.0
 
 
+def test_l8_replication_share_leaves_evaluations_and_new_plans_out(monkeypatch):
+    """Steps of 1 s; an evaluation (a 6 s step) and a new plan (8 s) are counted apart from
+    replication; the long steps after the replication points (base 10, paced to 20 at step 25)
+    are replication's; a long step nowhere near one is counted against it too, and said so."""
+    links_l8 = _links_l8(monkeypatch)
+    long = {15: 6.0, 31: 8.0, 10: 3.0, 40: 3.0, 52: 2.5}  # 52: no replication near it
+    t, history = 0.0, []
+    for step in range(60):
+        t += long.get(step, 1.0)
+        history.append({"step": step, "t": t})
+    summary = {"history": history, "replication": {"base": 10},
+               "events": [{"type": "epoch_evaluated", "step": 15},
+                          {"type": "plan_changed", "resume_step": 31},
+                          {"type": "replication_paced", "at_step": 25, "steps": 20}]}
+    share = links_l8.replication_share(summary)
+    total = t - history[0]["t"]
+    assert share["evaluation_share"] == round(5.0 / total, 4)
+    assert share["plan_change_share"] == round(7.0 / total, 4)
+    assert share["share_of_training"] == round((2.0 + 2.0 + 1.5) / total, 4)
+    assert (share["long_steps"], share["long_steps_after_a_replication"]) == (3, 2)
+
+
 def test_l8_bytes_per_cut_encodes_every_cut_as_the_messenger_does(monkeypatch, tmp_path):
     links_l8 = _links_l8(monkeypatch)
     from benchmarks.speed import upscaled_digits
