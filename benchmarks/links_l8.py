@@ -25,9 +25,10 @@ accuracy per epoch with its time, the final accuracy, bytes on the wire per step
 detected (default liveness settings: every one on these links is a false one), and for the
 pipeline runs the replication interval the controller paced to the links and the share of
 the training time replication took (the extra time of the long steps against the median step;
-steps that held an evaluation or a new plan are counted apart, ``replication_share``). Bytes per cut: the wire message of one micro-batch's activations (and of its gradient)
-at every cut of the model, encoded as the messenger encodes it (``protocol.wire.encode``) from
-the real activations of a batch of the training data, for each codec. Wire bytes per step are
+steps that held an evaluation or a new plan are counted apart, ``replication_share``). Bytes per
+cut: the wire message of one micro-batch's activations (and of its gradient) at every cut of the
+model, encoded as the messenger encodes it (``protocol.wire.encode``) from the real activations
+of a batch of the training data, for each codec. Wire bytes per step are
 kept as run facts but compare different plans (other cuts, other replicas), so the codec's
 verdict is taken per cut.
 

@@ -60,6 +60,7 @@ from ftpipe_iot.protocol.messages import (
 )
 from ftpipe_iot.protocol.plan import Plan, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.results import (
+    CapacityProbed,
     DeviceError,
     Missing,
     Ready,
@@ -385,6 +386,8 @@ class Controller:
                 self._start_training()
         elif isinstance(body, Missing):
             self._republish(body.version, body.layers)
+        elif isinstance(body, CapacityProbed):
+            self._on_probed(inbound.sender, body)
         elif self.training is not None and self.phase is Phase.TRAINING:
             try:
                 progressed, boundary = self.training.on_result(inbound.sender, inbound.step,
@@ -398,6 +401,21 @@ class Controller:
                 self._at_boundary(boundary)
             if self._state_pending:
                 self._publish_state(ControllerStatus.TRAINING)
+
+    def _on_probed(self, device: str, probed: CapacityProbed) -> None:
+        """An idle device measured itself (``device.probe``): its speed until steps measure it,
+        so a re-plan can weigh giving it work instead of pricing it as the slowest device."""
+        if self.capacity.measured(device) or probed.micro_batches < 1:
+            return
+        factor = self.capacity.observe(device, probed.start, probed.end,
+                                       probed.typical_s * probed.micro_batches,
+                                       probed.micro_batches,
+                                       probed.typical_cpu_s * probed.micro_batches,
+                                       probed.typical_emulated_s * probed.micro_batches)
+        if factor is not None:
+            self.recorder.capacity(device, factor)
+            self.recorder.message(f"{device} (idle) measured itself: {factor:.2f}x the "
+                                  "reference profile")
 
     def _on_weights(self, inbound: Inbound, replica: LayerReplica) -> None:
         if self.model is None:

@@ -273,6 +273,7 @@ class Recorder:
 
     def capacity(self, device: str, factor: float) -> None:
         self.metrics.fleet.update(device, capacity_factor=factor)
+        self.summary.device_capacity[device] = round(factor, 4)
 
     def layer_seconds(self, device: str, first_layer: int,
                       times: tuple[tuple[float, float], ...]) -> None:

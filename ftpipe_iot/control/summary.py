@@ -58,6 +58,9 @@ class RunSummary:
     device_dropped: dict[str, dict[str, int]] = field(default_factory=dict)
     device_layer_seconds: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     device_links: dict[str, dict[str, float]] = field(default_factory=dict)
+    # each device's capacity factor as last estimated (x the reference profile; an idle
+    # device's from its probe, device.probe)
+    device_capacity: dict[str, float] = field(default_factory=dict)
     # seconds the controller spent deciding at step boundaries (retune, rebalance)
     decision_s: dict[str, float] = field(default_factory=dict)
     # the planner's predicted step time of each plan (and set of shares) against the measured

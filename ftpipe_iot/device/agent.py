@@ -29,8 +29,9 @@ from ftpipe_iot.core.stage import Stage
 from ftpipe_iot.device.copies import LayerCopies
 from ftpipe_iot.device.link import LinkMeter
 from ftpipe_iot.device.pipeline import DeferredInbox, RunnerHooks, StageMessage, StageRunner
+from ftpipe_iot.device.probe import probe_capacity, probe_key
 from ftpipe_iot.device.trust import PlanGate, Verdict
-from ftpipe_iot.errors import ModelError, StageInputError
+from ftpipe_iot.errors import FtpipeError, ModelError, StageInputError
 from ftpipe_iot.observability.metrics import DeviceMetrics
 from ftpipe_iot.observability.timeline import ClockProbe, Timeline
 from ftpipe_iot.planning.profiles import DeviceProfile
@@ -52,6 +53,7 @@ from ftpipe_iot.protocol.messages import (
 from ftpipe_iot.protocol.plan import Plan
 from ftpipe_iot.protocol.results import (
     MAX_BATCHED_REPORTS,
+    CapacityProbed,
     DeviceError,
     Missing,
     Ready,
@@ -124,6 +126,9 @@ class DeviceOptions:
     # False when the network itself enforces the profile's link cap (a tbf-capped namespace,
     # docs/design.md §12): the cap is still declared to the controller, but not slept for.
     emulate_link: bool = True
+    # A device a plan leaves idle measures how fast it trains the model (``device.probe``) and
+    # reports it, so the controller can weigh giving it work.
+    probe_when_idle: bool = True
 
 
 class DeviceAgent:
@@ -171,6 +176,7 @@ class DeviceAgent:
         self._worker_inbox: DeferredInbox | None = None
         self._loader_since = 0.0
         self._current_step = 0  # step of the data being computed (profiles schedule by step)
+        self._probes: dict[str, CapacityProbed] = {}  # by ``probe_key``
         # steps between replications: the plan's, until the controller paces them to the link
         self._replicate_every = 0
         # a replication the controller asked for before the stage reached its version
@@ -340,6 +346,7 @@ class DeviceAgent:
         self.copies.follow(plan, self.name)
         if assignment is None:
             log.info("plan %d: no stage for %s (standing by)", plan.version, self.name)
+            self._report_probe(plan)
             return
         layers = range(assignment.start, assignment.end)
         if plan.resume_step == 0 and not plan.init_weights:
@@ -360,6 +367,30 @@ class DeviceAgent:
                               plan.train.seed)
         return layers, cut_shapes(layers, plan.input_shape, plan.num_classes,
                                   plan.train.model.name)
+
+    def _report_probe(self, plan: Plan) -> None:
+        """Tell the controller how fast this idle device trains the plan's model: measured the
+        first time a plan of this model leaves it idle, the same figures after that."""
+        if not self.options.probe_when_idle:
+            return
+        key = probe_key(plan)
+        probed = self._probes.get(key)
+        if probed is None:
+            try:
+                layers, shapes = self._prepare(plan)
+                probed = probe_capacity(plan, layers, shapes, self._emulate_slowdown)
+            except (FtpipeError, RuntimeError) as exc:  # RuntimeError: torch's, out of memory
+                # said once: the device stays a stand-in for the controller, as before probes
+                log.warning("%s cannot measure itself on plan %d's model: %s", self.name,
+                            plan.version, exc)
+                probed = CapacityProbed(0, plan.num_layers, 0, 0.0)
+            else:
+                log.info("%s trains the whole model at %.4f s a micro-batch of %d (idle: "
+                         "measured for the controller)", self.name, probed.typical_s,
+                         plan.train.micro_batch_size)
+            self._probes[key] = probed
+        if probed.micro_batches:
+            self._report(probed, plan_version=plan.version)
 
     def _on_weights(self, inbound: Inbound, replica: LayerReplica) -> None:
         if self.plan is None or inbound.plan_version < self.plan.since:
@@ -546,6 +577,16 @@ class DeviceAgent:
                 self.sleep(delay)
                 slept += delay
         return slept
+
+    def _emulate_slowdown(self, real_s: float) -> float:
+        """The profile's slow-down alone (no stall): what an idle device's probe sleeps."""
+        if self.profile is None:
+            return 0.0
+        delay = self.profile.compute_delay_s(real_s, self._current_step,
+                                             self.clock() - self._started)
+        if delay > 0:
+            self.sleep(delay)
+        return max(delay, 0.0)
 
     def _emulate_link(self, n_bytes: int) -> None:
         if self.profile is not None and self.options.emulate_link:

@@ -137,6 +137,33 @@ class Missing:
 
 
 @dataclass(frozen=True)
+class CapacityProbed:
+    """An idle device trained layers [start, end) as a one-stage plan on random data
+    (``device.probe``): the median micro-batch's seconds (``micro_batches`` of them, per
+    step), in the three clocks a ``StageStepDone`` reports. 0 micro-batches: nothing measured."""
+
+    TYPE: ClassVar[ResultType] = ResultType.PROBED
+    start: int
+    end: int
+    micro_batches: int
+    typical_s: float
+    typical_cpu_s: float = 0.0
+    typical_emulated_s: float = 0.0
+
+    def fields(self) -> dict[str, Any]:
+        return {"start": self.start, "end": self.end, "micro_batches": self.micro_batches,
+                "typical_s": self.typical_s, "typical_cpu_s": self.typical_cpu_s,
+                "typical_emulated_s": self.typical_emulated_s}
+
+    @classmethod
+    def parse(cls, f: BodyReader) -> CapacityProbed:
+        start = f.int("start", low=0)
+        end = f.int("end", low=start + 1)
+        return cls(start, end, f.int("micro_batches", low=0), f.float("typical_s", low=0),
+                   f.float("typical_cpu_s", 0.0, low=0), f.float("typical_emulated_s", 0.0, low=0))
+
+
+@dataclass(frozen=True)
 class DeviceError:
     """A device cannot go on with this plan; the message says why."""
 
@@ -152,11 +179,12 @@ class DeviceError:
 
 
 ResultBody = Ready | MicroBatchLoss | MicroBatchFinished | StageStepDone | Replicated | Missing \
-    | DeviceError
+    | CapacityProbed | DeviceError
 _RESULTS: dict[ResultType, Any] = {
     ResultType.READY: Ready, ResultType.LOSS: MicroBatchLoss, ResultType.EVAL: MicroBatchLoss,
     ResultType.MICRO_BATCH_DONE: MicroBatchFinished, ResultType.STEP_DONE: StageStepDone,
     ResultType.REPLICATED: Replicated, ResultType.MISSING: Missing, ResultType.ERROR: DeviceError,
+    ResultType.PROBED: CapacityProbed,
 }
 
 

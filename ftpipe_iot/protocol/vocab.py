@@ -156,6 +156,7 @@ class ResultType(str, Enum):
     STEP_DONE = "step_done"
     REPLICATED = "replicated"
     MISSING = "missing"
+    PROBED = "probed"
     ERROR = "error"
 
 
