@@ -187,22 +187,39 @@ def result_of(name: str, summary: dict, target: float, extra: dict | None = None
            "final_accuracy": summary.get("test_accuracy"), "curve": points,
            "steps": summary.get("steps"), "failures_detected": summary.get("failures_detected"),
            "wire_bytes_per_step": summary.get("wire_bytes_per_step"),
-           "train_s": summary.get("train_s")}
+           "train_s": summary.get("train_s"),
+           # what the controller decided and from what: every plan from its step, with its
+           # prediction and measurement, and each device's speed as last estimated
+           "plans": [{"from_step": e["resume_step"], "t": round(e["t"] - start, 2),
+                      "stages": _compact(e["stages"])}
+                     for e in summary.get("events", []) if e["type"] == "plan_changed"],
+           "predictions": [{k: p.get(k) for k in ("from_step", "predicted_step_s",
+                                                  "measured_step_s", "error", "unmeasured")}
+                           for p in summary.get("predictions", [])],
+           "device_capacity": summary.get("device_capacity", {})}
     out.update(extra or {})
     say(f"{name}: {out['time_to_target_s']} s to {target}, final {out['final_accuracy']}")
     return out
 
 
+def _compact(stages: list[dict]) -> str:
+    """A plan's stages as ``a1:0-8 b0:8-9 a0:9-22`` (group members joined by ``+``)."""
+    return " ".join("+".join(d["device"].removeprefix("l8-") for d in stage["devices"]) +
+                    f":{stage['start']}-{stage['end']}" for stage in stages)
+
+
 def pipeline_run(lab: NetLab, nodes: dict, work: Path, name: str, devices: list[str],
-                 profiles: dict[str, Path], args: list[str]) -> dict:
-    """An ftpipe-iot job over the lab's links (the broker and controller in the hub)."""
+                 profiles: dict[str, Path], args: list[str], probe: bool = True) -> dict:
+    """An ftpipe-iot job over the lab's links (the broker and controller in the hub);
+    ``probe``: idle devices measure themselves (``device.probe``)."""
     with BrokerProcess(kind=BrokerKind.MOSQUITTO, port=PORT, bind="0.0.0.0",
                        data_dir=work / name, netns=lab.hub) as broker:
         placement = Placement(f"mqtt://127.0.0.1:{PORT}", BrokerConfig(port=PORT),
                               controller_netns=lab.hub,
                               device_urls={d: nodes[d].broker_url(PORT) for d in devices},
                               device_netns={d: nodes[d].namespace for d in devices},
-                              device_args=["--real-link"])
+                              device_args=["--real-link",
+                                           *([] if probe else ["--no-probe-when-idle"])])
         spec = JobSpec(name, [(d, profiles[d]) for d in devices], args, timeout_s=3600)
         return run_job(spec, broker, placement=placement)
 
@@ -389,9 +406,11 @@ def plot(results: dict, png: Path) -> None:
     save_figure(fig, png)
 
 
-def run_name(codec: str, schedule: str) -> str:
-    """A pipeline run's name: ``ftpipe-<codec>``, with ``-<schedule>`` unless it is sync."""
-    return f"ftpipe-{codec}" + ("" if schedule == "sync" else f"-{schedule}")
+def run_name(codec: str, schedule: str, probe: bool = True) -> str:
+    """A pipeline run's name: ``ftpipe-<codec>``, with ``-<schedule>`` unless it is sync and
+    ``-noprobe`` where idle devices did not measure themselves."""
+    return f"ftpipe-{codec}" + ("" if schedule == "sync" else f"-{schedule}") + \
+        ("" if probe else "-noprobe")
 
 
 def run_configurations(work: Path, data: Path, args: argparse.Namespace, codecs: list[str],
@@ -409,12 +428,12 @@ def run_configurations(work: Path, data: Path, args: argparse.Namespace, codecs:
                                    [*training, "--layout", "pipeline"])
             runs["alone"] = result_of("alone", summary, args.target)
         for codec in codecs:
-            name = run_name(codec, args.schedule)
+            name = run_name(codec, args.schedule, args.probe)
             say(f"{name}: 8 devices, --layout auto, --schedule {args.schedule}")
             summary = pipeline_run(lab, nodes, work, name.replace("ftpipe-", "l8-"),
                                    [d for d, _, _ in FLEET], profiles,
                                    [*training, "--layout", "auto", "--wire-codec", codec,
-                                    "--schedule", args.schedule])
+                                    "--schedule", args.schedule], args.probe)
             runs[name] = result_of(name, summary, args.target, {
                 "stages": summary.get("stages"), "replication": replication_share(summary)})
         if "fedavg" not in skip:
@@ -435,6 +454,9 @@ def main() -> None:
     parser.add_argument("--schedule", default="sync", choices=["sync", "1f1b", "async"],
                         help="the 8-device runs' --schedule (runs other than sync are named "
                              "ftpipe-<codec>-<schedule>)")
+    parser.add_argument("--no-probe", dest="probe", action="store_false",
+                        help="idle devices do not measure themselves (--no-probe-when-idle; "
+                             "runs named ftpipe-<codec>[-<schedule>]-noprobe)")
     parser.add_argument("--micro-batches", type=int, default=M, choices=[1, 2, 4, 8, 16, 32],
                         help=f"micro-batches of every step of {BATCH} samples (alone and "
                              "pipeline runs)")
@@ -452,7 +474,7 @@ def main() -> None:
         parser.error("--epochs must be >= 1 and --target in (0, 1]")
     skip = {s for s in args.skip.split(",") if s}
     codecs = [c for c in args.codecs.split(",")
-              if c and run_name(c, args.schedule) not in skip]
+              if c and run_name(c, args.schedule, args.probe) not in skip]
     earlier = json.loads(args.out.read_text()) if args.merge and args.out.exists() else {}
     anything_to_run = bool(codecs) or not {"alone", "fedavg"} <= skip
     reason = unavailable() if anything_to_run else None

@@ -237,6 +237,28 @@ def test_l8_replication_share_leaves_evaluations_and_new_plans_out(monkeypatch):
     assert (share["long_steps"], share["long_steps_after_a_replication"]) == (3, 2)
 
 
+def test_l8_results_say_every_plan_and_what_the_controller_knew(monkeypatch):
+    links_l8 = _links_l8(monkeypatch)
+    one = [{"stage": 0, "start": 0, "end": 8, "devices": [{"device": "l8-a1", "share": 1.0}]},
+           {"stage": 1, "start": 8, "end": 22, "devices": [{"device": "l8-a0", "share": 0.5},
+                                                           {"device": "l8-b0", "share": 0.5}]}]
+    summary = {"events": [{"type": "training_started", "t": 10.0},
+                          {"type": "plan_changed", "t": 9.0, "resume_step": 0, "stages": one},
+                          {"type": "plan_changed", "t": 40.0, "resume_step": 13,
+                           "stages": one[:1]}],
+               "evals": [{"t": 30.0, "test_accuracy": 0.95}], "history": [],
+               "predictions": [{"from_step": 0, "predicted_step_s": 1.0, "measured_step_s": 2.0,
+                                "error": 1.0, "unmeasured": ["l8-a0"], "other": 1}],
+               "device_capacity": {"l8-a0": 3.1}}
+    out = links_l8.result_of("ftpipe-none", summary, 0.9)
+    assert [(p["from_step"], p["t"], p["stages"]) for p in out["plans"]] == [
+        (0, -1.0, "a1:0-8 a0+b0:8-22"), (13, 30.0, "a1:0-8")]
+    assert out["predictions"] == [{"from_step": 0, "predicted_step_s": 1.0,
+                                   "measured_step_s": 2.0, "error": 1.0,
+                                   "unmeasured": ["l8-a0"]}]
+    assert out["device_capacity"] == {"l8-a0": 3.1} and out["time_to_target_s"] == 20.0
+
+
 def test_l8_bytes_per_cut_encodes_every_cut_as_the_messenger_does(monkeypatch, tmp_path):
     links_l8 = _links_l8(monkeypatch)
     from benchmarks.speed import upscaled_digits

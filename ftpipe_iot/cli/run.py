@@ -72,6 +72,9 @@ def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
 @click.option("--real-link", is_flag=True,
               help="the network enforces the profile's link cap (e.g. a tbf-capped namespace): "
                    "declare it, do not sleep for it")
+@click.option("--probe-when-idle/--no-probe-when-idle", default=True, show_default=True,
+              help="while a plan leaves this device idle, train the model for a few "
+                   "micro-batches of random data once and tell the controller how fast it was")
 @click.option("--controller-name", default="controller", show_default=True,
               help="sender name the job's plans must carry")
 @click.option("--allow-model-module", "allowed_modules", multiple=True, metavar="MODULE",
@@ -86,7 +89,8 @@ def broker(port: int, bind: str, data_dir: str | None, embedded: bool) -> None:
 @signing_options
 @process_options
 def device(name: str | None, job: str | None, heartbeat_interval: float,
-           profile_file: str | None, real_link: bool, controller_name: str,
+           profile_file: str | None, real_link: bool, probe_when_idle: bool,
+           controller_name: str,
            allowed_modules: tuple[str, ...], data: str | None, server: bool, broker_url: str,
            config_file: str | None, mqtt_protocol: str, max_message_bytes: int, keepalive: int,
            signing_key: str | None, roster: str | None, insecure_unsigned: bool,
@@ -109,6 +113,10 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 
         if data is not None and server:
             raise click.UsageError("--data and --server exclude each other")
+        if not probe_when_idle:
+            raise click.UsageError("--no-probe-when-idle is for pipeline devices: a device of "
+                                   "the collaborative modes measures the model for the "
+                                   "coordinator's plan; drop the option")
         keys = credentials(bundle, signing_key, roster, insecure_unsigned)
         sys.exit(run_collab_device(
             name, bundle.job, bundle.broker, process, data, server, profile,
@@ -117,7 +125,7 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
     options = DeviceOptions(heartbeat_interval_s=heartbeat_interval, controller=controller_name,
                             allowed_model_modules=(*bundle.allow_model_modules,
                                                    *allowed_modules),
-                            emulate_link=not real_link)
+                            emulate_link=not real_link, probe_when_idle=probe_when_idle)
     keys = credentials(bundle, signing_key, roster, insecure_unsigned)
     sys.exit(run_device(name, bundle.job, bundle.broker, process, options, profile, keys))
 
