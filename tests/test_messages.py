@@ -33,6 +33,7 @@ from ftpipe_iot.protocol.messages import (
 )
 from ftpipe_iot.protocol.plan import Plan, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.results import (
+    CapacityProbed,
     DeviceError,
     MicroBatchFinished,
     MicroBatchLoss,
@@ -107,6 +108,7 @@ MESSAGES = [
                          typical_emulated_s=0.15)),
     Result(Replicated(10, (0, 2), 1234, {"stale_plan": 1})),
     Result(Missing(10, (4, 5))),
+    Result(CapacityProbed(0, 12, (0.12, 0.1, 0.11), (0.05, 0.05, 0.06), (0.06, 0.05, 0.05))),
     Result(DeviceError("cannot build the stage")),
     ResultBatch((Report(3, 1, Result(MicroBatchLoss(2.3, 4, 8))),
                  Report(3, 1, Result(MicroBatchFinished())),
@@ -223,3 +225,13 @@ def test_loading_a_plan_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_probe_with_uneven_clocks_is_refused_with_one_line():
+    body = Result(CapacityProbed(0, 12, (0.1, 0.2), (0.05, 0.1), (0.0, 0.0))).to_body()
+    body["cpu_s"] = [0.05]
+    with pytest.raises(BadBody, match="cpu_s.*as many entries as wall_s"):
+        Result.from_body(body)
+    body["cpu_s"] = [0.05, -1.0]
+    with pytest.raises(BadBody, match="non-negative finite seconds"):
+        Result.from_body(body)

@@ -404,14 +404,14 @@ class Controller:
 
     def _on_probed(self, device: str, probed: CapacityProbed) -> None:
         """An idle device measured itself (``device.probe``): its speed until steps measure it,
-        so a re-plan can weigh giving it work instead of pricing it as the slowest device."""
-        if self.capacity.measured(device) or probed.micro_batches < 1:
+        so a re-plan can weigh giving it work instead of pricing it as the slowest device.
+        Each probe step is a measurement, so their spread is its noise band."""
+        if self.capacity.measured(device) or not probed.wall_s:
             return
-        factor = self.capacity.observe(device, probed.start, probed.end,
-                                       probed.typical_s * probed.micro_batches,
-                                       probed.micro_batches,
-                                       probed.typical_cpu_s * probed.micro_batches,
-                                       probed.typical_emulated_s * probed.micro_batches)
+        factor = None
+        for wall, cpu, emulated in zip(probed.wall_s, probed.cpu_s, probed.emulated_s):
+            factor = self.capacity.observe(device, probed.start, probed.end, wall, 1, cpu,
+                                           emulated)
         if factor is not None:
             self.recorder.capacity(device, factor)
             self.recorder.message(f"{device} (idle) measured itself: {factor:.2f}x the "

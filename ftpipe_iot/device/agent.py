@@ -383,13 +383,13 @@ class DeviceAgent:
                 # said once: the device stays a stand-in for the controller, as before probes
                 log.warning("%s cannot measure itself on plan %d's model: %s", self.name,
                             plan.version, exc)
-                probed = CapacityProbed(0, plan.num_layers, 0, 0.0)
+                probed = CapacityProbed(0, plan.num_layers)
             else:
                 log.info("%s trains the whole model at %.4f s a micro-batch of %d (idle: "
                          "measured for the controller)", self.name, probed.typical_s,
                          plan.train.micro_batch_size)
             self._probes[key] = probed
-        if probed.micro_batches:
+        if probed.wall_s:
             self._report(probed, plan_version=plan.version)
 
     def _on_weights(self, inbound: Inbound, replica: LayerReplica) -> None:

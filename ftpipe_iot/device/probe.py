@@ -6,9 +6,11 @@ for a voluntary move) and never learned whether it would pay to give it work: on
 the first plan, made before anyone was measured, stayed the only one. An idle device therefore
 trains the whole model as a one-stage plan for a few micro-batches of random data, on its own
 copy of the layers and with its profile's emulated slow-down (as its stage would), and reports
-the median micro-batch's seconds in the three clocks a step reports (wall, the compute thread's
-CPU, the emulated sleep); the controller folds them into its capacity estimate as a step's
-(``control.controller``, ``planning.capacity``).
+each measured micro-batch's seconds in the three clocks a step reports (wall, the compute
+thread's CPU, the emulated sleep); the controller folds them into its capacity estimate as
+steps of their own (``control.controller``, ``planning.capacity``): their median is the
+estimate and their spread its noise band, so a move onto the device must pay at the slow end
+of what the probe saw, as a move onto a running device must.
 
 What it costs: one warm-up micro-batch and ``MEASURED`` measured ones of the whole model, once
 per model in the device's life (a new plan that leaves it idle again reports the same figures).
@@ -46,8 +48,8 @@ def probe_capacity(plan: Plan, layers: Sequence[nn.Module], shapes: Sequence[tup
                    measured: int = MEASURED) -> CapacityProbed:
     """Train ``layers`` (the whole model, built from the plan's seed) as a one-stage plan on
     random micro-batches of the plan's size: one to warm up without ``compute_hook`` (the
-    emulated slow-down), then ``measured`` with it, each a step of its own; returns the median
-    micro-batch's seconds."""
+    emulated slow-down), then ``measured`` with it, each a step of its own; returns each
+    measured step's seconds (their spread is the device's noise band for the controller)."""
     config = plan.train
     rows = config.micro_batch_size
     generator = np.random.default_rng(0)
@@ -61,12 +63,6 @@ def probe_capacity(plan: Plan, layers: Sequence[nn.Module], shapes: Sequence[tup
             stage.compute_hook = compute_hook if step > 0 else None
             outputs = stage.forward(step, 0, x, y, True, expected=1)
             done += [o for o in outputs if isinstance(o, StepDone) and step > 0]
-    if not done:
-        return CapacityProbed(0, len(layers), 0, 0.0)
-
-    def median(values: list[float]) -> float:
-        return float(np.median(values))
-
-    return CapacityProbed(0, len(layers), 1, median([d.typical_s for d in done]),
-                          median([d.typical_cpu_s for d in done]),
-                          median([d.typical_emulated_s for d in done]))
+    return CapacityProbed(0, len(layers), tuple(d.typical_s for d in done),
+                          tuple(d.typical_cpu_s for d in done),
+                          tuple(d.typical_emulated_s for d in done))

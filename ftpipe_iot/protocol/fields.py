@@ -117,6 +117,15 @@ class BodyReader:
             raise self.fail(key, "non-negative finite seconds", value)
         return pairs
 
+    def seconds(self, key: str, default: Any = REQUIRED) -> tuple[float, ...]:
+        """A list of non-negative finite seconds."""
+        value = self._get(key, default)
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                and v >= 0 for v in value):
+            raise self.fail(key, "a list of non-negative finite seconds", value)
+        return tuple(float(v) for v in value)
+
     def counts(self, key: str) -> dict[str, int]:
         value = self._get(key, {})
         if not isinstance(value, Mapping) or not all(

@@ -3,6 +3,7 @@ by ``messages.Result``."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -138,29 +139,35 @@ class Missing:
 
 @dataclass(frozen=True)
 class CapacityProbed:
-    """An idle device trained layers [start, end) as a one-stage plan on random data
-    (``device.probe``): the median micro-batch's seconds (``micro_batches`` of them, per
-    step), in the three clocks a ``StageStepDone`` reports. 0 micro-batches: nothing measured."""
+    """An idle device trained layers [start, end) as a one-stage plan on random data, one
+    micro-batch a step (``device.probe``): each measured step's seconds in the three clocks a
+    ``StageStepDone`` reports (wall, the compute thread's CPU, the emulated slow-down's
+    sleep), one entry per step. No entries: nothing was measured."""
 
     TYPE: ClassVar[ResultType] = ResultType.PROBED
     start: int
     end: int
-    micro_batches: int
-    typical_s: float
-    typical_cpu_s: float = 0.0
-    typical_emulated_s: float = 0.0
+    wall_s: tuple[float, ...] = ()
+    cpu_s: tuple[float, ...] = ()
+    emulated_s: tuple[float, ...] = ()
+
+    @property
+    def typical_s(self) -> float:
+        """The median measured step (0 when none was measured)."""
+        return statistics.median(self.wall_s) if self.wall_s else 0.0
 
     def fields(self) -> dict[str, Any]:
-        return {"start": self.start, "end": self.end, "micro_batches": self.micro_batches,
-                "typical_s": self.typical_s, "typical_cpu_s": self.typical_cpu_s,
-                "typical_emulated_s": self.typical_emulated_s}
+        return {"start": self.start, "end": self.end, "wall_s": list(self.wall_s),
+                "cpu_s": list(self.cpu_s), "emulated_s": list(self.emulated_s)}
 
     @classmethod
     def parse(cls, f: BodyReader) -> CapacityProbed:
         start = f.int("start", low=0)
         end = f.int("end", low=start + 1)
-        return cls(start, end, f.int("micro_batches", low=0), f.float("typical_s", low=0),
-                   f.float("typical_cpu_s", 0.0, low=0), f.float("typical_emulated_s", 0.0, low=0))
+        wall, cpu, emulated = f.seconds("wall_s"), f.seconds("cpu_s"), f.seconds("emulated_s")
+        if not len(wall) == len(cpu) == len(emulated):
+            raise f.fail("cpu_s", f"as many entries as wall_s ({len(wall)})", cpu)
+        return cls(start, end, wall, cpu, emulated)
 
 
 @dataclass(frozen=True)
