@@ -51,17 +51,23 @@ def test_a_probe_times_its_micro_batches_with_the_slow_down_and_touches_no_rando
     assert Result.from_body(Result(probed).to_body()).body == probed  # what goes on the wire
 
 
+def _job_with_an_idle_d2(steps: int, **devices) -> MemoryJob:
+    """Three devices in memory, a plan pinned on d0 and d1 (no re-plan): d2 stays idle.
+    ``devices``: MemoryJob's device settings (options, profiles). Run to the end."""
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=4, micro_batch_size=8,
+                        max_steps=steps, lr=0.05)
+    pinned = (StageAssignment.single(0, "d0", 0, 3), StageAssignment.single(1, "d1", 3, 6))
+    job = MemoryJob(ControllerConfig(train=train, devices=3, assignment=pinned,
+                                     repartition=False), devices=3, **devices)
+    job.start()
+    job.run()
+    return job
+
+
 def test_the_controller_takes_an_idle_devices_speed_from_its_probe_once():
     # d2 is left idle by a pinned plan and is 30 times slower than d0 and d1: its probe, not a
     # stand-in, is what the controller knows of it, and it shows the slow-down
-    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=4, micro_batch_size=8,
-                        max_steps=8, lr=0.05)
-    pinned = (StageAssignment.single(0, "d0", 0, 3), StageAssignment.single(1, "d1", 3, 6))
-    job = MemoryJob(ControllerConfig(train=train, devices=3, assignment=pinned,
-                                     repartition=False), devices=3,
-                    profiles={"d2": DeviceProfile("slow", factor=30.0)})
-    job.start()
-    job.run()
+    job = _job_with_an_idle_d2(8, profiles={"d2": DeviceProfile("slow", factor=30.0)})
     capacity = job.controller.capacity
     assert capacity.measured("d2") and capacity.ranges["d2"] == (0, 6)
     # its three probe steps are three measurements: their spread is its noise band
@@ -75,14 +81,7 @@ def test_the_controller_takes_an_idle_devices_speed_from_its_probe_once():
 
 
 def test_an_idle_device_that_may_not_probe_stays_unmeasured():
-    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=4, micro_batch_size=8,
-                        max_steps=4, lr=0.05)
-    pinned = (StageAssignment.single(0, "d0", 0, 3), StageAssignment.single(1, "d1", 3, 6))
-    job = MemoryJob(ControllerConfig(train=train, devices=3, assignment=pinned,
-                                     repartition=False), devices=3,
-                    options=DeviceOptions(probe_when_idle=False))
-    job.start()
-    job.run()
+    job = _job_with_an_idle_d2(4, options=DeviceOptions(probe_when_idle=False))
     assert not job.controller.capacity.measured("d2")
 
 
@@ -98,13 +97,7 @@ def test_a_probe_that_fails_is_said_once_and_the_device_stays_a_stand_in(monkeyp
         raise RuntimeError("DefaultCPUAllocator: not enough memory")
 
     monkeypatch.setattr(agent, "probe_capacity", out_of_memory)
-    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=4, micro_batch_size=8,
-                        max_steps=4, lr=0.05)
-    pinned = (StageAssignment.single(0, "d0", 0, 3), StageAssignment.single(1, "d1", 3, 6))
-    job = MemoryJob(ControllerConfig(train=train, devices=3, assignment=pinned,
-                                     repartition=False), devices=3)
-    job.start()
-    job.run()
+    job = _job_with_an_idle_d2(4)
     assert job.controller.summary.error is None and job.controller.summary.steps == 4
     assert not job.controller.capacity.measured("d2")
     assert len(calls) == 1
