@@ -31,7 +31,8 @@ from ftpipe_iot.core.stage import Stage
 from ftpipe_iot.protocol.plan import Plan
 from ftpipe_iot.protocol.results import CapacityProbed
 
-#: Micro-batches timed after the warm-up one (the report is their median).
+#: Micro-batches timed after the warm-up one (each is reported: the controller takes their
+#: median as the factor and their spread as its noise band).
 MEASURED = 3
 
 
