@@ -58,6 +58,18 @@ def _no_delay(client: mqtt.Client, userdata: object, sock: object) -> None:
         pass  # not a TCP socket (e.g. websockets): nothing to tune
 
 
+def _stop_network_thread(client: mqtt.Client) -> None:
+    """``loop_stop``, where the network thread may end on its own meanwhile (after a
+    disconnect, a refused connection): paho reads its thread once to check it and again to
+    join it, and the ending thread clears it in between (eclipse-paho/paho.mqtt.python#872),
+    which raised AttributeError out of a controller that had finished its job. Then the
+    thread has ended, which is all loop_stop waits for."""
+    try:
+        client.loop_stop()
+    except AttributeError:
+        pass
+
+
 def _settled(info: mqtt.MQTTMessageInfo) -> bool:
     """Published, or failed for good (paho raises for a publish made while disconnected)."""
     try:
@@ -141,7 +153,7 @@ class MqttTransport:
             if self._connected.is_set():
                 self._bulk.start()
                 return
-            client.loop_stop()
+            _stop_network_thread(client)
             client.disconnect()
             last_error = self._refused or f"no CONNACK within {timeout_s}s"
             if not refused_or_up or self._refused not in (_UNSUPPORTED, _HUNG_UP):
@@ -290,7 +302,7 @@ class MqttTransport:
         self._closing = True
         self._bulk.stop()
         self._bulk = self._outbox()
-        client.loop_stop()
+        _stop_network_thread(client)
         sock = client.socket()
         if sock is not None:
             sock.close()
@@ -322,6 +334,6 @@ class MqttTransport:
                 pass  # the message was dropped by paho; nothing left to flush
         self._closing = True
         self._client.disconnect()
-        self._client.loop_stop()
+        _stop_network_thread(self._client)
         self._client = None
         self._connected.clear()
