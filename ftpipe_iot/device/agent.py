@@ -570,23 +570,19 @@ class DeviceAgent:
             self._stalled_at = self._current_step  # once per stalling step
             self.sleep(stalls.seconds)
             slept += stalls.seconds
-        if self.profile is not None:
-            delay = self.profile.compute_delay_s(real_s, self._current_step,
-                                                 self.clock() - self._started)
-            if delay > 0:
-                self.sleep(delay)
-                slept += delay
-        return slept
+        return slept + self._emulate_slowdown(real_s)
 
     def _emulate_slowdown(self, real_s: float) -> float:
-        """The profile's slow-down alone (no stall): what an idle device's probe sleeps."""
+        """The profile's slow-down alone (an idle device's probe sleeps no stall); returns
+        the seconds meant."""
         if self.profile is None:
             return 0.0
         delay = self.profile.compute_delay_s(real_s, self._current_step,
                                              self.clock() - self._started)
-        if delay > 0:
-            self.sleep(delay)
-        return max(delay, 0.0)
+        if delay <= 0:
+            return 0.0
+        self.sleep(delay)
+        return delay
 
     def _emulate_link(self, n_bytes: int) -> None:
         if self.profile is not None and self.options.emulate_link:
