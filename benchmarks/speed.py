@@ -324,37 +324,73 @@ def upscaled_digits(directory: Path) -> Path:
 
 def time_to_accuracy(broker: BrokerProcess, variant: str, seed: int, model: str = "cnn",
                      target: float = 0.95, lr: float = 0.05, epochs: int = 4,
-                     data: str = "digits", factor: float = 1) -> dict:
-    """One job on ``data`` (3 devices, 4 x 8) until ``epochs`` end, evaluated every epoch:
-    the wall time from its first step to the first evaluation at ``target``. ``factor``:
-    the devices emulated that many times slower than this host (``bench-h-F`` profiles: the
+                     data: str = "digits", factor: float = 1, evaluate_every: int = 0) -> dict:
+    """One job on ``data`` (3 devices, 4 x 8) until ``epochs`` end, evaluated every epoch
+    and every ``evaluate_every`` steps (0: at epoch ends only; a multiple of the replication
+    interval, 10, adds no drain to the asynchronous schedule): the time from its first step
+    to the first evaluation at ``target``, as wall time (``seconds_to_target``, evaluations
+    included) and as training time (``train_seconds_to_target``, the evaluations paused
+    out: with more of them both schedules pay the same seconds more). ``factor``: the
+    devices emulated that many times slower than this host (``bench-h-F`` profiles: the
     compute beyond the real part is slept), so three devices on two cores no longer fill
     each other's idle time, as separate devices would not."""
     schedule, compensation = ACCURACY_VARIANTS[variant]
     training = ["--model", model, "--data", data, "--micro-batches", "4",
                 "--micro-batch-size", "8", "--lr", str(lr), "--epochs", str(epochs),
                 "--max-in-flight", "4", "--seed", str(seed),
-                "--delay-compensation", compensation]
+                "--delay-compensation", compensation, "--evaluate-every", str(evaluate_every)]
     run = ftpipe(broker, f"acc-{model}-{variant}-s{seed}", schedule, (factor,) * 3, 0, 0,
                  training=training, assignment=False)
     evals = run["summary"]["evals"]
     first_t = run["history_t"][0][1] if run["history_t"] else 0.0
-    hit = next((e for e in evals if e["test_accuracy"] >= target), None)
+    trained = training_seconds(evals, run["history_t"])
+    hit_at = next((i for i, e in enumerate(evals) if e["test_accuracy"] >= target), None)
+    hit = None if hit_at is None else evals[hit_at]
     return {"variant": variant, "schedule": schedule, "delay_compensation": compensation,
             "model": model, "seed": seed, "target": target, "lr": lr, "momentum": 0.9,
-            "device_factor": factor,
+            "device_factor": factor, "evaluate_every": evaluate_every,
             "seconds_to_target": None if hit is None else round(hit["t"] - first_t, 2),
+            "train_seconds_to_target": None if hit_at is None else trained[hit_at],
+            "steps_to_target": None if hit is None else hit["step"],
             "epochs_to_target": None if hit is None else hit["epoch"] + 1,
-            "accuracy_by_epoch": [round(e["test_accuracy"], 4) for e in evals],
-            "seconds_by_epoch": [round(e["t"] - first_t, 2) for e in evals],
+            "step_by_evaluation": [e["step"] for e in evals],
+            "accuracy_by_evaluation": [round(e["test_accuracy"], 4) for e in evals],
+            "seconds_by_evaluation": [round(e["t"] - first_t, 2) for e in evals],
+            "train_seconds_by_evaluation": trained,
+            "accuracy_by_epoch": [round(e["test_accuracy"], 4) for e in evals
+                                  if e.get("end_of_epoch", True)],
             "final_accuracy": round(evals[-1]["test_accuracy"], 4) if evals else None,
             "train_samples_per_s": run["samples_per_s"], "loadavg_after": run["loadavg_after"]}
+
+
+def training_seconds(evals: list[dict], history_t: list[tuple[int, float]]) -> list[float]:
+    """For each evaluation, the seconds from the first step's end to the end of the step it
+    evaluated, without the evaluations before it: each one lasts from the end of its step
+    (``step - 1`` in the history) to its own record, and nothing trains meanwhile (a drain
+    point of every schedule)."""
+    ended = dict(history_t)
+    if not ended:
+        return []
+    first_t = history_t[0][1]
+    out: list[float] = []
+    paused = 0.0
+    for e in evals:
+        step_end = ended.get(e["step"] - 1, e["t"])
+        out.append(round(step_end - first_t - paused, 2))
+        paused += e["t"] - step_end
+    return out
 
 
 def accuracy_summary(runs: list[dict]) -> dict:
     """Per model and variant: the median wall time to the target over the seeds (a seed that
     never reaches it counts as infinitely slow), the final accuracies, and async's median
     time as a fraction of sync's."""
+    def median_time(mine: list[dict], key: str) -> float | None:
+        times = sorted(r.get(key) if r.get(key) is not None else float("inf") for r in mine)
+        median = times[len(times) // 2] if len(times) % 2 else \
+            (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
+        return None if median == float("inf") else round(median, 2)
+
     out: dict = {}
     for model in sorted({r["model"] for r in runs}):
         rows: dict = {}
@@ -362,22 +398,21 @@ def accuracy_summary(runs: list[dict]) -> dict:
             mine = [r for r in runs if r["model"] == model and r["variant"] == variant]
             if not mine:
                 continue
-            times = sorted(r["seconds_to_target"] if r["seconds_to_target"] is not None
-                           else float("inf") for r in mine)
-            median = times[len(times) // 2] if len(times) % 2 else \
-                (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
             finals = [r["final_accuracy"] for r in mine]
-            rows[variant] = {"median_seconds_to_target":
-                             None if median == float("inf") else round(median, 2),
+            rows[variant] = {"median_seconds_to_target": median_time(mine, "seconds_to_target"),
+                             "median_train_seconds_to_target":
+                             median_time(mine, "train_seconds_to_target"),
                              "reached": sum(r["seconds_to_target"] is not None for r in mine),
                              "seeds": len(mine),
                              "mean_final_accuracy": round(sum(finals) / len(finals), 4),
                              "median_samples_per_s": sorted(
                                  r["train_samples_per_s"] for r in mine)[len(mine) // 2]}
-        sync = rows.get("sync", {}).get("median_seconds_to_target")
-        for row in rows.values():
-            mine = row["median_seconds_to_target"]
-            row["time_vs_sync"] = None if not sync or mine is None else round(mine / sync, 3)
+        for key, ratio in (("median_seconds_to_target", "time_vs_sync"),
+                           ("median_train_seconds_to_target", "train_time_vs_sync")):
+            sync = rows.get("sync", {}).get(key)
+            for row in rows.values():
+                mine = row[key]
+                row[ratio] = None if not sync or mine is None else round(mine / sync, 3)
         out[model] = rows
     return out
 
@@ -395,10 +430,11 @@ def plot_accuracy(runs: list[dict], path: Path) -> None:
     for ax, model in zip(axes[0], models):
         for r in (r for r in runs if r["model"] == model):
             label = r["variant"] if r["seed"] == min(x["seed"] for x in runs) else None
-            ax.plot(r["seconds_by_epoch"], r["accuracy_by_epoch"], marker="o",
+            ax.plot(r["train_seconds_by_evaluation"], r["accuracy_by_evaluation"], marker="o",
                     color=colours[r["variant"]], alpha=0.7, label=label)
         ax.axhline(runs[0]["target"], color="grey", linestyle=":")
-        ax.set(title=f"{model} on digits (one line per seed)", xlabel="wall time (s)",
+        ax.set(title=f"{model} on digits (one line per seed)",
+               xlabel="training time (s, evaluations paused out)",
                ylabel="test accuracy", ylim=(0, 1))
         ax.legend()
     fig.tight_layout()
@@ -537,6 +573,9 @@ def main() -> None:
                         help="devices emulated this many times slower than the host (1: "
                              "real speed, the three devices sharing its cores)")
     parser.add_argument("--acc-seeds", default="0,1,2", help="comma-separated seeds")
+    parser.add_argument("--acc-evaluate-every", type=int, default=10,
+                        help="evaluate every N steps too (0: at epoch ends only; the default "
+                             "is the replication interval: no drain added)")
     parser.add_argument("--acc-models", default="cnn,mobilenetv2",
                         help="comma-separated models (mobilenetv2 at full width)")
     parser.add_argument("--acc-variants", default=",".join(ACCURACY_VARIANTS),
@@ -585,7 +624,8 @@ def main() -> None:
                         say(f"time to 0.95 on digits: {model}, {variant}, seed {seed}")
                         runs.append(time_to_accuracy(broker, variant, seed, model,
                                                      lr=args.acc_lr, epochs=args.acc_epochs,
-                                                     data=data, factor=args.acc_factor))
+                                                     data=data, factor=args.acc_factor,
+                                                     evaluate_every=args.acc_evaluate_every))
                         results["time_to_accuracy"]["summary"] = accuracy_summary(runs)
                         save("time_to_accuracy")(results["time_to_accuracy"])
             plot = args.out.with_suffix(".png")

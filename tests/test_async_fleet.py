@@ -59,9 +59,12 @@ def test_async_fleet_equals_its_simulator_and_is_deterministic():
     assert max_weight_diff(first, synchronous) > 1e-4
 
 
-def test_async_device_loss_recovers_at_a_drain_point_and_stays_exact():
+@pytest.mark.parametrize("evaluate_every", [0, 4])
+def test_async_device_loss_recovers_at_a_drain_point_and_stays_exact(evaluate_every):
+    # with an evaluation every 4 steps the pipeline also drains after step 3, which holds no
+    # replica: the recovery still goes back to the replication point
     train = replace(ASYNC, model=ModelSpec("mlp"), data=DataSpec("digits"), max_steps=10,
-                    micro_batch_size=8)
+                    micro_batch_size=8, evaluate_every=evaluate_every)
     job, weights = _run(train, 2, crash_after=5)
     summary = job.controller.summary
     assert summary.failures_detected == 1 and summary.recoveries == 1
@@ -78,6 +81,8 @@ def test_async_device_loss_recovers_at_a_drain_point_and_stays_exact():
 @pytest.mark.slow
 def test_async_device_processes_over_mosquitto_equal_the_simulator(mosquitto, processes,
                                                                     tmp_path):
+    # an evaluation every 3 steps within the epoch: drains after steps 2 and 5 beside the
+    # replication's after step 4, and the simulator drains there too
     job, steps = "async", 8
     for i in range(3):
         processes.device(f"dev{i}", job, mosquitto.url)
@@ -85,19 +90,28 @@ def test_async_device_processes_over_mosquitto_equal_the_simulator(mosquitto, pr
         "controller", "controller", "--job", job, "--broker", mosquitto.url, "--devices", "3",
         "--stop-devices", "--max-steps", str(steps), "--micro-batches", "4",
         "--micro-batch-size", "8", "--max-in-flight", "4", "--schedule", "async",
-        "--replicate-every", "5", "--save-weights", str(tmp_path / "weights.npz"),
+        "--replicate-every", "5", "--evaluate-every", "3",
+        "--save-weights", str(tmp_path / "weights.npz"),
         "--summary-json", str(tmp_path / "summary.json"), "--wait-devices", "60",
         "--stall-timeout", "60", "--json")
     assert processes.wait("controller", 180) == 0, processes.log("controller")[-3000:]
     summary = json.loads(controller.stdout.read().strip().splitlines()[-1])
     assert summary["steps"] == steps and summary["devices"] == 3
+    assert [(e["step"], e["end_of_epoch"]) for e in summary["evals"]] == \
+        [(3, False), (6, False), (8, True)]
+    assert summary["evals"][0]["train_s"] <= summary["evals"][1]["train_s"] <= \
+        summary["train_s"]
     train = TrainConfig(model=ModelSpec("cnn"), micro_batches=4, micro_batch_size=8,
-                        schedule=ScheduleName.ASYNC, replicate_every=5)
+                        schedule=ScheduleName.ASYNC, replicate_every=5, evaluate_every=3)
     data = load_dataset(DataSpec("digits"))
     gathered = load_weights(tmp_path / "weights.npz")
     events = json.loads((tmp_path / "summary.json").read_text())["events"]
+    timeline = last_stage_timeline(events)
     assert max_weight_diff(gathered, train_reference(
-        train, data, steps, last_stage_from=last_stage_timeline(events))) < 1e-5
+        train, data, steps, last_stage_from=timeline)) < 1e-5
+    # the evaluations' drains changed the training: without them the simulator differs
+    assert max_weight_diff(gathered, train_reference(
+        replace(train, evaluate_every=0), data, steps, last_stage_from=timeline)) > 1e-4
     synchronous = train_reference(replace(train, schedule=ScheduleName.SYNC), data, steps)
     assert max_weight_diff(gathered, synchronous) > 1e-4
 

@@ -53,6 +53,22 @@ def test_versions_lag_one_step_between_drain_points():
     assert all(sync.drains_after(s) for s in range(5))
 
 
+def test_evaluations_within_an_epoch_are_drain_points_of_the_async_schedule():
+    # 7 steps per epoch, replication every 3, an evaluation every 4 (counted from step 0, as
+    # replication is): drains after steps 2, 5, 8 and 11 (replication), 3, 7 and 11
+    # (evaluation), 6 and 13 (the epochs' ends)
+    rule = StepVersions(PipeDream2BW(), steps_per_epoch=7, drain_every=3, evaluate_every=4)
+    assert [s for s in range(14) if rule.drains_after(s)] == [2, 3, 5, 6, 7, 8, 11, 13]
+    # a step right after an evaluation's drain computes with the current weights
+    assert [rule.forward_version(s) for s in range(6)] == [0, 0, 1, 3, 4, 4]
+    assert not rule.may_start(4, 3) and rule.may_start(5, 4)
+    # a multiple of the replication interval adds no drain
+    aligned = StepVersions(PipeDream2BW(), 7, drain_every=3, evaluate_every=6)
+    assert [s for s in range(14) if aligned.drains_after(s)] == \
+        [s for s in range(14) if StepVersions(PipeDream2BW(), 7, drain_every=3).drains_after(s)]
+    assert StepVersions.of(replace(ASYNC, evaluate_every=4), 7).evaluate_every == 4
+
+
 def test_async_feed_runs_into_the_next_step_but_not_past_a_drain():
     schedule = SyncSchedule(64, 2, 2, 0)  # 16 steps per epoch
     feed = TrainFeed(schedule, n_stages=1, start_step=0, end_step=4, max_in_flight=8,

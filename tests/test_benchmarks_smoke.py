@@ -282,3 +282,36 @@ def test_the_signing_benchmark_reports_every_pairs_cost_and_their_spread(monkeyp
             "unsigned": [{"samples_per_s": 100.0}, {"samples_per_s": 100.0}]}
     assert signing.pair_costs(runs) == {"pairs_pct": [10.0, -10.0],
                                         "pairs_range_pct": [-10.0, 10.0]}
+
+
+def test_time_to_accuracy_compares_medians_in_wall_and_in_training_time(monkeypatch):
+    """A seed that never reaches the target counts as infinitely slow; the ratio to sync is
+    given for the wall time and for the training time (evaluations paused out) apart."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks.speed import accuracy_summary
+
+    def run(variant: str, seed: int, wall: float | None, train: float | None) -> dict:
+        return {"model": "cnn", "variant": variant, "seed": seed, "seconds_to_target": wall,
+                "train_seconds_to_target": train, "final_accuracy": 0.96,
+                "train_samples_per_s": 100.0}
+
+    runs = [run("sync", 0, 10.0, 8.0), run("sync", 1, 12.0, 10.0), run("sync", 2, 30.0, 20.0),
+            run("async-predict", 0, 9.0, 6.0), run("async-predict", 1, None, None),
+            run("async-predict", 2, 11.0, 7.0)]
+    rows = accuracy_summary(runs)["cnn"]
+    assert rows["sync"]["median_seconds_to_target"] == 12.0
+    assert rows["async-predict"]["median_train_seconds_to_target"] == 7.0
+    assert rows["async-predict"]["time_vs_sync"] == round(11.0 / 12.0, 3)
+    assert rows["async-predict"]["train_time_vs_sync"] == 0.7
+    assert rows["async-predict"]["reached"] == 2
+
+
+def test_training_time_to_an_evaluation_leaves_the_evaluations_before_it_out(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks.speed import training_seconds
+
+    # steps end at 1, 2, 3 s; the evaluation after step 1 (of 2 steps done) takes 0.5 s, so
+    # step 2 ends at 3.5 s; the one after step 3 takes 0.2 s
+    history = [(0, 1.0), (1, 2.0), (2, 3.5), (3, 4.5)]
+    evals = [{"step": 2, "t": 2.5}, {"step": 4, "t": 4.7}]
+    assert training_seconds(evals, history) == [1.0, 3.0]

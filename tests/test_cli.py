@@ -107,7 +107,9 @@ def test_fault_specs_parse():
                                   ["controller", "--mode", "collaborative", "--resiliency", "1"],
                                   ["demo", "--mode", "collaborative", "--freeze-layers", "0-1"],
                                   # one table for both commands: the demo refuses --layout too
-                                  ["demo", "--mode", "fedavg", "--layout", "pipeline"]])
+                                  ["demo", "--mode", "fedavg", "--layout", "pipeline"],
+                                  # they evaluate after every round instead
+                                  ["demo", "--mode", "fedavg", "--evaluate-every", "5"]])
 def test_pipeline_only_options_are_refused_in_the_collaborative_modes(args):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "apply to --mode pipeline only" in result.output

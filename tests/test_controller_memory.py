@@ -44,13 +44,21 @@ def test_pipeline_equals_single_process(model, devices, micro_batches, optimizer
     assert len(job.controller.plan.stages) == devices
 
 
-def test_mobilenet_with_batchnorm_is_exact_too():
+@pytest.mark.parametrize("evaluate_every", [0, 1])
+def test_mobilenet_with_batchnorm_is_exact_too(evaluate_every):
+    # evaluated after every step too (mid-epoch): evaluation runs the layers in eval mode and
+    # leaves the weights and BatchNorm's running statistics as training left them
     train = TrainConfig(model=ModelSpec("mobilenetv2", width=0.25),
                         data=DataSpec("synthetic", shape=(3, 32, 32), samples=64),
-                        micro_batches=2, micro_batch_size=4, max_steps=2, lr=0.01)
+                        micro_batches=2, micro_batch_size=4, max_steps=2, lr=0.01,
+                        evaluate_every=evaluate_every)
     job = MemoryJob(ControllerConfig(train=train, devices=3), devices=3)
     job.start()
     assert job.run() is Phase.DONE
+    evals = job.controller.summary.evals
+    assert [(e["step"], e["end_of_epoch"]) for e in evals] == \
+        ([(1, False)] if evaluate_every else []) + [(2, True)]
+    assert job.controller.summary.epochs == 1
     gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     # running BatchNorm statistics are part of the state and must match as well
     assert any("running_mean" in layer for layer in gathered) or any(

@@ -36,6 +36,7 @@ from ftpipe_iot.protocol.specs import ModelSpec
 from ftpipe_iot.protocol.vocab import CollabMode, ControllerPhase, ScheduleName
 from ftpipe_iot.schedules import (
     SCHEDULES,
+    DrainPoints,
     JobOptions,
     PipeDream2BW,
     PipeDreamFlush,
@@ -160,14 +161,15 @@ def test_a_refusing_schedule_says_which_option(refusing_async, shape, options, o
 
 def test_versions_and_drains_come_from_the_schedule():
     # 7 steps per epoch, replication every 3: drains after steps 2, 5 and 6
-    assert [ASYNC.drains_after(s, 7, 3) for s in range(8)] == \
+    points = DrainPoints(7, 3)
+    assert [ASYNC.drains_after(s, points) for s in range(8)] == \
         [False, False, True, False, False, True, True, False]
-    assert [ASYNC.forward_version(s, 7, 3) for s in range(8)] == [0, 0, 1, 3, 3, 4, 6, 7]
-    assert ASYNC.may_start(1, 0, 7, 3) and not ASYNC.may_start(3, 2, 7, 3)
-    assert not ASYNC.may_start(2, 0, 7, 3)
-    assert all(SYNC.drains_after(s, 7, 3) and SYNC.forward_version(s, 7, 3) == s
+    assert [ASYNC.forward_version(s, points) for s in range(8)] == [0, 0, 1, 3, 3, 4, 6, 7]
+    assert ASYNC.may_start(1, 0, points) and not ASYNC.may_start(3, 2, points)
+    assert not ASYNC.may_start(2, 0, points)
+    assert all(SYNC.drains_after(s, points) and SYNC.forward_version(s, points) == s
                for s in range(8))
-    assert not SYNC.may_start(1, 0, 7, 3)
+    assert not SYNC.may_start(1, 0, points)
     bound = StepVersions(ASYNC, 7, 3)
     assert [bound.forward_version(s) for s in range(8)] == [0, 0, 1, 3, 3, 4, 6, 7]
     with pytest.raises(PlanError, match="steps per epoch"):
@@ -300,8 +302,8 @@ def test_1f1b_is_sync_with_one_micro_batch_in_flight_per_stage():
     assert isinstance(flush, PipeDreamFlush)
     assert flush.in_flight_limit(8, 3) == 3 and flush.in_flight_limit(2, 3) == 2
     assert SYNC.in_flight_limit(8, 3) == 8 and ASYNC.in_flight_limit(8, 3) == 8
-    assert all(flush.drains_after(s, 10, 5) for s in range(4))
-    assert [flush.forward_version(s, 10, 5) for s in range(4)] == [0, 1, 2, 3]
+    assert all(flush.drains_after(s, DrainPoints(10, 5)) for s in range(4))
+    assert [flush.forward_version(s, DrainPoints(10, 5)) for s in range(4)] == [0, 1, 2, 3]
     assert flush.step_time_s([1.0, 3.0, 2.0], 4, 10) == SYNC.step_time_s([1.0, 3.0, 2.0], 4, 10)
     assert flush.supports(PlanShape((2, 1), (1, 0)), JobOptions(resiliency=1)) is None
     refusal = flush.supports(PlanShape(), JobOptions(mode=CollabMode.COLLABORATIVE))

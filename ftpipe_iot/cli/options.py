@@ -124,6 +124,10 @@ _TRAINING: list[Decorator] = [
     click.option("--no-compress", is_flag=True, help="never lz4-compress message bodies"),
     click.option("--replicate-every", type=click.IntRange(min=0), default=10, show_default=True,
                  help="replicate weights every R steps (0 = only at plan changes)"),
+    click.option("--evaluate-every", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="also evaluate the test set every N steps within an epoch (0 = at "
+                      "epoch ends only); under --schedule async each evaluation drains the "
+                      "pipeline, so a multiple of --replicate-every adds no drain"),
     click.option("--freeze-layers", default=None, metavar="0-K",
                  help="keep layers [0, K) fixed: no gradients, no optimizer state, and "
                       "gradients stop at the first trainable stage"),
@@ -148,7 +152,7 @@ _TRAINING: list[Decorator] = [
 TRAINING_NAMES = ("model", "model_width", "data", "data_shape", "data_classes", "data_samples",
                   "epochs", "max_steps", "micro_batches", "micro_batch_size", "optimizer", "lr",
                   "momentum", "seed", "max_in_flight", "wire_codec", "no_compress",
-                  "replicate_every", "freeze_layers", "resiliency", "schedule",
+                  "replicate_every", "evaluate_every", "freeze_layers", "resiliency", "schedule",
                   "delay_compensation")
 
 _CONNECTION: list[Decorator] = [
@@ -269,6 +273,7 @@ def train_config(kw: dict[str, Any]) -> TrainConfig:
         # auto chooses per cut (``codec_policy``): the global codec stays none
         wire_codec=WireCodec.NONE if kw["wire_codec"] == AUTO else WireCodec(kw["wire_codec"]),
         compress=not kw["no_compress"], replicate_every=kw["replicate_every"],
+        evaluate_every=kw["evaluate_every"],
         frozen_layers=parse_frozen(kw["freeze_layers"]), resiliency=kw["resiliency"],
         schedule=ScheduleName(kw["schedule"]),
         delay_compensation=DelayCompensation(kw["delay_compensation"]))

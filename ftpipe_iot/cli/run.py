@@ -134,7 +134,7 @@ def device(name: str | None, job: str | None, heartbeat_interval: float,
 # them. One table for `controller` and `demo` (each has a part of them).
 _PIPELINE_ONLY = ("assignment", "checkpoint_dir", "device_names", "freeze_layers", "resiliency",
                   "layout", "trace_dir", "write_trace", "wire_codec", "replication_budget",
-                  "cut_codecs", "codec_accuracy_budget")
+                  "cut_codecs", "codec_accuracy_budget", "evaluate_every")
 
 
 @command()

@@ -27,7 +27,7 @@ from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.codecs import bytes_per_value
 from ftpipe_iot.protocol.plan import StageAssignment, TrainConfig
 from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName, WireCodec
-from ftpipe_iot.schedules import schedule_for
+from ftpipe_iot.schedules import DrainPoints, schedule_for
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,8 @@ def choose_job_micro_batching(train: TrainConfig, n_stages: int, auto_m: bool, a
     problem = MicroBatchingProblem(
         costs, stages, holders,
         schedule=schedule_for(train.schedule),
-        drain_every=train.replicate_every or model.schedule.steps_per_epoch,
+        drain_every=DrainPoints(model.schedule.steps_per_epoch, train.replicate_every,
+                                train.evaluate_every).shortest,
         max_in_flight=train.max_in_flight, max_batch=len(data.x_train),
         optimizer_copies=2 if train.optimizer is OptimizerName.ADAM else 1,
         predicted_weights=train.delay_compensation is DelayCompensation.PREDICT,

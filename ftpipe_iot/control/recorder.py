@@ -34,12 +34,13 @@ def describe_stages(stages: Iterable[StageAssignment]) -> str:
 
 @dataclass(frozen=True)
 class EpochResult:
-    """Test figures after an epoch."""
+    """Test figures after an epoch, or within one (``--evaluate-every``)."""
 
     epoch: int
     step: int
     accuracy: float
     loss: float
+    end_of_epoch: bool = True  # the epoch's (or the job's) last step is applied
 
 
 class Recorder:
@@ -168,12 +169,19 @@ class Recorder:
 
     def epoch_evaluated(self, result: EpochResult) -> None:
         self.summary.test_accuracy, self.summary.test_loss = result.accuracy, result.loss
-        self.summary.epochs = result.epoch + 1
+        if result.end_of_epoch:
+            self.summary.epochs = result.epoch + 1
+        # "train_s": the training time so far, evaluations and re-plans paused out (the
+        # measure of time to accuracy: an evaluation costs every schedule the same)
         self.summary.evals.append({"epoch": result.epoch, "step": result.step,
                                    "test_accuracy": result.accuracy, "test_loss": result.loss,
-                                   "t": self.elapsed_s})
+                                   "t": self.elapsed_s,
+                                   "train_s": round(self.throughput.train_s, 3),
+                                   "end_of_epoch": result.end_of_epoch})
         self.metrics.test_accuracy.set(result.accuracy)
-        self.progress.message(f"epoch {result.epoch + 1}: test accuracy {result.accuracy:.4f}, "
+        where = f"epoch {result.epoch + 1}" if result.end_of_epoch else \
+            f"step {result.step} (in epoch {result.epoch + 1})"
+        self.progress.message(f"{where}: test accuracy {result.accuracy:.4f}, "
                               f"test loss {result.loss:.4f}")
         self._event(Event(EventType.EPOCH_EVALUATED, epoch=result.epoch,
                           test_accuracy=result.accuracy))

@@ -203,7 +203,7 @@ class PlanTraining:
         self._step_done(step.step)
         if not self.versions.drains_after(step.step) and not self.feed.finished:
             return None  # asynchronous: the next step is already under way, no boundary here
-        if self.model.schedule.is_last_of_epoch(step.step) or self.feed.finished:
+        if self._evaluates_after(step.step):
             self._recorder.throughput.pause(self._clock())
             self.eval_round = EvalRound(len(self.model.data.x_test), self.train.eval_batch_size,
                                         self.train.max_in_flight, tag=step.step)
@@ -211,12 +211,21 @@ class PlanTraining:
             return None
         return step.step + 1
 
+    def _evaluates_after(self, step: int) -> bool:
+        """Whether the test set is evaluated once ``step`` is applied: at the end of every
+        epoch and of the job, and every ``--evaluate-every`` steps (a drain point of every
+        schedule, ``StepVersions``)."""
+        every = self.train.evaluate_every
+        return self.model.schedule.is_last_of_epoch(step) or self.feed.finished or \
+            (every > 0 and (step + 1) % every == 0)
+
     def _on_eval_complete(self) -> int:
         assert self.eval_round is not None
         step = self.eval_round.tag + 1
-        self._recorder.epoch_evaluated(EpochResult(self.model.schedule.epoch_of(step - 1), step,
-                                                   self.eval_round.accuracy,
-                                                   self.eval_round.loss))
+        schedule = self.model.schedule
+        self._recorder.epoch_evaluated(EpochResult(
+            schedule.epoch_of(step - 1), step, self.eval_round.accuracy, self.eval_round.loss,
+            end_of_epoch=schedule.is_last_of_epoch(step - 1) or self.feed.finished))
         self.eval_round = None
         self._eval_sent = {}
         self._recorder.throughput.resume(self._clock())

@@ -15,7 +15,7 @@ import numpy as np
 from ftpipe_iot.errors import PlanError
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.vocab import DelayCompensation
-from ftpipe_iot.schedules import Schedule, schedule_for
+from ftpipe_iot.schedules import DrainPoints, Schedule, schedule_for
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,8 @@ class StepVersions:
 
     Synchronous: every step drains, and step ``s`` uses version ``s`` (the weights after ``s``
     optimizer steps). PipeDream-2BW with periodic drains (docs/design.md §5): the feed drains
-    only after the last step of an epoch and after every ``drain_every``-th step; in between,
+    only after the last step of an epoch, after every ``drain_every``-th step (replication) and
+    after every ``evaluate_every``-th (an evaluation within an epoch); in between,
     step ``s`` uses version ``s - 1``, except on the pipeline's last stage (``last_stage``):
     it runs each micro-batch's backward right after its forward, so a step's last backward
     there ends before the next step's first forward arrives, and every step there computes
@@ -106,6 +107,7 @@ class StepVersions:
     compensation: DelayCompensation = DelayCompensation.NONE
     # the versions of the pipeline's last stage: always the newest
     last_stage: bool = False
+    evaluate_every: int = 0  # 0: evaluations only at epoch ends
 
     def __post_init__(self) -> None:
         if self.schedule.needs_steps_per_epoch and self.steps_per_epoch < 1:
@@ -114,9 +116,10 @@ class StepVersions:
 
     @classmethod
     def of(cls, config: TrainConfig, steps_per_epoch: int) -> StepVersions:
-        """The rule of a job: its schedule, its epochs, its replication interval."""
+        """The rule of a job: its schedule, its epochs, its replication and evaluation
+        intervals."""
         return cls(schedule_for(config.schedule), steps_per_epoch, config.replicate_every,
-                   config.delay_compensation)
+                   config.delay_compensation, evaluate_every=config.evaluate_every)
 
     def for_stage(self, last: bool) -> StepVersions:
         """The versions of a stage: the job's, or the last stage's (always the newest)."""
@@ -136,18 +139,22 @@ class StepVersions:
         """Whether ``step`` computes with the version before the one its update applies to."""
         return self.forward_version(step) == step - 1
 
+    @property
+    def points(self) -> DrainPoints:
+        """Where the job needs one version on every stage."""
+        return DrainPoints(self.steps_per_epoch, self.drain_every, self.evaluate_every)
+
     def drains_after(self, step: int) -> bool:
         """Whether nothing of step ``step + 1`` starts before ``step`` is applied everywhere."""
-        return self.schedule.drains_after(step, self.steps_per_epoch, self.drain_every)
+        return self.schedule.drains_after(step, self.points)
 
     def forward_version(self, step: int) -> int:
         """The version step ``step``'s forwards (and so its backwards) use."""
         if self.last_stage:
             return step
-        return self.schedule.forward_version(step, self.steps_per_epoch, self.drain_every)
+        return self.schedule.forward_version(step, self.points)
 
     def may_start(self, step: int, next_to_complete: int) -> bool:
         """Whether ``step`` may be fed while ``next_to_complete`` is the oldest unfinished step:
         its version must exist on every stage."""
-        return self.schedule.may_start(step, next_to_complete, self.steps_per_epoch,
-                                       self.drain_every)
+        return self.schedule.may_start(step, next_to_complete, self.points)

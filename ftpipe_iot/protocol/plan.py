@@ -43,6 +43,9 @@ class TrainConfig:
     wire_codec: WireCodec = WireCodec.NONE  # the stage data's codec (``protocol.codecs``)
     compress: bool = True
     replicate_every: int = 10
+    # test-set evaluations within an epoch, every so many steps (0: at epoch ends only); under
+    # the asynchronous schedule each one is a drain point
+    evaluate_every: int = 0
     frozen_layers: int = 0  # layers [0, frozen_layers) stay fixed (eval mode, no gradients)
     # failures a stage survives without rollback: each stage gets r holders beyond the first
     # (group peers or warm standbys) that watch each other and take over late micro-batches
@@ -70,6 +73,9 @@ class TrainConfig:
             (self.replicate_every >= 0,
              f"replicate_every must be >= 0 (0 = only at plan changes), got "
              f"{self.replicate_every}"),
+            (self.evaluate_every >= 0,
+             f"evaluate_every must be >= 0 (0 = at epoch ends only), got "
+             f"{self.evaluate_every}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from ftpipe_iot.protocol.vocab import ScheduleName
-from ftpipe_iot.schedules.base import JobOptions, PlanShape, Refusal, Schedule, ShapeOrigin
+from ftpipe_iot.schedules.base import (
+    DrainPoints,
+    JobOptions,
+    PlanShape,
+    Refusal,
+    Schedule,
+    ShapeOrigin,
+)
 from ftpipe_iot.schedules.pipedream_2bw import PipeDream2BW
 from ftpipe_iot.schedules.pipedream_flush import PipeDreamFlush
 from ftpipe_iot.schedules.sync import Synchronous
@@ -31,5 +38,5 @@ def schedule_for(name: ScheduleName) -> Schedule:
     return SCHEDULES[ScheduleName(name)]
 
 
-__all__ = ["SCHEDULES", "JobOptions", "PipeDream2BW", "PipeDreamFlush", "PlanShape", "Refusal",
-           "Schedule", "ShapeOrigin", "Synchronous", "schedule_for"]
+__all__ = ["SCHEDULES", "DrainPoints", "JobOptions", "PipeDream2BW", "PipeDreamFlush",
+           "PlanShape", "Refusal", "Schedule", "ShapeOrigin", "Synchronous", "schedule_for"]

@@ -79,6 +79,34 @@ class JobOptions:
 
 
 @dataclass(frozen=True)
+class DrainPoints:
+    """Where a job meets one consistent weight version on every stage, whatever its schedule:
+    after the last step of each epoch (the epoch's evaluation), after every
+    ``replicate_every``-th step (a replica is one version of every stage) and after every
+    ``evaluate_every``-th step (an evaluation within an epoch, ``--evaluate-every``). 0 turns
+    an interval off. A schedule that drains every step drains at these too."""
+
+    steps_per_epoch: int
+    replicate_every: int = 0
+    evaluate_every: int = 0
+
+    def after(self, step: int) -> bool:
+        """Whether the job needs one version everywhere once ``step`` is applied."""
+        done = step + 1
+        return any(every > 0 and done % every == 0 for every in self.intervals)
+
+    @property
+    def intervals(self) -> tuple[int, int, int]:
+        return (self.steps_per_epoch, self.replicate_every, self.evaluate_every)
+
+    @property
+    def shortest(self) -> int:
+        """The shortest interval switched on (the planner's fill and drain period), 0 when
+        none is."""
+        return min((every for every in self.intervals if every > 0), default=0)
+
+
+@dataclass(frozen=True)
 class Refusal:
     """Why a schedule cannot run a combination, and what to change: ``option`` is the one
     command-line option to change (always named), ``remedy`` the sentence that says how."""
@@ -101,8 +129,8 @@ class Refusal:
 
 class Schedule(ABC):
     """A pipeline schedule. Stateless: one instance per schedule serves every job; the job's
-    numbers (steps per epoch, the replication interval ``drain_every``, 0 for only epoch ends)
-    are arguments."""
+    numbers (where it must drain, ``DrainPoints``; the planner's drain interval) are
+    arguments."""
 
     name: ClassVar[ScheduleName]
     # weight versions a stage keeps at most: 1, or 2 for a stash of the previous version
@@ -116,22 +144,21 @@ class Schedule(ABC):
         return self.weight_versions > 1
 
     @abstractmethod
-    def drains_after(self, step: int, steps_per_epoch: int, drain_every: int) -> bool:
+    def drains_after(self, step: int, points: DrainPoints) -> bool:
         """Whether nothing of step ``step + 1`` starts before ``step`` is applied everywhere."""
 
     @abstractmethod
-    def forward_version(self, step: int, steps_per_epoch: int, drain_every: int) -> int:
+    def forward_version(self, step: int, points: DrainPoints) -> int:
         """The weight version (optimizer steps applied) step ``step``'s forwards and
         backwards use."""
 
-    def may_start(self, step: int, next_to_complete: int, steps_per_epoch: int,
-                  drain_every: int) -> bool:
+    def may_start(self, step: int, next_to_complete: int, points: DrainPoints) -> bool:
         """Whether ``step`` may be fed while ``next_to_complete`` is the oldest unfinished step:
         the version it uses must exist on every stage."""
         if step == next_to_complete:
             return True
         return step == next_to_complete + 1 and \
-            not self.drains_after(next_to_complete, steps_per_epoch, drain_every)
+            not self.drains_after(next_to_complete, points)
 
     def in_flight_limit(self, max_in_flight: int, holders: int) -> int:
         """Micro-batches the feed keeps in flight at most, given ``--max-in-flight`` and the

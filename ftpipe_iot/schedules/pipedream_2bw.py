@@ -1,7 +1,8 @@
 """The asynchronous schedule: PipeDream-2BW with periodic drains (docs/design.md §5).
 
-No drain between steps, except after the last step of an epoch (evaluation reads the weights)
-and after every ``drain_every``-th step (replication needs one consistent version on every
+No drain between steps, except at the job's drain points (``DrainPoints``): after the last
+step of an epoch and every ``--evaluate-every``-th step (evaluation reads the weights) and after
+every ``--replicate-every``-th step (replication needs one consistent version on every
 stage). Between drains, step ``s`` forwards and backwards with version ``s - 1`` while its
 summed gradient updates the newest weights, version ``s`` (W(t+1) = W(t) - lr * grad(W(t-1))):
 each stage keeps two versions at most (``core.stash.WeightStash``). A step right after a drain,
@@ -18,7 +19,7 @@ import math
 from collections.abc import Sequence
 
 from ftpipe_iot.protocol.vocab import CollabMode, ScheduleName
-from ftpipe_iot.schedules.base import JobOptions, PlanShape, Refusal, Schedule
+from ftpipe_iot.schedules.base import DrainPoints, JobOptions, PlanShape, Refusal, Schedule
 
 
 class PipeDream2BW(Schedule):
@@ -28,12 +29,11 @@ class PipeDream2BW(Schedule):
     weight_versions = 2
     needs_steps_per_epoch = True  # an epoch end is a drain point
 
-    def drains_after(self, step: int, steps_per_epoch: int, drain_every: int) -> bool:
-        after = step + 1
-        return after % steps_per_epoch == 0 or (drain_every > 0 and after % drain_every == 0)
+    def drains_after(self, step: int, points: DrainPoints) -> bool:
+        return points.after(step)
 
-    def forward_version(self, step: int, steps_per_epoch: int, drain_every: int) -> int:
-        if step <= 0 or self.drains_after(step - 1, steps_per_epoch, drain_every):
+    def forward_version(self, step: int, points: DrainPoints) -> int:
+        if step <= 0 or self.drains_after(step - 1, points):
             return max(step, 0)
         return step - 1
 

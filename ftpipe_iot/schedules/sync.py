@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 
 from ftpipe_iot.protocol.vocab import ScheduleName
-from ftpipe_iot.schedules.base import JobOptions, PlanShape, Refusal, Schedule
+from ftpipe_iot.schedules.base import DrainPoints, JobOptions, PlanShape, Refusal, Schedule
 
 
 class Synchronous(Schedule):
@@ -20,10 +20,10 @@ class Synchronous(Schedule):
     name = ScheduleName.SYNC
     weight_versions = 1
 
-    def drains_after(self, step: int, steps_per_epoch: int, drain_every: int) -> bool:
+    def drains_after(self, step: int, points: DrainPoints) -> bool:
         return True
 
-    def forward_version(self, step: int, steps_per_epoch: int, drain_every: int) -> int:
+    def forward_version(self, step: int, points: DrainPoints) -> int:
         return max(step, 0)
 
     def reports_wait_for_step_end(self, micro_batches: int, in_flight_limit: int,
