@@ -324,7 +324,8 @@ def upscaled_digits(directory: Path) -> Path:
 
 def time_to_accuracy(broker: BrokerProcess, variant: str, seed: int, model: str = "cnn",
                      target: float = 0.95, lr: float = 0.05, epochs: int = 4,
-                     data: str = "digits", factor: float = 1, evaluate_every: int = 0) -> dict:
+                     data: str = "digits", factor: float = 1, evaluate_every: int = 0,
+                     max_in_flight: int = 8) -> dict:
     """One job on ``data`` (3 devices, 4 x 8) until ``epochs`` end, evaluated every epoch
     and every ``evaluate_every`` steps (0: at epoch ends only; a multiple of the replication
     interval, 10, adds no drain to the asynchronous schedule): the time from its first step
@@ -333,11 +334,13 @@ def time_to_accuracy(broker: BrokerProcess, variant: str, seed: int, model: str 
     out: with more of them both schedules pay the same seconds more). ``factor``: the
     devices emulated that many times slower than this host (``bench-h-F`` profiles: the
     compute beyond the real part is slept), so three devices on two cores no longer fill
-    each other's idle time, as separate devices would not."""
+    each other's idle time, as separate devices would not. ``max_in_flight``: the product's
+    default, 8: two steps' micro-batches, which only the asynchronous schedule can use (sync
+    feeds one step of 4 at a time); results before it was an option ran with 4."""
     schedule, compensation = ACCURACY_VARIANTS[variant]
     training = ["--model", model, "--data", data, "--micro-batches", "4",
                 "--micro-batch-size", "8", "--lr", str(lr), "--epochs", str(epochs),
-                "--max-in-flight", "4", "--seed", str(seed),
+                "--max-in-flight", str(max_in_flight), "--seed", str(seed),
                 "--delay-compensation", compensation, "--evaluate-every", str(evaluate_every)]
     run = ftpipe(broker, f"acc-{model}-{variant}-s{seed}", schedule, (factor,) * 3, 0, 0,
                  training=training, assignment=False)
@@ -349,6 +352,7 @@ def time_to_accuracy(broker: BrokerProcess, variant: str, seed: int, model: str 
     return {"variant": variant, "schedule": schedule, "delay_compensation": compensation,
             "model": model, "seed": seed, "target": target, "lr": lr, "momentum": 0.9,
             "device_factor": factor, "evaluate_every": evaluate_every,
+            "max_in_flight": max_in_flight,
             "seconds_to_target": None if hit is None else round(hit["t"] - first_t, 2),
             "train_seconds_to_target": None if hit_at is None else trained[hit_at],
             "steps_to_target": None if hit is None else hit["step"],
@@ -573,6 +577,9 @@ def main() -> None:
                         help="devices emulated this many times slower than the host (1: "
                              "real speed, the three devices sharing its cores)")
     parser.add_argument("--acc-seeds", default="0,1,2", help="comma-separated seeds")
+    parser.add_argument("--acc-max-in-flight", type=int, default=8,
+                        help="--max-in-flight of the runs (the product's default; 4 before "
+                             "this option existed)")
     parser.add_argument("--acc-evaluate-every", type=int, default=10,
                         help="evaluate every N steps too (0: at epoch ends only; the default "
                              "is the replication interval: no drain added)")
@@ -625,7 +632,8 @@ def main() -> None:
                         runs.append(time_to_accuracy(broker, variant, seed, model,
                                                      lr=args.acc_lr, epochs=args.acc_epochs,
                                                      data=data, factor=args.acc_factor,
-                                                     evaluate_every=args.acc_evaluate_every))
+                                                     evaluate_every=args.acc_evaluate_every,
+                                                     max_in_flight=args.acc_max_in_flight))
                         results["time_to_accuracy"]["summary"] = accuracy_summary(runs)
                         save("time_to_accuracy")(results["time_to_accuracy"])
             plot = args.out.with_suffix(".png")
