@@ -23,6 +23,11 @@ micro-batches of 32, M = 8, 4 stages on the split [0,3),[3,5),[5,12),[12,22):
   digits upscaled to 3 x 32 x 32) (``--only accuracy``): the wall time from the first step
   to the first epoch at 0.95, the median over the seeds, and a plot of accuracy against wall
   time;
+* where each schedule's time goes on the time-to-accuracy fleet (``--only shares``): sync and
+  async traced over ``--shares-steps`` steps of MobileNetV2 at ``--acc-factor``, each
+  device's compute, communication and wait shares and its compute seconds per step over the
+  steps after the first replication point, so whether a device is the bottleneck, and whether
+  computing at once (async fills the bubble) slows each device's compute (a shared host);
 * what the timeline costs (``--only trace``): sync on ``equal`` with and without
   ``--trace-dir``, in pairs whose order alternates, the median rate of each and the overhead;
   a PNG of one representative step of the last traced run (what each stage did when) above
@@ -421,6 +426,40 @@ def accuracy_summary(runs: list[dict]) -> dict:
     return out
 
 
+def schedule_shares(broker: BrokerProcess, data: Path, factor: int, steps: int) -> dict:
+    """Sync and async on the time-to-accuracy fleet, traced (``--only shares``): per schedule
+    the steady step time over steps 8 to ``steps - 2`` and each device's shares of it."""
+    from ftpipe_iot.observability.trace import busy_shares, load_trace
+
+    out: dict = {}
+    for schedule in ("sync", "async"):
+        say(f"shares: {schedule}, {steps} steps, factor {factor}")
+        training = ["--model", "mobilenetv2", "--data", f"npz:{data}", "--micro-batches", "4",
+                    "--micro-batch-size", "8", "--lr", "0.05", "--max-steps", str(steps),
+                    "--seed", "0"]
+        run = ftpipe(broker, f"shares-{schedule}", schedule, (factor,) * 3, 0, 0,
+                     training=training, assignment=False, trace=True)
+        trace = load_trace(Path(run["work_dir"]) / "trace")
+        bounds = trace.step_bounds()
+        first, last = 8, steps - 2
+        window = (bounds[first][0], bounds[last][1])
+        step_s = (window[1] - window[0]) / (last - first + 1)
+        out[schedule] = {
+            "samples_per_s": run["samples_per_s"], "window_steps": [first, last],
+            "window_step_s": round(step_s, 4),
+            "devices": [{"device": share.name, "compute": round(share.compute, 3),
+                         "comm": round(share.comm, 3), "wait": round(share.wait, 3),
+                         "compute_s_per_step": round(share.compute * step_s, 4)}
+                        for share in busy_shares(trace, window)]}
+    sync, asynchronous = out["sync"], out["async"]
+    out["async_speedup_in_window"] = round(sync["window_step_s"] / asynchronous["window_step_s"],
+                                           3)
+    out["compute_inflation"] = [
+        round(a["compute_s_per_step"] / s["compute_s_per_step"], 3)
+        for s, a in zip(sync["devices"], asynchronous["devices"])]
+    return out
+
+
 def plot_accuracy(runs: list[dict], path: Path) -> None:
     """Test accuracy against wall time, one panel per model, one colour per variant."""
     import matplotlib
@@ -561,7 +600,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--only", choices=["equal", "h", "accuracy", "profile", "trace"],
+    parser.add_argument("--only", choices=["equal", "h", "accuracy", "profile", "trace",
+                                           "shares"],
                         default=None)
     parser.add_argument("--equal-factor", type=int, choices=[1, 2, 4, 10], default=1,
                         help="'equal': the 4 devices emulated this many times slower than "
@@ -571,6 +611,8 @@ def main() -> None:
                              "order reversed every other time; report each one's median")
     parser.add_argument("--trace-pairs", type=int, default=3,
                         help="--only trace: traced/untraced pairs")
+    parser.add_argument("--shares-steps", type=int, default=30,
+                        help="--only shares: steps of each traced run")
     parser.add_argument("--acc-lr", type=float, default=0.05)
     parser.add_argument("--acc-epochs", type=int, default=8)
     parser.add_argument("--acc-factor", type=int, choices=[1, 2, 4, 10], default=1,
@@ -639,6 +681,11 @@ def main() -> None:
             plot = args.out.with_suffix(".png")
             plot_accuracy(runs, plot)
             results["time_to_accuracy"]["plot"] = str(plot)
+        if args.only == "shares":
+            upscaled = upscaled_digits(Path(tempfile.mkdtemp(prefix="speed-digits-")))
+            results["schedule_shares"] = schedule_shares(broker, upscaled, args.acc_factor,
+                                                         args.shares_steps)
+            results["schedule_shares"]["factor"] = args.acc_factor
         if args.only == "trace":
             results["trace_overhead"] = trace_overhead(
                 broker, args.steps, args.warmup, args.trace_pairs, args.out.with_suffix(".png"),
