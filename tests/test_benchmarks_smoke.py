@@ -315,3 +315,34 @@ def test_training_time_to_an_evaluation_leaves_the_evaluations_before_it_out(mon
     history = [(0, 1.0), (1, 2.0), (2, 3.5), (3, 4.5)]
     evals = [{"step": 2, "t": 2.5}, {"step": 4, "t": 4.7}]
     assert training_seconds(evals, history) == [1.0, 3.0]
+
+
+def test_the_convergence_benchmark_evaluates_the_simulator_as_the_fleet_does(monkeypatch):
+    """Evaluating in the simulator's step hook changes no weight and no BatchNorm statistic:
+    the job trained with the evaluations equals the one without, bit for bit, and they come
+    at the epochs' ends and every 5 steps."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks.async_convergence import accuracy, run, summarise
+    from ftpipe_iot.core.data import DataSpec, load_dataset
+    from ftpipe_iot.core.models import ModelSpec
+    from ftpipe_iot.core.reference import train_reference
+    from ftpipe_iot.protocol.plan import TrainConfig
+    from ftpipe_iot.protocol.vocab import ScheduleName
+
+    data = load_dataset(DataSpec("synthetic", shape=(3, 32, 32), samples=160))
+    config = TrainConfig(model=ModelSpec("mobilenetv2", width=0.25), micro_batches=4,
+                         micro_batch_size=8, schedule=ScheduleName.ASYNC, evaluate_every=5)
+    evaluations = run(config, data, 12, last_stage_from=2)
+    per_epoch = len(data.x_train) // 32
+    assert [done for done, _ in evaluations] == \
+        [d for d in range(1, 13) if d % per_epoch == 0 or d % 5 == 0 or d == 12]
+    assert all(0.0 <= acc <= 1.0 for _, acc in evaluations)
+    quiet = train_reference(config, data, 12, last_stage_from=[(0, 2)])
+    evaluated = train_reference(config, data, 12, last_stage_from=[(0, 2)],
+                                after_step=lambda step, layers: accuracy(layers, data))
+    assert all((quiet[i][k] == evaluated[i][k]).all() for i in range(len(quiet))
+               for k in quiet[i])
+    rows = summarise([{"variant": "sync", "steps_to_target": 20, "final_accuracy": 0.9},
+                      {"variant": "async-predict", "steps_to_target": 30,
+                       "final_accuracy": 0.9}], 0.95)
+    assert rows["async-predict"]["steps_vs_sync"] == 1.5

@@ -16,7 +16,7 @@ round trip, as the receiving stage gets it (``protocol.codecs``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -67,7 +67,8 @@ def last_stage_timeline(events: Iterable[Mapping[str, Any]]) -> list[tuple[int, 
 def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int = 1,
                     initial: Mapping[int, Mapping[str, np.ndarray]] | None = None,
                     cuts: Sequence[int] = (), cut_codecs: Sequence[CutCodecs] = (),
-                    last_stage_from: Sequence[tuple[int, int]] = ()
+                    last_stage_from: Sequence[tuple[int, int]] = (),
+                    after_step: Callable[[int, Sequence[torch.nn.Module]], None] | None = None
                     ) -> list[dict[str, np.ndarray]]:
     """Train ``steps`` steps in one process; return each layer's state as numpy. The steps are
     synchronous or, with ``config.schedule`` async, the asynchronous schedule's.
@@ -83,7 +84,10 @@ def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int
     last stage starts at ``layer`` (one pair per plan, ``last_stage_timeline``); its layers
     compute every step with the newest version (``StepVersions.last_stage``). () runs every
     layer by the schedule's own rule (plain PipeDream-2BW for async); the schedules without
-    stale steps do not need it.
+    stale steps do not need it. ``after_step(step, layers)``: called once step ``step`` is
+    applied, with the live layers (the newest weights: at a drain point, what the fleet
+    evaluates); it may evaluate them in eval mode and must change nothing (the next step puts
+    them back in training mode).
     """
     if cut_codecs and len(cut_codecs) != len(cuts):
         raise PlanError(f"simulating per-cut codecs needs one per cut: {len(cut_codecs)} "
@@ -98,7 +102,7 @@ def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _train(config, data, steps, initial, coded, last_stage_from)
+        return _train(config, data, steps, initial, coded, last_stage_from, after_step)
     finally:
         torch.set_num_threads(previous)
 
@@ -156,7 +160,9 @@ def _tail_at(last_stage_from: Sequence[tuple[int, int]], step: int, num_layers: 
 def _train(config: TrainConfig, data: Dataset, steps: int,
            initial: Mapping[int, Mapping[str, np.ndarray]] | None,
            coded: Mapping[int, CutCodecs],
-           last_stage_from: Sequence[tuple[int, int]]) -> list[dict[str, np.ndarray]]:
+           last_stage_from: Sequence[tuple[int, int]],
+           after_step: Callable[[int, Sequence[torch.nn.Module]], None] | None = None
+           ) -> list[dict[str, np.ndarray]]:
     layers = build_layers(config.model, data.input_shape, data.num_classes, config.seed)
     for index, state in (initial or {}).items():
         layers[index].load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in
@@ -193,5 +199,7 @@ def _train(config: TrainConfig, data: Dataset, steps: int,
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         versioning.after_update(step)
+        if after_step is not None:
+            after_step(step, layers)
     return [{k: v.detach().numpy().copy() for k, v in layer.state_dict().items()}
             for layer in layers]
