@@ -184,7 +184,7 @@ class Recorder:
         self.progress.message(f"{where}: test accuracy {result.accuracy:.4f}, "
                               f"test loss {result.loss:.4f}")
         self._event(Event(EventType.EPOCH_EVALUATED, epoch=result.epoch,
-                          test_accuracy=result.accuracy))
+                          test_accuracy=result.accuracy, at_step=result.step))
 
     # -- failures, recoveries, rebalancing ------------------------------------------------------
     def failure_detected(self, failure: Failure) -> None:
