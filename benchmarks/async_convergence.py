@@ -139,6 +139,7 @@ def main() -> None:
                         help="merge the runs of these result files instead of training")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--evaluate-every", type=int, default=10)
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -160,6 +161,7 @@ def main() -> None:
             schedule, compensation = VARIANTS[variant]
             config = TrainConfig(model=ModelSpec(args.model), micro_batches=4,
                                  micro_batch_size=8, seed=seed, epochs=args.epochs, lr=args.lr,
+                                 momentum=args.momentum,
                                  schedule=schedule, delay_compensation=compensation,
                                  evaluate_every=args.evaluate_every)
             steps = SyncSchedule(len(data.x_train), 4, 8, seed).total_steps(args.epochs, None)
@@ -172,7 +174,8 @@ def main() -> None:
             say(f"seed {seed} {variant}: {hit} steps to {args.target} "
                 f"({time.perf_counter() - started:.0f} s)")
     results = {"model": args.model, "data": data_name, "micro_batches": 4,
-               "micro_batch_size": 8, "lr": args.lr, "momentum": 0.9, "epochs": args.epochs,
+               "micro_batch_size": 8, "lr": args.lr, "momentum": args.momentum,
+               "epochs": args.epochs,
                "evaluate_every": args.evaluate_every, "target": args.target,
                "last_stage_from": LAST_STAGE_FROM[args.model],
                "summary": summarise(runs, args.target), "runs": runs}

@@ -215,10 +215,12 @@ def _top(profile: Path, n: int = 12) -> list[str]:
 def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float, ...],
            steps: int, warmup: int, profile: bool = False,
            training: list[str] | None = None, assignment: bool = True,
-           timeout_s: float = 1200.0, signed: bool = True, trace: bool = False) -> dict:
+           timeout_s: float = 1200.0, signed: bool = True, trace: bool = False,
+           repartition: bool = False) -> dict:
     """One ftpipe-iot job on the fixed split; devices optionally under cProfile; every message
     signed unless ``signed`` is False (``--insecure-unsigned``); the run's timeline kept in
-    its work dir when ``trace``."""
+    its work dir when ``trace``; the controller's rebalancing off unless ``repartition``
+    (runs compared side by side keep their first plan)."""
     work = Path(tempfile.mkdtemp(prefix=f"speed-{job}-"))
     names = [f"{job}-d{k}" for k in range(len(factors))]
     procs: dict[str, subprocess.Popen] = {}
@@ -255,7 +257,8 @@ def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float,
         procs["controller"] = subprocess.Popen(
             [*python, *entry, "controller", "--job", job, "--broker", broker.url,
              "--devices", str(len(names)), "--stop-devices", "--summary-json",
-             str(summary_path), "--log-level", "WARNING", "--no-repartition",
+             str(summary_path), "--log-level", "WARNING",
+             *([] if repartition else ["--no-repartition"]),
              "--wait-devices", "900", "--stall-timeout", "300",
              "--schedule", schedule, *(["--assignment", pinned] if assignment else []),
              *(["--trace-dir", str(work / "trace")] if trace else []),
@@ -426,9 +429,12 @@ def accuracy_summary(runs: list[dict]) -> dict:
     return out
 
 
-def schedule_shares(broker: BrokerProcess, data: Path, factor: int, steps: int) -> dict:
+def schedule_shares(broker: BrokerProcess, data: Path, factor: int, steps: int,
+                    repartition: bool = False) -> dict:
     """Sync and async on the time-to-accuracy fleet, traced (``--only shares``): per schedule
-    the steady step time over steps 8 to ``steps - 2`` and each device's shares of it."""
+    the steady step time over the last 20 steps but one and each device's shares of it;
+    ``repartition``: the controller may rebalance the first plan from measured times (then
+    the window starts after its last new plan)."""
     from ftpipe_iot.observability.trace import busy_shares, load_trace
 
     out: dict = {}
@@ -438,14 +444,20 @@ def schedule_shares(broker: BrokerProcess, data: Path, factor: int, steps: int) 
                     "--micro-batch-size", "8", "--lr", "0.05", "--max-steps", str(steps),
                     "--seed", "0"]
         run = ftpipe(broker, f"shares-{schedule}", schedule, (factor,) * 3, 0, 0,
-                     training=training, assignment=False, trace=True)
+                     training=training, assignment=False, trace=True, repartition=repartition)
         trace = load_trace(Path(run["work_dir"]) / "trace")
         bounds = trace.step_bounds()
-        first, last = 8, steps - 2
+        summary = json.loads((Path(run["work_dir"]) / "summary.json").read_text())
+        plans = [e for e in summary["events"] if e["type"] == "plan_changed"]
+        last = steps - 2
+        first = max(8, last - 20, *(e["resume_step"] + 2 for e in plans))
         window = (bounds[first][0], bounds[last][1])
         step_s = (window[1] - window[0]) / (last - first + 1)
         out[schedule] = {
             "samples_per_s": run["samples_per_s"], "window_steps": [first, last],
+            "plans": [{"resume_step": e["resume_step"],
+                       "layers": [[st["start"], st["end"]] for st in e["stages"]]}
+                      for e in plans],
             "window_step_s": round(step_s, 4),
             "devices": [{"device": share.name, "compute": round(share.compute, 3),
                          "comm": round(share.comm, 3), "wait": round(share.wait, 3),
@@ -613,6 +625,8 @@ def main() -> None:
                         help="--only trace: traced/untraced pairs")
     parser.add_argument("--shares-steps", type=int, default=30,
                         help="--only shares: steps of each traced run")
+    parser.add_argument("--shares-repartition", action="store_true",
+                        help="--only shares: let the controller rebalance the first plan")
     parser.add_argument("--acc-lr", type=float, default=0.05)
     parser.add_argument("--acc-epochs", type=int, default=8)
     parser.add_argument("--acc-factor", type=int, choices=[1, 2, 4, 10], default=1,
@@ -684,7 +698,8 @@ def main() -> None:
         if args.only == "shares":
             upscaled = upscaled_digits(Path(tempfile.mkdtemp(prefix="speed-digits-")))
             results["schedule_shares"] = schedule_shares(broker, upscaled, args.acc_factor,
-                                                         args.shares_steps)
+                                                         args.shares_steps,
+                                                         args.shares_repartition)
             results["schedule_shares"]["factor"] = args.acc_factor
         if args.only == "trace":
             results["trace_overhead"] = trace_overhead(
