@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 from benchmarks.codec_accuracy import _dataset  # noqa: E402
 from benchmarks.harness import save_figure, say, write_results  # noqa: E402
+from ftpipe_iot.collab.parts import evaluate  # noqa: E402
 from ftpipe_iot.core.data import Dataset  # noqa: E402
 from ftpipe_iot.core.models import ModelSpec  # noqa: E402
 from ftpipe_iot.core.reference import train_reference  # noqa: E402
@@ -58,14 +59,7 @@ LAST_STAGE_FROM = {"cnn": 9, "mobilenetv2": 11}
 
 def accuracy(layers: Sequence[torch.nn.Module], data: Dataset) -> float:
     """Test accuracy of the live layers, in eval mode (what the fleet's evaluation computes)."""
-    for layer in layers:
-        layer.eval()
-    correct = 0
-    with torch.no_grad():
-        for lo in range(0, len(data.x_test), 256):
-            logits = torch.nn.Sequential(*layers)(torch.from_numpy(data.x_test[lo:lo + 256]))
-            correct += int((logits.argmax(dim=1).numpy() == data.y_test[lo:lo + 256]).sum())
-    return correct / len(data.x_test)
+    return evaluate(layers, data.x_test, data.y_test)[0]
 
 
 def run(config: TrainConfig, data: Dataset, steps: int, last_stage_from: int) -> list[tuple]:
