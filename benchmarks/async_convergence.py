@@ -6,8 +6,7 @@ times seconds per step. Its steps are deterministic per seed (fleet = simulator,
 contract), so the simulator measures them for as many seeds as one likes, without the host's
 speed in the figure: sync, async without delay compensation and async with prediction, the
 test set evaluated every ``--evaluate-every`` steps (a drain point of every schedule, as on the
-fleet), the pipeline's last stage from ``--last-stage-from`` (the fleet's split: its layers
-are never stale). Per variant: each seed's steps to ``--target``, the median, how many seeds
+fleet), each stage's layers stale by their place in the fleet's split (``STAGES``). Per variant: each seed's steps to ``--target``, the median, how many seeds
 reach it, and the final accuracy; async's median steps over sync's is the factor its
 samples/s must beat for async to reach the target sooner.
 
@@ -52,9 +51,10 @@ VARIANTS = {  # name -> (schedule, delay compensation), as benchmarks/speed.py n
     "async-none": (ScheduleName.ASYNC, DelayCompensation.NONE),
     "async-predict": (ScheduleName.ASYNC, DelayCompensation.PREDICT),
 }
-# The first layer of the last stage on the fleet of benchmarks/speed.py --only accuracy (three
-# devices, the split its layout chose): the CNN's [9, 12), MobileNetV2's [11, 22).
-LAST_STAGE_FROM = {"cnn": 9, "mobilenetv2": 11}
+# The first layer of each stage on the fleet of benchmarks/speed.py --only accuracy (three
+# devices, the split its layout chose): the CNN's [0, 5), [5, 9), [9, 12), MobileNetV2's
+# [0, 4), [4, 11), [11, 22).
+STAGES = {"cnn": (0, 5, 9), "mobilenetv2": (0, 4, 11)}
 
 
 def accuracy(layers: Sequence[torch.nn.Module], data: Dataset) -> float:
@@ -62,7 +62,8 @@ def accuracy(layers: Sequence[torch.nn.Module], data: Dataset) -> float:
     return evaluate(layers, data.x_test, data.y_test)[0]
 
 
-def run(config: TrainConfig, data: Dataset, steps: int, last_stage_from: int) -> list[tuple]:
+def run(config: TrainConfig, data: Dataset, steps: int, stage_starts: tuple[int, ...]
+        ) -> list[tuple]:
     """(steps done, test accuracy) at every evaluation of one simulated job."""
     evaluations: list[tuple] = []
     spe = SyncSchedule(len(data.x_train), config.micro_batches, config.micro_batch_size,
@@ -73,8 +74,8 @@ def run(config: TrainConfig, data: Dataset, steps: int, last_stage_from: int) ->
         if done % spe == 0 or done == steps or done % config.evaluate_every == 0:
             evaluations.append((done, accuracy(layers, data)))
 
-    timeline = [(0, last_stage_from)] if config.schedule is ScheduleName.ASYNC else []
-    train_reference(config, data, steps, last_stage_from=timeline, after_step=after_step)
+    timeline = [(0, stage_starts)] if config.schedule is ScheduleName.ASYNC else []
+    train_reference(config, data, steps, stages_from=timeline, after_step=after_step)
     return evaluations
 
 
@@ -126,7 +127,7 @@ def plot(runs: list[dict], path: Path, target: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(LAST_STAGE_FROM), default="cnn")
+    parser.add_argument("--model", choices=sorted(STAGES), default="cnn")
     parser.add_argument("--seeds", type=int, default=20, help="how many seeds")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--from-results", type=Path, nargs="+", default=None,
@@ -160,7 +161,7 @@ def main() -> None:
                                  evaluate_every=args.evaluate_every)
             steps = SyncSchedule(len(data.x_train), 4, 8, seed).total_steps(args.epochs, None)
             started = time.perf_counter()
-            evaluations = run(config, data, steps, LAST_STAGE_FROM[args.model])
+            evaluations = run(config, data, steps, STAGES[args.model])
             hit = next((done for done, acc in evaluations if acc >= args.target), None)
             runs.append({"model": args.model, "variant": variant, "seed": seed,
                          "steps_to_target": hit, "final_accuracy": evaluations[-1][1],
@@ -171,7 +172,7 @@ def main() -> None:
                "micro_batch_size": 8, "lr": args.lr, "momentum": args.momentum,
                "epochs": args.epochs,
                "evaluate_every": args.evaluate_every, "target": args.target,
-               "last_stage_from": LAST_STAGE_FROM[args.model],
+               "stages": STAGES[args.model],
                "summary": summarise(runs, args.target), "runs": runs}
     write_results(results, args.out, lambda png: plot(runs, png, args.target))
 

@@ -14,7 +14,7 @@ from ftpipe_iot.control.controller import Controller, ControllerConfig
 from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.core.data import DataSpec, load_dataset
 from ftpipe_iot.core.models import ModelSpec
-from ftpipe_iot.core.reference import last_stage_timeline, train_reference
+from ftpipe_iot.core.reference import stage_timeline, train_reference
 from ftpipe_iot.device.agent import DeviceAgent, device_will
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.vocab import ControllerPhase as Phase
@@ -45,16 +45,16 @@ def test_async_fleet_equals_its_simulator_and_is_deterministic():
     steps = ASYNC.max_steps
     assert job.controller.summary.steps == steps
     assert job.controller.training.feed.ahead > 0  # steps overlapped: no drain between them
-    timeline = last_stage_timeline(job.controller.summary.events)
+    timeline = stage_timeline(job.controller.summary.events)
     assert max_weight_diff(first, train_reference(ASYNC, data, steps,
-                                                  last_stage_from=timeline)) < 1e-5
+                                                  stages_from=timeline)) < 1e-5
     again, second = _run(ASYNC, 3)
-    if last_stage_timeline(again.controller.summary.events) == timeline:
+    if stage_timeline(again.controller.summary.events) == timeline:
         assert max_weight_diff(first, second) == 0.0  # same seed, plans and order: same bits
     else:  # the planner measured the devices differently and cut elsewhere: its own answer
         assert max_weight_diff(second, train_reference(
             ASYNC, data, steps,
-            last_stage_from=last_stage_timeline(again.controller.summary.events))) < 1e-5
+            stages_from=stage_timeline(again.controller.summary.events))) < 1e-5
     synchronous = train_reference(replace(ASYNC, schedule=ScheduleName.SYNC), data, steps)
     assert max_weight_diff(first, synchronous) > 1e-4
 
@@ -74,7 +74,7 @@ def test_async_device_loss_recovers_at_a_drain_point_and_stays_exact(evaluate_ev
     # a restored complete version plus a rewound feed: the failure-free run's weights
     assert max_weight_diff(weights, train_reference(
         train, job.controller.data, 10,
-        last_stage_from=last_stage_timeline(summary.events))) < 1e-5
+        stages_from=stage_timeline(summary.events))) < 1e-5
 
 
 @pytest.mark.broker
@@ -106,12 +106,12 @@ def test_async_device_processes_over_mosquitto_equal_the_simulator(mosquitto, pr
     data = load_dataset(DataSpec("digits"))
     gathered = load_weights(tmp_path / "weights.npz")
     events = json.loads((tmp_path / "summary.json").read_text())["events"]
-    timeline = last_stage_timeline(events)
+    timeline = stage_timeline(events)
     assert max_weight_diff(gathered, train_reference(
-        train, data, steps, last_stage_from=timeline)) < 1e-5
+        train, data, steps, stages_from=timeline)) < 1e-5
     # the evaluations' drains changed the training: without them the simulator differs
     assert max_weight_diff(gathered, train_reference(
-        replace(train, evaluate_every=0), data, steps, last_stage_from=timeline)) > 1e-4
+        replace(train, evaluate_every=0), data, steps, stages_from=timeline)) > 1e-4
     synchronous = train_reference(replace(train, schedule=ScheduleName.SYNC), data, steps)
     assert max_weight_diff(gathered, synchronous) > 1e-4
 
@@ -146,7 +146,7 @@ def test_async_rejoin_repartitions_at_a_drain_point_and_stays_exact():
     weights = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     assert max_weight_diff(weights, train_reference(
         train, job.controller.data, 18,
-        last_stage_from=last_stage_timeline(job.controller.summary.events))) < 1e-5
+        stages_from=stage_timeline(job.controller.summary.events))) < 1e-5
 
 
 def test_async_controller_resume_continues_from_the_retained_checkpoint():
@@ -160,6 +160,6 @@ def test_async_controller_resume_continues_from_the_retained_checkpoint():
     plans = [e for e in job.controller.summary.events if e["type"] == "plan_changed"]
     assert plans[0]["resume_step"] == 3
     weights = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
-    timeline = last_stage_timeline([*before, *job.controller.summary.events])
+    timeline = stage_timeline([*before, *job.controller.summary.events])
     assert max_weight_diff(weights, train_reference(train, job.controller.data, 10,
-                                                    last_stage_from=timeline)) < 1e-5
+                                                    stages_from=timeline)) < 1e-5

@@ -23,7 +23,7 @@ from ftpipe_iot.core.outputs import (
     StepDone,
 )
 from ftpipe_iot.core.prediction import first_moment, predicted_weights
-from ftpipe_iot.core.reference import last_stage_timeline, train_reference
+from ftpipe_iot.core.reference import stage_timeline, train_reference
 from ftpipe_iot.core.schedule import StepVersions, SyncSchedule
 from ftpipe_iot.core.stage import Stage, make_optimizer
 from ftpipe_iot.core.stash import WeightStash
@@ -35,7 +35,7 @@ from ftpipe_iot.protocol.vocab import (
     OptimizerName,
     ScheduleName,
 )
-from ftpipe_iot.schedules import PipeDream2BW, Synchronous
+from ftpipe_iot.schedules import AsyncOneFOneB, Synchronous
 
 ASYNC = TrainConfig(model=ModelSpec("mobilenetv2", width=0.25), micro_batches=4,
                     micro_batch_size=4, lr=0.05, schedule=ScheduleName.ASYNC,
@@ -43,7 +43,7 @@ ASYNC = TrainConfig(model=ModelSpec("mobilenetv2", width=0.25), micro_batches=4,
 
 
 def test_versions_lag_one_step_between_drain_points():
-    rule = StepVersions(PipeDream2BW(), steps_per_epoch=7, drain_every=3)
+    rule = StepVersions(AsyncOneFOneB(), steps_per_epoch=7, drain_every=3)
     assert [rule.drains_after(s) for s in range(8)] == \
         [False, False, True, False, False, True, True, False]
     # after a drain (and at step 0) a step uses the current weights; otherwise the previous
@@ -57,22 +57,22 @@ def test_evaluations_within_an_epoch_are_drain_points_of_the_async_schedule():
     # 7 steps per epoch, replication every 3, an evaluation every 4 (counted from step 0, as
     # replication is): drains after steps 2, 5, 8 and 11 (replication), 3, 7 and 11
     # (evaluation), 6 and 13 (the epochs' ends)
-    rule = StepVersions(PipeDream2BW(), steps_per_epoch=7, drain_every=3, evaluate_every=4)
+    rule = StepVersions(AsyncOneFOneB(), steps_per_epoch=7, drain_every=3, evaluate_every=4)
     assert [s for s in range(14) if rule.drains_after(s)] == [2, 3, 5, 6, 7, 8, 11, 13]
     # a step right after an evaluation's drain computes with the current weights
     assert [rule.forward_version(s) for s in range(6)] == [0, 0, 1, 3, 4, 4]
     assert not rule.may_start(4, 3) and rule.may_start(5, 4)
     # a multiple of the replication interval adds no drain
-    aligned = StepVersions(PipeDream2BW(), 7, drain_every=3, evaluate_every=6)
+    aligned = StepVersions(AsyncOneFOneB(), 7, drain_every=3, evaluate_every=6)
     assert [s for s in range(14) if aligned.drains_after(s)] == \
-        [s for s in range(14) if StepVersions(PipeDream2BW(), 7, drain_every=3).drains_after(s)]
+        [s for s in range(14) if StepVersions(AsyncOneFOneB(), 7, drain_every=3).drains_after(s)]
     assert StepVersions.of(replace(ASYNC, evaluate_every=4), 7).evaluate_every == 4
 
 
 def test_async_feed_runs_into_the_next_step_but_not_past_a_drain():
     schedule = SyncSchedule(64, 2, 2, 0)  # 16 steps per epoch
     feed = TrainFeed(schedule, n_stages=1, start_step=0, end_step=4, max_in_flight=8,
-                     versions=StepVersions(PipeDream2BW(), schedule.steps_per_epoch,
+                     versions=StepVersions(AsyncOneFOneB(), schedule.steps_per_epoch,
                                            drain_every=2))
     sent = [(mb.step, mb.index) for mb in feed.next_to_send()]
     assert sent == [(0, 0), (0, 1), (1, 0), (1, 1)]  # step 1 before step 0 is done, no step 2
@@ -92,19 +92,78 @@ def test_async_feed_runs_into_the_next_step_but_not_past_a_drain():
 
 def test_stash_holds_at_most_two_versions():
     layers = build_layers(ModelSpec("mlp"), (1, 8, 8), 10, seed=0)
-    stash = WeightStash(layers, StepVersions(PipeDream2BW(), 100), 0)
+    stash = WeightStash(layers, StepVersions(AsyncOneFOneB(), 100), 0)
     param_bytes = sum(p.numel() * 4 for layer in layers for p in layer.parameters())
-    stash.weights(0)
-    stash.weights(1)  # step 1 also computes with version 0
+    stash.weights(0, 0)
+    stash.weights(1, 0)  # step 1 also computes with version 0
     stash.before_update(0)
     assert stash.versions_held == 2 and stash.kept_bytes == param_bytes
-    stash.weights(2)  # version 1 = the live weights until step 1 is applied
+    stash.weights(2, 0)  # version 1 = the live weights until step 1 is applied
     stash.before_update(1)
     assert stash.versions_held == 2 and stash.kept_bytes == param_bytes
     with pytest.raises(PlanError, match="needs weight version"):
-        stash.weights(0)
+        stash.weights(0, 0)
     with pytest.raises(PlanError, match="not a drain point"):
-        WeightStash(layers, StepVersions(PipeDream2BW(), 100), 3)
+        WeightStash(layers, StepVersions(AsyncOneFOneB(), 100), 3)
+
+
+def test_a_stages_first_micro_batches_are_stale_and_the_rest_wait_for_the_newest_weights():
+    """A stage with two stages after it: 1F1B runs a step's first two forwards there before
+    its last backward of the step before comes back, so those two compute with the previous
+    version; the other two wait for the step before to be applied and compute with its
+    result. The step's gradient sums both versions' in micro-batch order."""
+    layers = build_layers(ModelSpec("mlp"), (1, 8, 8), 10, seed=0)
+    config = TrainConfig(model=ModelSpec("mlp"), lr=0.1, momentum=0.9)
+    optimizers = [make_optimizer(layer, config) for layer in layers]
+    versions = StepVersions(AsyncOneFOneB(), 100).for_stage(later_stages=2)
+    assert versions.stale_micro_batches == 2
+    assert StepVersions(AsyncOneFOneB(), 100).for_stage(later_stages=0).forward_version(5) == 5
+    stash = WeightStash(layers, versions, 0, optimizers)
+    weight = layers[1].weight
+    version_0 = weight.detach().clone()
+    assert [stash.available(0, m) for m in range(4)] == [True] * 4  # step 0: no step before
+    assert [stash.available(1, m) for m in range(4)] == [True, True, False, False]
+    stale = stash.weights(1, 0)
+    assert stash.weights(1, 1) is stale
+    with pytest.raises(PlanError, match="needs weight version 1"):
+        stash.weights(1, 2)
+
+    def backward(step: int, micro_batch: int, value: float) -> None:
+        leaves = [*stash.weights(step, micro_batch)[1].values()]
+        gradients = stash.gradients(step)
+        gradients.before(step, micro_batch)
+        for leaf in leaves:
+            leaf.grad = torch.full_like(leaf, value)
+        gradients.after(step, micro_batch)
+
+    def apply(step: int) -> None:
+        stash.before_update(step)
+        for optimizer in optimizers:
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        stash.after_update(step)
+
+    backward(0, 0, 1.0)
+    backward(1, 0, 10.0)  # step 1's stale micro-batches compute before step 0 is applied
+    backward(1, 1, 20.0)
+    apply(0)
+    assert [stash.available(1, m) for m in range(4)] == [True] * 4
+    fresh = stash.weights(1, 2)
+    assert fresh is not stale and stash.weights(1, 3) is fresh
+    assert torch.equal(stale[1]["weight"], version_0)  # kept while step 1 still computes
+    assert torch.equal(fresh[1]["weight"], weight.detach())
+    assert not torch.equal(fresh[1]["weight"], version_0)
+    assert stash.versions_held == 2
+    backward(1, 3, 200.0)  # out of order: summed in micro-batch order all the same
+    backward(1, 2, 100.0)
+    apply(1)
+    # step 1's gradient: micro-batches 0 and 1 at version 0, 2 and 3 at version 1
+    buffer = optimizers[1].state[weight]["momentum_buffer"]
+    assert torch.allclose(buffer, torch.full_like(buffer, 0.9 * 1.0 + 330.0))
+    # version 0 went with the step that used it; version 1 stays for step 2's stale ones
+    assert stash.versions_held == 2
+    assert torch.equal(stash.weights(2, 0)[1]["weight"], fresh[1]["weight"])
 
 
 @pytest.mark.parametrize("drain_every, expected_update", [
@@ -116,15 +175,15 @@ def test_predicted_weights_are_the_live_ones_minus_the_next_update(drain_every,
     layers = build_layers(ModelSpec("mlp"), (1, 8, 8), 10, seed=0)
     config = TrainConfig(model=ModelSpec("mlp"), lr=0.1, momentum=0.9)
     optimizers = [make_optimizer(layer, config) for layer in layers]
-    versions = StepVersions(PipeDream2BW(), 100, drain_every,
+    versions = StepVersions(AsyncOneFOneB(), 100, drain_every,
                             compensation=DelayCompensation.PREDICT)
     stash = WeightStash(layers, versions, 0, optimizers)
     weight = layers[1].weight
     # before any optimizer step there is nothing to predict: step 1 computes at version 0
-    assert torch.equal(stash.weights(1)[1]["weight"], weight.detach())
-    stash.weights(0)
+    assert torch.equal(stash.weights(1, 0)[1]["weight"], weight.detach())
+    stash.weights(0, 0)
     for step in (0, 1):
-        leaves = [*stash.weights(step)[1].values(), *stash.weights(step)[3].values()]
+        leaves = [*stash.weights(step, 0)[1].values(), *stash.weights(step, 0)[3].values()]
         gradients = stash.gradients(step)
         gradients.before(step, 0)  # a backward of micro-batch 0 that leaves ones
         for leaf in leaves:
@@ -139,10 +198,10 @@ def test_predicted_weights_are_the_live_ones_minus_the_next_update(drain_every,
         assert stash.versions_held <= 3
     buffer = optimizers[1].state[weight]["momentum_buffer"]
     assert torch.allclose(buffer, torch.full_like(buffer, 1.9))
-    assert torch.allclose(stash.weights(3)[1]["weight"],
+    assert torch.allclose(stash.weights(3, 0)[1]["weight"],
                           weight.detach() - 0.1 * expected_update)
     with pytest.raises(PlanError, match="predicted|needs weight version"):
-        stash.weights(4)  # its version does not exist yet
+        stash.weights(4, 0)  # its version does not exist yet
 
 
 @pytest.mark.parametrize("steps", [1, 5])
@@ -250,11 +309,14 @@ def test_async_stages_in_any_interleaving_equal_the_simulator(seed, compensation
     data = load_dataset(DataSpec("digits"))
     steps = 7  # drains after steps 4 (replicate_every 5): both kinds of step boundary
     fleet, most = _pipeline(config, data, [4, 11], steps, seed, max_in_flight=4)
-    simulated = train_reference(config, data, steps, last_stage_from=[(0, 11)])
+    simulated = train_reference(config, data, steps, stages_from=[(0, (0, 4, 11))])
     assert max_weight_diff(fleet, simulated) < 1e-5
     assert most == versions
-    # the last stage's rule is in force: plain 2BW on every layer is another answer
+    # the per-stage rule is in force: plain 2BW on every layer is another answer, and so is
+    # every micro-batch stale before the last stage
     assert max_weight_diff(fleet, train_reference(config, data, steps)) > 1e-4
+    assert max_weight_diff(fleet, train_reference(config, data, steps,
+                                                  stages_from=[(0, (0, 11))])) > 1e-4
     # the yardstick can fail: the synchronous answer differs
     synchronous = train_reference(replace(config, schedule=ScheduleName.SYNC), data, steps)
     assert max_weight_diff(simulated, synchronous) > 1e-4
@@ -283,7 +345,7 @@ def test_async_groups_and_standbys_with_batchnorm_equal_the_simulator(layout):
     assert controller.summary.steps == config.max_steps
     gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
     simulated = train_reference(config, controller.data, steps=config.max_steps,
-                                last_stage_from=last_stage_timeline(controller.summary.events))
+                                stages_from=stage_timeline(controller.summary.events))
     # parameters to 1e-5; BatchNorm's running statistics, replayed from the records rather
     # than updated inside the kernel, to float rounding (they reach 1e5 on raw digits and do
     # not feed back into training)
@@ -303,17 +365,17 @@ def test_async_with_a_frozen_first_stage_equals_the_simulator():
     config = replace(ASYNC, frozen_layers=4)  # stage 0 holds only fixed layers
     fleet, _ = _pipeline(config, data, [4, 11], 6, seed=3, max_in_flight=4)
     assert max_weight_diff(fleet, train_reference(config, data, 6,
-                                                  last_stage_from=[(0, 11)])) < 1e-5
+                                                  stages_from=[(0, (0, 4, 11))])) < 1e-5
 
 
-def test_the_last_stage_timeline_follows_the_plans_a_run_took():
+def test_the_stage_timeline_follows_the_plans_a_run_took():
     def plan(step: int, last_start: int) -> dict:
         return {"type": "plan_changed", "resume_step": step,
                 "stages": [{"start": 0, "end": last_start}, {"start": last_start, "end": 12}]}
 
     events = [plan(0, 6), {"type": "failure", "step": 7}, plan(5, 8), plan(3, 4), plan(9, 6)]
     # the plan from step 5 was rolled back to step 3 by the next one: it never counted
-    assert last_stage_timeline(events) == [(0, 6), (3, 4), (9, 6)]
+    assert stage_timeline(events) == [(0, (0, 6)), (3, (0, 4)), (9, (0, 6))]
 
 
 def test_the_compensation_travels_with_the_config_and_an_older_config_keeps_none():

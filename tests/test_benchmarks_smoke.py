@@ -332,13 +332,13 @@ def test_the_convergence_benchmark_evaluates_the_simulator_as_the_fleet_does(mon
     data = load_dataset(DataSpec("synthetic", shape=(3, 32, 32), samples=160))
     config = TrainConfig(model=ModelSpec("mobilenetv2", width=0.25), micro_batches=4,
                          micro_batch_size=8, schedule=ScheduleName.ASYNC, evaluate_every=5)
-    evaluations = run(config, data, 12, last_stage_from=2)
+    evaluations = run(config, data, 12, stage_starts=(0, 2))
     per_epoch = len(data.x_train) // 32
     assert [done for done, _ in evaluations] == \
         [d for d in range(1, 13) if d % per_epoch == 0 or d % 5 == 0 or d == 12]
     assert all(0.0 <= acc <= 1.0 for _, acc in evaluations)
-    quiet = train_reference(config, data, 12, last_stage_from=[(0, 2)])
-    evaluated = train_reference(config, data, 12, last_stage_from=[(0, 2)],
+    quiet = train_reference(config, data, 12, stages_from=[(0, (0, 2))])
+    evaluated = train_reference(config, data, 12, stages_from=[(0, (0, 2))],
                                 after_step=lambda step, layers: accuracy(layers, data))
     assert all((quiet[i][k] == evaluated[i][k]).all() for i in range(len(quiet))
                for k in quiet[i])

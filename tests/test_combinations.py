@@ -21,7 +21,7 @@ from helpers import MemoryJob, max_weight_diff, mqtt_connector
 
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.plan_codecs import CodecPolicy
-from ftpipe_iot.core.reference import last_stage_timeline, train_reference
+from ftpipe_iot.core.reference import stage_timeline, train_reference
 from ftpipe_iot.device.agent import DeviceOptions
 from ftpipe_iot.errors import ConfigError
 from ftpipe_iot.planning.layouts import Layout
@@ -81,7 +81,7 @@ def _run_cell(schedule: ScheduleName, layout: str, resiliency: int, fault: str,
     controller = job.controller
     gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
     expected = train_reference(train, controller.data, steps=TRAIN.max_steps,
-                               last_stage_from=last_stage_timeline(controller.summary.events))
+                               stages_from=stage_timeline(controller.summary.events))
     assert max_weight_diff(gathered, expected) < 1e-5
     summary = controller.summary
     assert summary.steps == TRAIN.max_steps
@@ -143,7 +143,7 @@ def test_every_cell_with_codecs_per_cut_equals_its_coded_yardstick(schedule, lay
     gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
     expected = train_reference(train, controller.data, steps=TRAIN.max_steps, cuts=(3,),
                                cut_codecs=CODED,
-                               last_stage_from=last_stage_timeline(controller.summary.events))
+                               stages_from=stage_timeline(controller.summary.events))
     assert max_weight_diff(gathered, expected) < 1e-5
 
 

@@ -14,7 +14,7 @@ from helpers import max_weight_diff
 from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.core.data import DataSpec, load_dataset
 from ftpipe_iot.core.models import ModelSpec
-from ftpipe_iot.core.reference import last_stage_timeline, train_reference
+from ftpipe_iot.core.reference import stage_timeline, train_reference
 from ftpipe_iot.observability.watch import JobWatcher
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.topics import Topics
@@ -31,15 +31,15 @@ _REFERENCE: dict[tuple[int, ScheduleName, tuple], list] = {}
 
 
 def reference(steps: int = STEPS, schedule: ScheduleName = ScheduleName.SYNC,
-              last_stage_from: tuple[tuple[int, int], ...] = ()):
-    """One process (sync), or the 2BW simulator (async, with the run's last stages), of the
-    jobs these tests run."""
-    key = (steps, schedule, last_stage_from if schedule is ScheduleName.ASYNC else ())
+              stages_from: tuple[tuple[int, tuple[int, ...]], ...] = ()):
+    """One process (sync), or the async simulator (with the run's stages), of the jobs these
+    tests run."""
+    key = (steps, schedule, stages_from if schedule is ScheduleName.ASYNC else ())
     if key not in _REFERENCE:
         train = TrainConfig(model=ModelSpec("cnn"), micro_batches=4, micro_batch_size=8,
                             schedule=schedule, replicate_every=REPLICATE_EVERY)
         _REFERENCE[key] = train_reference(train, load_dataset(DataSpec("digits")), steps,
-                                          last_stage_from=key[2])
+                                          stages_from=key[2])
     return _REFERENCE[key]
 
 
@@ -86,7 +86,7 @@ class FaultJob:
         gathered = load_weights(self.tmp_path / "weights.npz")
         events = [(e["type"], e.get("resume_step"), e.get("cause"), e.get("devices"))
                   for e in summary["events"] if e["type"] != "epoch_evaluated"]
-        timeline = tuple(last_stage_timeline(summary["events"]))
+        timeline = tuple(stage_timeline(summary["events"]))
         assert max_weight_diff(gathered, reference(self.steps, self.schedule, timeline)) < 1e-5, \
             events
         return summary

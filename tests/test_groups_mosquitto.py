@@ -12,7 +12,7 @@ from helpers import max_weight_diff
 
 from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.core.data import load_dataset
-from ftpipe_iot.core.reference import last_stage_timeline, train_reference
+from ftpipe_iot.core.reference import stage_timeline, train_reference
 from ftpipe_iot.protocol.plan import TrainConfig
 from ftpipe_iot.protocol.specs import DataSpec
 from ftpipe_iot.protocol.vocab import ScheduleName
@@ -37,7 +37,7 @@ def _reference(steps: int, schedule: ScheduleName = ScheduleName.SYNC,
     train = TrainConfig(micro_batches=M, micro_batch_size=B, replicate_every=4,
                         schedule=schedule)
     return train_reference(train, load_dataset(DataSpec("digits")), steps,
-                           last_stage_from=last_stage_timeline(events))
+                           stages_from=stage_timeline(events))
 
 
 def test_groups_of_two_and_three_train_like_one_process(mosquitto, processes, tmp_path):

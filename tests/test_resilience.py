@@ -14,7 +14,7 @@ import pytest
 from helpers import MemoryJob, max_weight_diff
 
 from ftpipe_iot.control.config import ControllerConfig
-from ftpipe_iot.core.reference import last_stage_timeline, train_reference
+from ftpipe_iot.core.reference import stage_timeline, train_reference
 from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.specs import ModelSpec
 from ftpipe_iot.protocol.vocab import ControllerPhase, ScheduleName
@@ -89,7 +89,7 @@ def test_a_stalled_member_is_taken_over_and_its_late_results_are_dropped(schedul
     job.stall("d0", 1.5)
     assert job.run() is ControllerPhase.DONE
     reference = train_reference(train, job.controller.data, steps=12,
-                                last_stage_from=last_stage_timeline(job.controller.summary.events))
+                                stages_from=stage_timeline(job.controller.summary.events))
     assert max_weight_diff(_gathered(job), reference) < 1e-5
     by_name = {d.name: d for d in job.devices}
     assert by_name["d2"].takeovers > 0

@@ -25,7 +25,7 @@ import ftpipe_iot.schedules as schedules_table
 from ftpipe_iot.cli import main
 from ftpipe_iot.control.config import ControllerConfig, requested_shape, schedule_refusal
 from ftpipe_iot.control.plan_stages import LayoutInputs, choose_stages
-from ftpipe_iot.core.reference import last_stage_timeline, train_reference
+from ftpipe_iot.core.reference import stage_timeline, train_reference
 from ftpipe_iot.core.schedule import StepVersions
 from ftpipe_iot.errors import ConfigError, PlanError
 from ftpipe_iot.planning.capacity import CapacityEstimator
@@ -38,7 +38,7 @@ from ftpipe_iot.schedules import (
     SCHEDULES,
     DrainPoints,
     JobOptions,
-    PipeDream2BW,
+    AsyncOneFOneB,
     PipeDreamFlush,
     PlanShape,
     Refusal,
@@ -63,7 +63,7 @@ def _options() -> list[JobOptions]:
     return [JobOptions(r, mode) for r in (0, 1, 2) for mode in CollabMode]
 
 
-class _GrouplessAsync(PipeDream2BW):
+class _GrouplessAsync(AsyncOneFOneB):
     """2BW as a schedule that cannot run groups, standbys or resiliency would answer: the
     refusals the real one made before its reducer was keyed by step."""
 
@@ -99,7 +99,7 @@ def refusing_async(monkeypatch):
 def test_the_table_has_one_schedule_per_name():
     assert set(SCHEDULES) == set(ScheduleName)
     assert all(SCHEDULES[name].name is name for name in ScheduleName)
-    assert isinstance(SYNC, Synchronous) and isinstance(ASYNC, PipeDream2BW)
+    assert isinstance(SYNC, Synchronous) and isinstance(ASYNC, AsyncOneFOneB)
     assert (SYNC.weight_versions, ASYNC.weight_versions) == (1, 2)
     assert not SYNC.stashes_weights and ASYNC.stashes_weights
 
@@ -172,6 +172,15 @@ def test_versions_and_drains_come_from_the_schedule():
     assert not SYNC.may_start(1, 0, points)
     bound = StepVersions(ASYNC, 7, 3)
     assert [bound.forward_version(s) for s in range(8)] == [0, 0, 1, 3, 3, 4, 6, 7]
+    # on a stage, as many of a stale step's first micro-batches as stages after it (1F1B's
+    # order); sync has none
+    assert [ASYNC.stale_micro_batches(n) for n in range(4)] == [0, 1, 2, 3]
+    assert SYNC.stale_micro_batches(3) == 0
+    second_of_three = bound.for_stage(later_stages=1)
+    assert [second_of_three.micro_batch_version(4, m) for m in range(4)] == [3, 4, 4, 4]
+    assert [second_of_three.micro_batch_version(3, m) for m in range(4)] == [3] * 4  # drained
+    assert [bound.for_stage(0).micro_batch_version(4, m) for m in range(4)] == [4] * 4
+    assert not bound.for_stage(0).stashes_weights and second_of_three.stashes_weights
     with pytest.raises(PlanError, match="steps per epoch"):
         StepVersions(ASYNC, 0)
     StepVersions(SYNC, 0)  # sync drains every step: it needs no epoch length
@@ -286,7 +295,7 @@ def test_an_async_auto_layout_controller_groups_and_trains_like_its_simulator():
     assert any(len(s.members) > 1 for s in controller.plan.stages)  # auto built a group
     gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
     simulated = train_reference(train, controller.data, steps=6,
-                                last_stage_from=last_stage_timeline(controller.summary.events))
+                                stages_from=stage_timeline(controller.summary.events))
     assert max_weight_diff(gathered, simulated) < 1e-5
     synchronous = train_reference(replace(train, schedule=ScheduleName.SYNC), controller.data,
                                   steps=6)

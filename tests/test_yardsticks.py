@@ -148,19 +148,29 @@ def test_a_fleet_step_equals_plain_torch_sgd_on_the_mini_batch(start, digits, tm
     assert np.allclose(reported, losses, rtol=1e-5, atol=0)
 
 
-# -- the asynchronous schedule, written out: PipeDream-2BW and its weight prediction -------------
+# -- the asynchronous schedule, written out: 1F1B's versions and its weight prediction ---------
 def _plain_async(model: nn.Sequential, x: np.ndarray, y: np.ndarray, steps: int, every: int,
-                 predict: bool, tail: int | None = None) -> dict[int, dict[str, np.ndarray]]:
-    """2BW by hand: between drains (after every ``every``-th step and each epoch's last) step
-    ``s`` takes its gradient at version ``s - 1`` (or, predicted, at that version minus lr
-    times the next momentum buffer if the gradient of step ``s - 2`` came again, or times its
-    buffer alone where a drain came after step ``s - 2``) and applies it to version ``s``; SGD
-    with momentum by hand. Layers from ``tail`` on (a pipeline's last stage) take every
-    gradient at the newest weights."""
+                 predict: bool, starts: tuple[int, ...] | None = None
+                 ) -> dict[int, dict[str, np.ndarray]]:
+    """The asynchronous schedule by hand: between drains (after every ``every``-th step and
+    each epoch's last), on a stage with ``n`` stages after it (``starts``: the first layer of
+    each stage), the first ``n`` micro-batches of step ``s`` take their gradient at version
+    ``s - 1`` (or, predicted, at that version minus lr times the next momentum buffer if the
+    gradient of step ``s - 2`` came again, or times its buffer alone where a drain came after
+    step ``s - 2``) and the others at version ``s``; the step's summed gradient applies to
+    version ``s``. ``starts`` None: every micro-batch of such a step at version ``s - 1``
+    (PipeDream-2BW). SGD with momentum by hand."""
     per_epoch = len(x) // (M * B)
 
     def drains_after(step: int) -> bool:
         return (step + 1) % per_epoch == 0 or (step + 1) % every == 0
+
+    def stale_micro_batches(key: str) -> int:
+        if starts is None:
+            return M
+        layer = int(key.partition(".")[0])
+        stage = max(k for k, first in enumerate(starts) if first <= layer)
+        return len(starts) - 1 - stage
 
     live = {k: p.detach().clone() for k, p in model.named_parameters()}
     buffers: dict[str, torch.Tensor] = {}
@@ -168,24 +178,30 @@ def _plain_async(model: nn.Sequential, x: np.ndarray, y: np.ndarray, steps: int,
     gradients: dict[int, dict[str, torch.Tensor]] = {}  # step -> its summed gradient
     for step in range(steps):
         stale = step > 0 and not drains_after(step - 1)
-        weights, momentum = versions[step - 1] if stale else versions[step]
-        if stale and predict:
-            last = gradients.get(step - 2) if not drains_after(step - 2) else None
-            weights = {k: w - LR * (momentum[k] if last is None else
-                                    MOMENTUM * momentum[k] + last[k])
-                       if k in momentum else w for k, w in weights.items()}
-        if tail is not None:
-            weights = {k: versions[step][0][k] if int(k.partition(".")[0]) >= tail else w
-                       for k, w in weights.items()}
-        leaves = {k: w.clone().requires_grad_(True) for k, w in weights.items()}
+        newest = versions[step][0]
+        older = newest
+        if stale:
+            older, momentum = versions[step - 1]
+            if predict:
+                last = gradients.get(step - 2) if not drains_after(step - 2) else None
+                older = {k: w - LR * (momentum[k] if last is None else
+                                      MOMENTUM * momentum[k] + last[k])
+                         if k in momentum else w for k, w in older.items()}
         rows = _mini_batch(step, len(x))
-        loss = functional.cross_entropy(
-            torch.func.functional_call(model, leaves, (torch.from_numpy(x[rows]),)),
-            torch.from_numpy(y[rows].astype(np.int64)))
-        loss.backward()
-        gradients[step] = {k: leaf.grad for k, leaf in leaves.items()}
-        for k, leaf in leaves.items():
-            buffers[k] = leaf.grad if k not in buffers else MOMENTUM * buffers[k] + leaf.grad
+        summed: dict[str, torch.Tensor] = {}
+        for m in range(M):
+            mb = rows[m * B:(m + 1) * B]
+            leaves = {k: (older[k] if stale and m < stale_micro_batches(k) else newest[k])
+                      .clone().requires_grad_(True) for k in newest}
+            loss = functional.cross_entropy(
+                torch.func.functional_call(model, leaves, (torch.from_numpy(x[mb]),)),
+                torch.from_numpy(y[mb].astype(np.int64))) / M
+            loss.backward()
+            for k, leaf in leaves.items():
+                summed[k] = leaf.grad if k not in summed else summed[k] + leaf.grad
+        gradients[step] = summed
+        for k, grad in summed.items():
+            buffers[k] = grad if k not in buffers else MOMENTUM * buffers[k] + grad
             live[k] = live[k] - LR * buffers[k]
         versions[step + 1] = ({k: t.clone() for k, t in live.items()},
                               {k: t.clone() for k, t in buffers.items()})
@@ -194,6 +210,7 @@ def _plain_async(model: nn.Sequential, x: np.ndarray, y: np.ndarray, steps: int,
 
 @pytest.mark.parametrize("compensation", list(DelayCompensation))
 def test_the_async_simulator_equals_2bw_written_out(start, digits, compensation):
+    """Not bound to a stage, every micro-batch of a stale step is stale: PipeDream-2BW."""
     model, initial = start
     steps, every = 9, 4  # drains after steps 3 and 7: stale steps on both sides of each
     train = replace(TRAIN, schedule=ScheduleName.ASYNC, replicate_every=every,
@@ -211,22 +228,27 @@ def test_the_async_simulator_equals_2bw_written_out(start, digits, compensation)
 
 
 @pytest.mark.parametrize("compensation", list(DelayCompensation))
-def test_the_async_simulator_computes_the_last_stage_at_the_newest_weights(start, digits,
-                                                                            compensation):
+def test_the_async_simulator_takes_each_stages_versions_from_its_place(start, digits,
+                                                                      compensation):
+    """Three stages (layer 1; layer 3; layer 5): the first two micro-batches of a stale step
+    stale on the first, one on the second, none on the last."""
     model, initial = start
-    steps, every, tail = 9, 4, 3  # the last stage holds layers 3 to 5
+    steps, every, starts = 9, 4, (0, 3, 5)
     train = replace(TRAIN, schedule=ScheduleName.ASYNC, replicate_every=every,
                     delay_compensation=compensation)
     simulated = train_reference(train, digits, steps, initial=initial,
-                                last_stage_from=[(0, tail)])
+                                stages_from=[(0, starts)])
     fresh = _plain_model(int(np.prod(digits.input_shape)), digits.num_classes)
     fresh.load_state_dict(model.state_dict())
     predict = compensation is DelayCompensation.PREDICT
-    written = _plain_async(fresh, digits.x_train, digits.y_train, steps, every, predict, tail)
+    written = _plain_async(fresh, digits.x_train, digits.y_train, steps, every, predict, starts)
     assert _max_diff(written, simulated) < 1e-5
-    # the yardstick can fail: every layer stale is another answer
-    stale = _plain_async(fresh, digits.x_train, digits.y_train, steps, every, predict)
-    assert _max_diff(stale, simulated) > 1e-4
+    # the yardstick can fail: every micro-batch stale is another answer, and so are the
+    # versions of a two-stage split (one stale micro-batch on layers 1 and 3)
+    for other in (None, (0, 5)):
+        stale = _plain_async(fresh, digits.x_train, digits.y_train, steps, every, predict,
+                             other)
+        assert _max_diff(stale, simulated) > 1e-4
 
 
 # -- recovery rewinds to the newest complete version ----------------------------------------------

@@ -23,7 +23,7 @@ by the controller before a job starts and by the layout chooser).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -271,9 +271,14 @@ class OrderedGradients:
     instead: what a holder that may be taken over sends its peers.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], keep_each: bool = False) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], keep_each: bool = False,
+                 sources: Callable[[int], Sequence[torch.Tensor]] | None = None) -> None:
         self.params = list(params)
         self.keep_each = keep_each
+        # where a micro-batch's backward leaves its gradient, when not in ``params`` (a step
+        # whose micro-batches compute with two weight versions, ``core.stash``); the sums
+        # still go to ``params``
+        self.sources = sources
         self.order: dict[int, tuple[int, ...]] = {}  # step -> the micro-batches, in order
         self.next: dict[int, int] = {}  # step -> position in the order of the next to add
         self.early: dict[int, dict[int, list[torch.Tensor | None]]] = {}
@@ -283,13 +288,17 @@ class OrderedGradients:
         """The micro-batches of ``step`` this holder computes, in the order to add them."""
         self.order.setdefault(step, tuple(sorted(micro_batches)))
 
+    def _source(self, micro_batch: int) -> Sequence[torch.Tensor]:
+        return self.params if self.sources is None else self.sources(micro_batch)
+
     def before(self, step: int, micro_batch: int) -> None:
-        for p in self.params:
+        for p in self._source(micro_batch):
             p.grad = None
 
     def after(self, step: int, micro_batch: int) -> None:
-        grads = [p.grad for p in self.params]
-        for p in self.params:
+        source = self._source(micro_batch)
+        grads = [p.grad for p in source]
+        for p in source:
             p.grad = None
         self.early.setdefault(step, {})[micro_batch] = grads
         if self.keep_each:

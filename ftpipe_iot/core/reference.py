@@ -3,10 +3,9 @@
 This is the yardstick of the exactness contract: after K steps the pipeline's weights must equal
 what this produces (to float tolerance). For ``--schedule async`` it is a simulator of the
 asynchronous schedule: each step computes with the weight version ``StepVersions`` gives it
-(held by a ``WeightStash`` over the layers before the pipeline's last stage, as each stage
-holds one over its layers, with the same delay compensation; the last stage's layers compute
-with the newest version, as that stage does: ``last_stage_from``), so a fleet that never
-drains between steps still has one single-process answer. Gradients are summed in float64 in
+and micro-batch gives it on the stage that holds each layer (a ``WeightStash`` per stage, as
+each stage holds one over its layers, with the same delay compensation: ``stages_from``), so a
+fleet that never drains between steps still has one single-process answer. Gradients are summed in float64 in
 micro-batch order and cast once, as every stage sums them (``core.grouping``), through the
 same versioning a stage has. With a wire codec (``--wire-codec``, or per cut and direction:
 ``Plan.cut_codecs``) it simulates the coded wire too: what crosses each cut between stages,
@@ -50,24 +49,24 @@ class _WireCut(torch.autograd.Function):
         return torch.from_numpy(roundtrip(grad.detach().contiguous().numpy(), ctx.codec)), None
 
 
-def last_stage_timeline(events: Iterable[Mapping[str, Any]]) -> list[tuple[int, int]]:
-    """Where the pipeline's last stage started under each plan a run took, as
-    ``train_reference``'s ``last_stage_from``: from a run summary's events in order (a plan
-    that resumes at an earlier step, after a rollback, replaces what came after it)."""
-    timeline: list[tuple[int, int]] = []
+def stage_timeline(events: Iterable[Mapping[str, Any]]) -> list[tuple[int, tuple[int, ...]]]:
+    """Where the pipeline's stages started under each plan a run took, as
+    ``train_reference``'s ``stages_from``: from a run summary's events in order (a plan that
+    resumes at an earlier step, after a rollback, replaces what came after it)."""
+    timeline: list[tuple[int, tuple[int, ...]]] = []
     for event in events:
         if event.get("type") != "plan_changed" or not event.get("stages"):
             continue
         step = int(event["resume_step"])
         timeline = [entry for entry in timeline if entry[0] < step]
-        timeline.append((step, int(event["stages"][-1]["start"])))
+        timeline.append((step, tuple(int(stage["start"]) for stage in event["stages"])))
     return timeline
 
 
 def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int = 1,
                     initial: Mapping[int, Mapping[str, np.ndarray]] | None = None,
                     cuts: Sequence[int] = (), cut_codecs: Sequence[CutCodecs] = (),
-                    last_stage_from: Sequence[tuple[int, int]] = (),
+                    stages_from: Sequence[tuple[int, Sequence[int]]] = (),
                     after_step: Callable[[int, Sequence[torch.nn.Module]], None] | None = None
                     ) -> list[dict[str, np.ndarray]]:
     """Train ``steps`` steps in one process; return each layer's state as numpy. The steps are
@@ -80,10 +79,12 @@ def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int
     coded wire (``config.wire_codec``) crosses between stages; needed with a codec.
     ``cut_codecs``: one per cut, in the order of ``cuts`` (``Plan.wire``), the codecs of that
     cut's activations and gradients; () means ``config.wire_codec`` on every cut, both ways.
-    ``last_stage_from``: (step, layer) pairs, in step order: from ``step`` on, the pipeline's
-    last stage starts at ``layer`` (one pair per plan, ``last_stage_timeline``); its layers
-    compute every step with the newest version (``StepVersions.last_stage``). () runs every
-    layer by the schedule's own rule (plain PipeDream-2BW for async); the schedules without
+    ``stages_from``: (step, starts) pairs, in step order: from ``step`` on, the pipeline's
+    stages start at the layers ``starts`` (the first layer of each, one pair per plan,
+    ``stage_timeline``); each stage's layers compute each micro-batch with the version the
+    schedule gives a stage with that many stages after it (``StepVersions.for_stage``: the last
+    stage always with the newest). () runs every layer as one stage not bound to a place
+    (every micro-batch of a stale step stale: PipeDream-2BW's rule); the schedules without
     stale steps do not need it. ``after_step(step, layers)``: called once step ``step`` is
     applied, with the live layers (the newest weights: at a drain point, what the fleet
     evaluates); it may evaluate them in eval mode and must change nothing (the next step puts
@@ -102,33 +103,37 @@ def train_reference(config: TrainConfig, data: Dataset, steps: int, threads: int
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _train(config, data, steps, initial, coded, last_stage_from, after_step)
+        return _train(config, data, steps, initial, coded, stages_from, after_step)
     finally:
         torch.set_num_threads(previous)
 
 
 class _Versionings:
-    """The simulator's versionings: one over the layers before the last stage (the schedule's
-    versions), one over the last stage's (always the newest)."""
+    """The simulator's versionings: one per stage, over its layers, with the versions of a
+    stage in its place (or one over every layer, not bound to a place)."""
 
     def __init__(self, layers: Sequence[torch.nn.Module],
                  optimizers: Sequence[torch.optim.Optimizer | None], versions: StepVersions,
-                 step: int, tail: int) -> None:
-        self.tail = tail
+                 step: int, starts: tuple[int, ...] | None) -> None:
+        self.starts = starts
+        bounds = [*(starts or (0,)), len(layers)]
         self.parts = []
-        for part, part_versions in ((range(0, tail), versions),
-                                    (range(tail, len(layers)), versions.for_stage(last=True))):
+        for k in range(len(bounds) - 1):
+            part = range(bounds[k], bounds[k + 1])
+            part_versions = versions if starts is None else \
+                versions.for_stage(later_stages=len(bounds) - 2 - k)
             part_layers = [layers[index] for index in part]
             params = [p for layer in part_layers for p in layer.parameters() if p.requires_grad]
             self.parts.append((part, versioning_for(part_layers, params, part_versions, step,
                                                     [optimizers[index] for index in part],
                                                     keep_each=False)))
 
-    def weights(self, step: int) -> list[Mapping[str, torch.Tensor] | None]:
-        """Per layer, the parameters it computes ``step`` with (None: its own)."""
+    def weights(self, step: int, micro_batch: int) -> list[Mapping[str, torch.Tensor] | None]:
+        """Per layer, the parameters it computes ``micro_batch`` of ``step`` with (None: its
+        own)."""
         out: list[Mapping[str, torch.Tensor] | None] = []
         for part, versioning in self.parts:
-            weights = versioning.weights(step)
+            weights = versioning.weights(step, micro_batch)
             out += [None] * len(part) if weights is None else list(weights)
         return out
 
@@ -149,18 +154,19 @@ class _Versionings:
             versioning.after_update(step)
 
 
-def _tail_at(last_stage_from: Sequence[tuple[int, int]], step: int, num_layers: int) -> int:
-    tail = num_layers
-    for first_step, layer in last_stage_from:
+def _starts_at(stages_from: Sequence[tuple[int, Sequence[int]]], step: int
+               ) -> tuple[int, ...] | None:
+    starts = None
+    for first_step, stage_starts in stages_from:
         if first_step <= step:
-            tail = layer
-    return tail
+            starts = tuple(stage_starts)
+    return starts
 
 
 def _train(config: TrainConfig, data: Dataset, steps: int,
            initial: Mapping[int, Mapping[str, np.ndarray]] | None,
            coded: Mapping[int, CutCodecs],
-           last_stage_from: Sequence[tuple[int, int]],
+           stages_from: Sequence[tuple[int, Sequence[int]]],
            after_step: Callable[[int, Sequence[torch.nn.Module]], None] | None = None
            ) -> list[dict[str, np.ndarray]]:
     layers = build_layers(config.model, data.input_shape, data.num_classes, config.seed)
@@ -174,14 +180,14 @@ def _train(config: TrainConfig, data: Dataset, steps: int,
     versions = StepVersions.of(config, schedule.steps_per_epoch)
     versioning: _Versionings | None = None
     for step in range(steps):
-        tail = _tail_at(last_stage_from, step, len(layers))
-        if versioning is None or versioning.tail != tail:
+        starts = _starts_at(stages_from, step)
+        if versioning is None or versioning.starts != starts:
             # a plan starts at a drain point, where every stage is built from the version
             # as it is (WeightStash refuses any other step)
-            versioning = _Versionings(layers, optimizers, versions, step, tail)
+            versioning = _Versionings(layers, optimizers, versions, step, starts)
         train_mode(layers, config.frozen_layers)
-        weights = versioning.weights(step)
         for mb in schedule.micro_batches_of(step):
+            weights = versioning.weights(step, mb.index)
             h = torch.from_numpy(data.x_train[mb.sample_indices])
             y = torch.from_numpy(data.y_train[mb.sample_indices])
             for index, layer in enumerate(layers):  # random draws keyed as in a stage

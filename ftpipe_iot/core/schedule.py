@@ -85,28 +85,31 @@ def eval_batches(num_samples: int, batch_size: int) -> list[np.ndarray]:
 
 @dataclass(frozen=True)
 class StepVersions:
-    """A job's schedule bound to its numbers: which weight version each step computes with,
-    where the feed drains the pipeline, when a step may start (``ftpipe_iot.schedules``).
+    """A job's schedule bound to its numbers: which weight version each micro-batch of a step
+    computes with, where the feed drains the pipeline, when a step may start
+    (``ftpipe_iot.schedules``).
 
     Synchronous: every step drains, and step ``s`` uses version ``s`` (the weights after ``s``
-    optimizer steps). PipeDream-2BW with periodic drains (docs/design.md §5): the feed drains
-    only after the last step of an epoch, after every ``drain_every``-th step (replication) and
-    after every ``evaluate_every``-th (an evaluation within an epoch); in between,
-    step ``s`` uses version ``s - 1``, except on the pipeline's last stage (``last_stage``):
-    it runs each micro-batch's backward right after its forward, so a step's last backward
-    there ends before the next step's first forward arrives, and every step there computes
-    with the newest version, whatever the schedule (the layers nearest the loss, where the
-    curvature is largest, never see a stale gradient). Every stage and the simulator derive
-    the same versions from these values.
+    optimizer steps). Asynchronous (docs/design.md §5): the feed drains only after the last
+    step of an epoch, after every ``drain_every``-th step (replication) and after every
+    ``evaluate_every``-th (an evaluation within an epoch); in between, step ``s`` may start
+    before step ``s - 1`` is applied, and on a stage with ``later_stages`` stages after it the
+    first ``schedule.stale_micro_batches(later_stages)`` micro-batches of step ``s`` use version
+    ``s - 1`` while the others use version ``s`` (1F1B's order: the last stage, with none after
+    it, computes every step with the newest version, and the layers nearest the loss, where
+    the curvature is largest, never see a stale gradient). ``later_stages`` None: not bound to
+    a stage, every micro-batch of such a step uses version ``s - 1`` (PipeDream-2BW's rule,
+    the simulator's without a stage timeline). Every stage and the simulator derive the same
+    versions from these values.
     """
 
     schedule: Schedule
     steps_per_epoch: int
     drain_every: int = 0  # 0: only epoch ends drain
-    # a stale step computes at predicted weights instead of the previous version's
+    # a stale micro-batch computes at predicted weights instead of the previous version's
     compensation: DelayCompensation = DelayCompensation.NONE
-    # the versions of the pipeline's last stage: always the newest
-    last_stage: bool = False
+    # stages after the one these versions are of (0: the last stage); None: not bound
+    later_stages: int | None = None
     evaluate_every: int = 0  # 0: evaluations only at epoch ends
 
     def __post_init__(self) -> None:
@@ -121,23 +124,43 @@ class StepVersions:
         return cls(schedule_for(config.schedule), steps_per_epoch, config.replicate_every,
                    config.delay_compensation, evaluate_every=config.evaluate_every)
 
-    def for_stage(self, last: bool) -> StepVersions:
-        """The versions of a stage: the job's, or the last stage's (always the newest)."""
-        return replace(self, last_stage=last)
+    def for_stage(self, later_stages: int) -> StepVersions:
+        """The versions of a stage with ``later_stages`` stages after it in the pipeline."""
+        return replace(self, later_stages=later_stages)
+
+    @property
+    def stale_micro_batches(self) -> int | None:
+        """How many of a stale step's first micro-batches compute with the previous version
+        here (None: all of them, not bound to a stage)."""
+        if self.later_stages is None:
+            return None
+        return self.schedule.stale_micro_batches(self.later_stages)
 
     @property
     def stashes_weights(self) -> bool:
-        """Whether a stage keeps the previous weight version for steps still computing."""
-        return self.schedule.stashes_weights and not self.last_stage
+        """Whether a stage keeps the previous weight version for micro-batches still
+        computing."""
+        return self.schedule.stashes_weights and self.stale_micro_batches != 0
 
     @property
     def predicts_weights(self) -> bool:
-        """Whether a stale step computes at weights predicted from the optimizer's state."""
+        """Whether a stale micro-batch computes at weights predicted from the optimizer's
+        state."""
         return self.stashes_weights and self.compensation is DelayCompensation.PREDICT
 
     def is_stale(self, step: int) -> bool:
-        """Whether ``step`` computes with the version before the one its update applies to."""
+        """Whether ``step`` has micro-batches here that compute with the version before the
+        one its update applies to."""
         return self.forward_version(step) == step - 1
+
+    def micro_batch_is_stale(self, step: int, micro_batch: int) -> bool:
+        """Whether ``micro_batch`` of ``step`` computes with the previous version here."""
+        count = self.stale_micro_batches
+        return self.is_stale(step) and (count is None or micro_batch < count)
+
+    def micro_batch_version(self, step: int, micro_batch: int) -> int:
+        """The version ``micro_batch`` of ``step`` forwards (and so backwards) with."""
+        return step - 1 if self.micro_batch_is_stale(step, micro_batch) else step
 
     @property
     def points(self) -> DrainPoints:
@@ -149,8 +172,9 @@ class StepVersions:
         return self.schedule.drains_after(step, self.points)
 
     def forward_version(self, step: int) -> int:
-        """The version step ``step``'s forwards (and so its backwards) use."""
-        if self.last_stage:
+        """The oldest version a micro-batch of ``step`` uses here: the previous one where the
+        step has stale micro-batches on this stage, else ``step``."""
+        if self.stale_micro_batches == 0:
             return step
         return self.schedule.forward_version(step, self.points)
 

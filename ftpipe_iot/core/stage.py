@@ -160,7 +160,7 @@ class Stage:
         self.reducer = reducer_for(self.group_size, self.config.micro_batches,
                                    takes_over=self.config.resiliency >= 1)
         if self.versions is not None:
-            self.versions = self.versions.for_stage(last=self.is_last)
+            self.versions = self.versions.for_stage(later_stages=self.n_stages - 1 - self.index)
         self.versioning = versioning_for(self.layers, [p for _, p in self.named], self.versions,
                                          self.start_step, self.optimizers,
                                          keep_each=isinstance(self.reducer, GroupExchange))
@@ -312,7 +312,10 @@ class Stage:
         if already is DropReason.LATE:
             raise StageInputError(DropReason.LATE, f"micro-batch {key} was already computed by "
                                   "another holder")
-        if not self.versioning.available(step):  # a holder behind its peers: catch up first
+        # a holder behind its peers, or a micro-batch that computes with the version the step
+        # before makes: wait for it (in index order: a later one of the step waits too)
+        if not self.versioning.available(step, micro_batch) or \
+                any(index < micro_batch for index in self._future.get(step, {})):
             self._future.setdefault(step, {})[micro_batch] = (x, y, expected, own)
             return []
         if own is not None:
@@ -381,7 +384,7 @@ class Stage:
         the arithmetic is exactly the unhooked one. Each layer draws its random numbers from a
         generator keyed by (seed, step, micro-batch, layer) (``core.rng``)."""
         self.timings.per_layer(len(self.layers))
-        weights = self.versioning.weights(step)
+        weights = self.versioning.weights(step, micro_batch)
         h = inputs
         for index, layer in enumerate(self.layers):
             seed_layer(self.config.seed, step, micro_batch, self.first_layer + index)
@@ -560,9 +563,14 @@ class Stage:
             self.timings.typical_s, self.computed.pop(step, 0),
             self.timings.typical_cpu_s, self.timings.typical_emulated_s)]
         self.timings = StageTimings()
-        for later in sorted(s for s in self._future if self.versioning.available(s)):
-            for micro_batch, (x, y, expected, own) in sorted(self._future.pop(later, {}).items()):
-                out += self.forward(later, micro_batch, x, y, True, expected, own)
+        # in (step, micro-batch) order; a forward may complete a step and come back here
+        for later in sorted(self._future):
+            while (held := self._future.get(later)) and \
+                    self.versioning.available(later, index := min(held)):
+                x, y, expected, own = held.pop(index)
+                if not held:
+                    del self._future[later]
+                out += self.forward(later, index, x, y, True, expected, own)
         return out
 
     def _evaluate(self, step: int, micro_batch: int, x: np.ndarray, y: np.ndarray

@@ -1,17 +1,19 @@
-"""Weight stashing for the asynchronous schedule: PipeDream-2BW's double buffering.
+"""Weight stashing for the asynchronous schedule.
 
-Step ``s`` computes with version ``StepVersions.forward_version(s)`` while the optimizer
-updates the newest weights, so a micro-batch's forward and backward must see the same
-parameter values even though the live parameters change in between. Each step gets its own
-leaf tensors aliasing the storage of its version (``torch.func.functional_call`` runs a layer
-with them); the live parameters never appear in a graph. When a step is applied and the next
-step computes with the version being replaced, the live parameters move to fresh storage and
-the old storage stays behind as that version: at most two versions exist at once (the one
-the in-flight micro-batches of the next step use and the live one), and the older one is
-dropped the moment the step that used it is applied. Buffers (BatchNorm's running
-statistics) are not versioned: they stay the module's own and are updated in forward order.
+A stale micro-batch of step ``s`` (one of the step's first ``StepVersions.stale_micro_batches``
+on this stage) computes with version ``s - 1`` while the optimizer updates the newest weights,
+so its forward and backward must see the same parameter values even though the live
+parameters change in between; the step's other micro-batches compute with version ``s`` once
+step ``s - 1`` is applied. Each step gets its own leaf tensors per version it uses, aliasing
+that version's storage (``torch.func.functional_call`` runs a layer with them); the live
+parameters never appear in a graph. When a step is applied and the next step's stale
+micro-batches compute with the version being replaced, the live parameters move to fresh
+storage and the old storage stays behind as that version: at most two versions exist at once
+(the one the next step's stale micro-batches use and the live one), and the older one is
+dropped the moment the step that used it is applied. Buffers (BatchNorm's running statistics)
+are not versioned: they stay the module's own and are updated in forward order.
 
-With delay compensation (``StepVersions.predicts_weights``), a stale step computes at weights
+With delay compensation (``StepVersions.predicts_weights``), a stale micro-batch computes at weights
 predicted from its version and the optimizer's state (``core.prediction``) instead of the
 version itself. Its weights are made the moment its version becomes live (after the optimizer
 step that makes it, or when the stage starts or loads replicas), because the live weights and
@@ -67,59 +69,73 @@ class WeightStash:
         self._moments_before: dict[torch.Tensor, torch.Tensor] | None = None
         self._predict_next()
 
-    def weights(self, step: int) -> list[LayerWeights]:
-        """Per layer, the parameters step ``step`` computes with (the same leaves for all its
-        micro-batches, so autograd sums their gradients there)."""
-        leaves = self._steps.get(step)
+    def weights(self, step: int, micro_batch: int) -> list[LayerWeights]:
+        """Per layer, the parameters ``micro_batch`` of ``step`` computes with: the same leaves
+        for every micro-batch of the step that uses the same version, so autograd sums their
+        gradients there."""
+        stale = self.versions.micro_batch_is_stale(step, micro_batch)
+        leaves = self._steps.get((step, stale))
         if leaves is not None:
             return leaves
-        version = self.versions.forward_version(step)
-        if step in self._predicted:
-            storage = self._predicted[step]
-        elif self.versions.predicts_weights and self.versions.is_stale(step):
-            raise PlanError(f"step {step} needs the weights predicted from version {version}; "
-                            f"this stage predicted for steps {sorted(self._predicted)}")
-        elif version == self.live_version:
-            # ``.data`` aliases the storage with its own version counter: a later in-place
-            # update of the live parameter cannot reach it (the storage moves first, ``apply``)
-            storage = [[p.data for _, p in layer] for layer in self.params]
-        elif version in self._kept:
-            storage = self._kept[version]
-        else:
-            raise PlanError(f"step {step} needs weight version {version}; this stage holds "
-                            f"{sorted({self.live_version, *self._kept})}")
+        storage = self._storage(step, stale)
         leaves = [{name: tensor.detach().requires_grad_(True)
                    for (name, _), tensor in zip(layer, kept)}
                   for layer, kept in zip(self.params, storage)]
-        self._steps[step] = leaves
-        self._gradients[step] = OrderedGradients([t for layer in leaves for t in layer.values()],
-                                                 self.keep_each)
+        self._steps[(step, stale)] = leaves
+        if step not in self._gradients:
+            # one float64 sum in micro-batch order over both versions' leaves: the stale
+            # micro-batches are the step's first ones, so the order is the step's own
+            self._gradients[step] = OrderedGradients(
+                _flat(leaves), self.keep_each,
+                sources=lambda index, step=step: self._leaves_of(step, index))
         return leaves
+
+    def _leaves_of(self, step: int, micro_batch: int) -> list[torch.Tensor]:
+        stale = self.versions.micro_batch_is_stale(step, micro_batch)
+        return _flat(self._steps[(step, stale)])
+
+    def _storage(self, step: int, stale: bool) -> list[list[torch.Tensor]]:
+        """The tensors a micro-batch of ``step`` computes with: predicted, kept or live."""
+        version = step - 1 if stale else step
+        if stale and self.versions.predicts_weights:
+            if step in self._predicted:
+                return self._predicted[step]
+            raise PlanError(f"step {step} needs the weights predicted from version {version}; "
+                            f"this stage predicted for steps {sorted(self._predicted)}")
+        if version == self.live_version:
+            # ``.data`` aliases the storage with its own version counter: a later in-place
+            # update of the live parameter cannot reach it (the storage moves first, ``apply``)
+            return [[p.data for _, p in layer] for layer in self.params]
+        if version in self._kept:
+            return self._kept[version]
+        raise PlanError(f"step {step} needs weight version {version}; this stage holds "
+                        f"{sorted({self.live_version, *self._kept})}")
 
     def gradients(self, step: int) -> OrderedGradients:
         """Sums step ``step``'s micro-batch gradients in micro-batch order (call ``weights``
         first)."""
         return self._gradients[step]
 
-    def available(self, step: int) -> bool:
-        """Whether this stage holds the version step ``step`` computes with."""
-        if self.versions.predicts_weights and self.versions.is_stale(step):
+    def available(self, step: int, micro_batch: int) -> bool:
+        """Whether this stage holds the version ``micro_batch`` of ``step`` computes with."""
+        stale = self.versions.micro_batch_is_stale(step, micro_batch)
+        if stale and self.versions.predicts_weights:
             return step in self._predicted
-        version = self.versions.forward_version(step)
+        version = step - 1 if stale else step
         return version == self.live_version or version in self._kept
 
     def before_update(self, step: int) -> None:
         """Step ``step`` is complete: its gradients go to the live parameters, its leaves are
         forgotten, and the live weights move to fresh storage if the next step computes with
         them as they are. Call right before the optimizer step."""
-        leaves = self._steps.pop(step, None)
+        self._steps.pop((step, True), None)
+        self._steps.pop((step, False), None)
         gradients = self._gradients.pop(step, None)
         if gradients is not None:
             gradients.finish(step)
-        for layer, layer_leaves in zip(self.params, leaves or [{} for _ in self.params]):
-            for name, p in layer:
-                leaf = layer_leaves.get(name)
-                p.grad = None if leaf is None else leaf.grad
+        summed = gradients.params if gradients is not None else None
+        for index, p in enumerate(p for layer in self.params for _, p in layer):
+            p.grad = None if summed is None else summed[index].grad
         self._predicted.pop(step, None)
         self._moments_before = self._first_moments() if self._predicts_from_last(step) \
             else None
@@ -185,3 +201,7 @@ class WeightStash:
         return sum(t.numel() * t.element_size()
                    for kept in [*self._kept.values(), *self._predicted.values()]
                    for layer in kept for t in layer)
+
+
+def _flat(leaves: Sequence[LayerWeights]) -> list[torch.Tensor]:
+    return [tensor for layer in leaves for tensor in layer.values()]

@@ -5,12 +5,13 @@ Two versionings exist, chosen by the schedule's ``weight_versions``:
 
 - ``OneVersion`` (sync, PipeDream-Flush): every step computes with the live parameters, and
   the gradients of its micro-batches are summed in the live parameters' ``.grad``;
-- ``core.stash.WeightStash`` (PipeDream-2BW): a step computes with the version the schedule
-  gives it (the previous one between drains, or the weights predicted from it), through leaf
-  tensors of its own; their gradients go to the live parameters when the step is applied.
+- ``core.stash.WeightStash`` (async): a micro-batch computes with the version the schedule
+  gives it (the previous one for a stale step's first micro-batches between drains, or the
+  weights predicted from it; the newest for the rest), through leaf tensors of its step's own;
+  their gradients go to the live parameters when the step is applied.
 
 The stage asks only this interface, so a versioning knows no reducer and a reducer knows no
-versioning: a group member under 2BW is the stash with the group exchange.
+versioning: a group member under async is the stash with the group exchange.
 """
 
 from __future__ import annotations
@@ -29,15 +30,17 @@ from ftpipe_iot.core.stash import LayerWeights, WeightStash
 class Versioning(Protocol):
     """What a stage asks of its weight versions."""
 
-    def weights(self, step: int) -> list[LayerWeights] | None:
-        """Per layer, the parameters ``step`` computes with; None: the layers' own."""
+    def weights(self, step: int, micro_batch: int) -> list[LayerWeights] | None:
+        """Per layer, the parameters ``micro_batch`` of ``step`` computes with; None: the
+        layers' own."""
 
     def gradients(self, step: int) -> OrderedGradients:
         """Where the step's micro-batch gradients are summed (call ``weights`` first)."""
 
-    def available(self, step: int) -> bool:
-        """Whether the weights ``step`` computes with are here (a holder behind its peers
-        holds a step's inputs until it catches up)."""
+    def available(self, step: int, micro_batch: int) -> bool:
+        """Whether the weights ``micro_batch`` of ``step`` computes with are here (a holder
+        behind its peers, or a micro-batch that computes with the version the step before
+        makes, is held until they are)."""
 
     def before_update(self, step: int) -> None:
         """Step ``step`` is complete: its summed gradients are put in the live parameters'
@@ -59,13 +62,13 @@ class OneVersion:
         self._gradients = OrderedGradients(params, keep_each)
         self.live_version = start_version
 
-    def weights(self, step: int) -> list[LayerWeights] | None:
+    def weights(self, step: int, micro_batch: int) -> list[LayerWeights] | None:
         return None
 
     def gradients(self, step: int) -> OrderedGradients:
         return self._gradients
 
-    def available(self, step: int) -> bool:
+    def available(self, step: int, micro_batch: int) -> bool:
         return step <= self.live_version
 
     def before_update(self, step: int) -> None:

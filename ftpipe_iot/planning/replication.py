@@ -14,7 +14,7 @@ between two replications (``upload_s / (every * step_s)``), and at most ``longes
 base. Powers of two nest: of any two intervals one divides the other, so while a new interval
 reaches the devices one by one, the points of the longer one are replicated by all of them
 and a complete version keeps existing. And under the asynchronous schedule every multiple of
-the base is a drain (``schedules.pipedream_2bw``), where the weights are consistent.
+the base is a drain (``schedules.async_1f1b``), where the weights are consistent.
 
 The cost counted is the whole upload: the outbox sends replicas after the stage data, so on an
 idle link part of it overlaps the step; on a link the stage data already fills it all delays

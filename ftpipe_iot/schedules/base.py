@@ -150,7 +150,16 @@ class Schedule(ABC):
     @abstractmethod
     def forward_version(self, step: int, points: DrainPoints) -> int:
         """The weight version (optimizer steps applied) step ``step``'s forwards and
-        backwards use."""
+        backwards use: ``step`` itself, or ``step - 1`` where the step may start before the
+        one before it is applied (then ``stale_micro_batches`` says for how many of its
+        micro-batches)."""
+
+    def stale_micro_batches(self, later_stages: int) -> int:
+        """How many of a step's first micro-batches compute with the version ``forward_version``
+        gives, where that is the one before the step's own, on a stage with ``later_stages``
+        stages after it; the rest wait for the step before to be applied and compute with the
+        newest version. Default: none (a schedule whose steps are never stale)."""
+        return 0
 
     def may_start(self, step: int, next_to_complete: int, points: DrainPoints) -> bool:
         """Whether ``step`` may be fed while ``next_to_complete`` is the oldest unfinished step:

@@ -1,16 +1,26 @@
-"""The asynchronous schedule: PipeDream-2BW with periodic drains (docs/design.md §5).
+"""The asynchronous schedule: 1F1B across steps, with periodic drains (docs/design.md §5).
 
 No drain between steps, except at the job's drain points (``DrainPoints``): after the last
 step of an epoch and every ``--evaluate-every``-th step (evaluation reads the weights) and after
 every ``--replicate-every``-th step (replication needs one consistent version on every
-stage). Between drains, step ``s`` forwards and backwards with version ``s - 1`` while its
-summed gradient updates the newest weights, version ``s`` (W(t+1) = W(t) - lr * grad(W(t-1))):
-each stage keeps two versions at most (``core.stash.WeightStash``). A step right after a drain,
-and step 0, uses the current version, so a stage never needs a version it did not keep.
+stage). Between drains the next step starts while the one before is still in the pipeline, and
+each micro-batch computes with the newest weights that 1F1B's order lets exist when its
+forward starts: on a stage with ``n`` stages after it, 1F1B runs the first ``n`` forwards of
+step ``s`` before the last backward of step ``s - 1`` comes back, so those ``n`` micro-batches
+compute with version ``s - 1`` (the weights before step ``s - 1``'s update; with delay
+compensation, the weights predicted from it) and the others wait for step ``s - 1`` to be
+applied and compute with version ``s``. The last stage (``n = 0``) is never stale. A stage
+keeps two versions at most (``core.stash.WeightStash``). A step right after a drain, and step
+0, uses the current version throughout, so a stage never needs a version it did not keep.
+
+Chosen over PipeDream-2BW (every micro-batch of a step one step stale on every stage but the
+last), which this schedule was until its convergence was measured against it: the same
+throughput where 1F1B's order holds, and a stage's gradient is stale only in ``n`` of its
+``M`` micro-batches instead of all of them (docs/design.md §5 has the figures).
 
 Stage groups and warm standbys run under it as under sync: the group exchange is keyed by the
 step (``core.reducers``), every holder keeps the same stash and applies the same updates in
-step order, so a takeover recomputes a micro-batch at the version its step uses.
+step order, so a takeover recomputes a micro-batch at the version its step and index use.
 """
 
 from __future__ import annotations
@@ -22,8 +32,9 @@ from ftpipe_iot.protocol.vocab import CollabMode, ScheduleName
 from ftpipe_iot.schedules.base import DrainPoints, JobOptions, PlanShape, Refusal, Schedule
 
 
-class PipeDream2BW(Schedule):
-    """1F1B across steps with double-buffered weights: no bubble between drains."""
+class AsyncOneFOneB(Schedule):
+    """1F1B across steps, each micro-batch at the newest weights 1F1B's order lets exist: no
+    bubble between drains."""
 
     name = ScheduleName.ASYNC
     weight_versions = 2
@@ -36,6 +47,11 @@ class PipeDream2BW(Schedule):
         if step <= 0 or self.drains_after(step - 1, points):
             return max(step, 0)
         return step - 1
+
+    def stale_micro_batches(self, later_stages: int) -> int:
+        # 1F1B keeps one micro-batch in flight per later stage: that many forwards of the next
+        # step run before this stage's last backward of the step before
+        return max(later_stages, 0)
 
     def step_time_s(self, stage_times_s: Sequence[float], micro_batches: int,
                     drain_every: int) -> float:
