@@ -6,8 +6,9 @@ times seconds per step. Its steps are deterministic per seed (fleet = simulator,
 contract), so the simulator measures them for as many seeds as one likes, without the host's
 speed in the figure: sync, async without delay compensation and async with prediction, the
 test set evaluated every ``--evaluate-every`` steps (a drain point of every schedule, as on the
-fleet), each stage's layers stale by their place in the fleet's split (``STAGES``). Per variant: each seed's steps to ``--target``, the median, how many seeds
-reach it, and the final accuracy; async's median steps over sync's is the factor its
+fleet), each stage's layers stale by their place in the fleet's split (``STAGES``). Per
+variant: each seed's steps to ``--target``, the median, how many seeds reach it, and the final
+accuracy; async's median steps over sync's is the factor its
 samples/s must beat for async to reach the target sooner.
 
     python benchmarks/async_convergence.py [--model cnn] [--seeds 20] [--first-seed 0]

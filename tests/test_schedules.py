@@ -36,9 +36,9 @@ from ftpipe_iot.protocol.specs import ModelSpec
 from ftpipe_iot.protocol.vocab import CollabMode, ControllerPhase, ScheduleName
 from ftpipe_iot.schedules import (
     SCHEDULES,
+    AsyncOneFOneB,
     DrainPoints,
     JobOptions,
-    AsyncOneFOneB,
     PipeDreamFlush,
     PlanShape,
     Refusal,

@@ -2,10 +2,10 @@
 
 This is the yardstick of the exactness contract: after K steps the pipeline's weights must equal
 what this produces (to float tolerance). For ``--schedule async`` it is a simulator of the
-asynchronous schedule: each step computes with the weight version ``StepVersions`` gives it
-and micro-batch gives it on the stage that holds each layer (a ``WeightStash`` per stage, as
-each stage holds one over its layers, with the same delay compensation: ``stages_from``), so a
-fleet that never drains between steps still has one single-process answer. Gradients are summed in float64 in
+asynchronous schedule: each micro-batch computes with the weight version ``StepVersions``
+gives it on the stage that holds each layer (a ``WeightStash`` per stage, as each stage holds
+one over its layers, with the same delay compensation: ``stages_from``), so a fleet that never
+drains between steps still has one single-process answer. Gradients are summed in float64 in
 micro-batch order and cast once, as every stage sums them (``core.grouping``), through the
 same versioning a stage has. With a wire codec (``--wire-codec``, or per cut and direction:
 ``Plan.cut_codecs``) it simulates the coded wire too: what crosses each cut between stages,
