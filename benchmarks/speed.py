@@ -290,7 +290,8 @@ def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float,
                               if name != "broker"},
               "broker_cpu_s": round(sum(cpu["broker"].threads.values()) - broker_before, 2),
               "summary": {k: summary[k] for k in ("wall_s", "train_s", "test_accuracy",
-                                                  "evals", "wire_bytes_per_step")},
+                                                  "evals", "wire_bytes_per_step",
+                                                  "events")},
               "crypto_s": round(summary.get("crypto_s", 0.0) + sum(
                   t.get("crypto_s", 0.0) for t in summary["device_traffic"].values()), 4),
               "history_t": [(h["step"], round(h["t"], 2)) for h in summary["history"]],
@@ -372,7 +373,12 @@ def time_to_accuracy(broker: BrokerProcess, variant: str, seed: int, model: str 
             "accuracy_by_epoch": [round(e["test_accuracy"], 4) for e in evals
                                   if e.get("end_of_epoch", True)],
             "final_accuracy": round(evals[-1]["test_accuracy"], 4) if evals else None,
-            "train_samples_per_s": run["samples_per_s"], "loadavg_after": run["loadavg_after"]}
+            "train_samples_per_s": run["samples_per_s"], "loadavg_after": run["loadavg_after"],
+            # each plan's stages: under async they decide which micro-batches are stale
+            "plans": [{"resume_step": e["resume_step"],
+                       "layers": [[st["start"], st["end"]] for st in e["stages"]]}
+                      for e in run["summary"].get("events", [])
+                      if e.get("type") == "plan_changed" and e.get("stages")]}
 
 
 def training_seconds(evals: list[dict], history_t: list[tuple[int, float]]) -> list[float]:

@@ -144,7 +144,7 @@ class _Clock:
 
 def test_the_watch_probes_first_then_once_an_epoch_within_its_cpu_share():
     clock = _Clock()
-    train = replace(TrainConfig(), schedule=ASYNC, delay_compensation=NONE, lr=1.0)
+    train = replace(TrainConfig(), schedule=ASYNC, delay_compensation=NONE, lr=2.0)
     ran = []
     watch = CurvatureWatch(_job(train), submit=lambda probe: ran.append(probe),
                            cpu_share=0.1, clock=clock)
@@ -157,9 +157,12 @@ def test_the_watch_probes_first_then_once_an_epoch_within_its_cpu_share():
     assert watch.due(epoch)
     [reading] = watch.readings_ready()
     assert reading.curvature.layers == (0, 6) and reading.step == 0
-    # lr 1 is far outside async without compensation (lr x curvature < 0.1) at these weights
+    # lr 2 is far outside async without compensation at these weights: three stages of four
+    # micro-batches, the first stage computes two of four stale (lr x curvature < 0.2; 0.1
+    # were every micro-batch stale)
+    assert reading.verdict.bound == pytest.approx(0.2)
     assert not reading.verdict.stable
-    assert reading.verdict.safe_lr == pytest.approx(0.1 / reading.curvature.value, rel=1e-2)
+    assert reading.verdict.safe_lr == pytest.approx(0.2 / reading.curvature.value, rel=1e-2)
     assert "OUTSIDE" in describe_reading(reading, train)
     assert "--delay-compensation predict" in describe_reading(reading, train)
     assert watch.readings_ready() == []

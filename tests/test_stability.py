@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from ftpipe_iot.core.prediction import first_moment, predicted_weights
-from ftpipe_iot.planning.stability import StabilityBounds, stable_lr_curvature
+from ftpipe_iot.planning.stability import (
+    StabilityBounds,
+    stable_lr_curvature,
+    stale_fraction,
+)
 from ftpipe_iot.protocol.vocab import DelayCompensation, ScheduleName
 
 SYNC, ASYNC = ScheduleName.SYNC, ScheduleName.ASYNC
@@ -63,6 +67,22 @@ def test_the_schedules_converge_below_their_bound_and_diverge_above(schedule, co
     assert _train_quadratic(1.1 * bound, momentum, schedule, compensation) == float("inf")
 
 
+@pytest.mark.parametrize("compensation", list(DelayCompensation))
+def test_fewer_stale_micro_batches_widen_the_async_region_up_to_syncs(compensation):
+    """Under 1F1B's versions a stage computes only a share of a step's micro-batches stale:
+    the bound grows as that share shrinks, equals every-micro-batch-stale at 1 and sync's
+    at 0."""
+    bounds = [stable_lr_curvature(0.9, ScheduleName.ASYNC, compensation, f)
+              for f in (1.0, 0.75, 0.5, 0.25, 0.0)]
+    assert bounds == sorted(bounds) and len(set(bounds)) == 5
+    assert bounds[0] == stable_lr_curvature(0.9, ScheduleName.ASYNC, compensation)
+    assert bounds[-1] == stable_lr_curvature(0.9, ScheduleName.SYNC)
+    assert stale_fraction(ScheduleName.ASYNC, 3, 4) == 0.5
+    assert stale_fraction(ScheduleName.ASYNC, 6, 4) == 1.0
+    assert stale_fraction(ScheduleName.ASYNC, 1, 4) == 0.0
+    assert stale_fraction(ScheduleName.SYNC, 3, 4) == 0.0
+
+
 def test_plan_prints_the_stable_range_under_async(tmp_path):
     import json
     from pathlib import Path
@@ -78,12 +98,18 @@ def test_plan_prints_the_stable_range_under_async(tmp_path):
     profile = sorted((Path(__file__).resolve().parents[1] / "devices" / "profiles")
                      .glob("*.json"))[0]
     args = ["--costs", str(costs), "--profiles", str(profile), str(profile)]
-    text = CliRunner().invoke(plan, [*args, "--schedule", "async", "--lr", "0.1"])
+    text = CliRunner().invoke(plan, [*args, "--schedule", "async", "--lr", "0.1",
+                                     "--micro-batches", "4"])
     assert text.exit_code == 0, text.output
-    assert "lr x curvature < 0.5" in text.output and "below 5 (sync: 38)" in text.output
     none = CliRunner().invoke(plan, [*args, "--schedule", "async", "--delay-compensation",
-                                     "none", "--json"])
-    stability = json.loads(none.output)["stability"]
-    assert stability["delay_compensation"] == "none"
-    assert stability["largest_stable_curvature"]["async_none"] == pytest.approx(2.0)
+                                     "none", "--micro-batches", "4", "--json"])
+    report = json.loads(none.output)
+    stability = report["stability"]
+    # the bound of the plan's first stage, from the share of micro-batches it computes stale
+    fraction = stale_fraction(ScheduleName.ASYNC, len(report["group_plan"]["stages"]), 4)
+    assert stability["delay_compensation"] == "none" and stability["stale_fraction"] == fraction
+    assert stability["largest_stable_curvature"]["async_none"] == pytest.approx(
+        stable_lr_curvature(0.9, ScheduleName.ASYNC, DelayCompensation.NONE, fraction) / 0.05)
+    predict = stable_lr_curvature(0.9, ScheduleName.ASYNC, DelayCompensation.PREDICT, fraction)
+    assert f"lr x curvature < {predict:g}" in text.output and "(sync: 38)" in text.output
     assert "stability" not in json.loads(CliRunner().invoke(plan, [*args, "--json"]).output)

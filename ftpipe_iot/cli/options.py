@@ -139,13 +139,13 @@ _TRAINING: list[Decorator] = [
                  default="sync", show_default=True,
                  help="sync drains the pipeline every step; 1f1b too, with at most one "
                       "micro-batch in flight per stage (PipeDream-Flush: sync's result, less "
-                      "activation memory); async runs 1F1B across steps with two weight "
-                      "versions (PipeDream-2BW), draining only at replication points and "
-                      "epoch ends (one device per stage)"),
+                      "activation memory); async runs 1F1B across steps, each micro-batch "
+                      "at the newest weights 1F1B's order lets exist (two versions at most), "
+                      "draining only at replication points, evaluations and epoch ends"),
     click.option("--delay-compensation",
                  type=click.Choice([c.value for c in DelayCompensation]),
                  default="predict", show_default=True,
-                 help="async only: predict computes each stale step at the weights its "
+                 help="async only: predict computes each stale micro-batch at the weights its "
                       "update will reach (from the optimizer's momentum or Adam moments); "
                       "none computes it at the previous version, as PipeDream-2BW does"),
 ]

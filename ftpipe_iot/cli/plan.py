@@ -48,7 +48,7 @@ from ftpipe_iot.planning.replication import (
 )
 from ftpipe_iot.planning.resilience import ResilienceOption, resilience_options
 from ftpipe_iot.planning.solver import DeviceSpec, LayerCosts, Partition, solve_partition
-from ftpipe_iot.planning.stability import StabilityBounds
+from ftpipe_iot.planning.stability import StabilityBounds, stale_fraction
 from ftpipe_iot.protocol.codecs import bytes_per_value
 from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName, ScheduleName, WireCodec
 from ftpipe_iot.schedules import JobOptions, PlanShape, schedule_for
@@ -93,8 +93,13 @@ def _stability_text(bounds: StabilityBounds, compensation: DelayCompensation) ->
             f"below {mine / bounds.lr:.3g} (sync: {bounds.sync / bounds.lr:.3g}); it grows "
             f"during training (the digits CNN: 0.3 at the start, about 28 after two epochs "
             f"at lr 0.05), so async may need a smaller --lr than sync; for a curvature h it "
-            f"needs --lr below {mine:g} / h. The bound is for the layers before the last "
-            f"stage: the last stage computes every step at the newest weights, as sync.")
+            f"needs --lr below {mine:g} / h. "
+            + (f"The bound is for the first stage, which computes "
+               f"{bounds.stale_fraction:.0%} of each step's micro-batches at the previous "
+               f"version (1F1B's order); later stages fewer, the last stage none."
+               if bounds.stale_fraction > 0 else
+               "This plan has one stage: async computes every step at the newest weights "
+               "there, as sync."))
 
 
 def _resilience_table(options: list[ResilienceOption], source: str, micro_batches: int) -> str:
@@ -471,6 +476,8 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         planned_costs([(s.members[0].device, s.param_bytes) for s in chosen.stages],
                       {d.name: d.bandwidth_bytes_per_s for d in devices},
                       replica_copies(optimizer, momentum)))
+    # the share of a step's micro-batches the first stage computes stale (async's bound)
+    fraction = stale_fraction(ScheduleName(schedule), len(chosen.stages), micro_batches)
     if as_json:
         report = {
             "source": source,
@@ -500,7 +507,7 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
         report["step_model"] = {"step_s": modelled_s, "closed_form_step_s": chosen.step_s,
                                 "calibration": calibration.to_dict() if calibration else None}
         if schedule == ScheduleName.ASYNC.value:
-            report["stability"] = {**StabilityBounds.at(lr, momentum).to_dict(),
+            report["stability"] = {**StabilityBounds.at(lr, momentum, fraction).to_dict(),
                                    "delay_compensation": delay_compensation}
         if compare:
             report["compare"] = {
@@ -522,7 +529,7 @@ def plan(model: str | None, costs_file: Path | None, profile_files: tuple[Path, 
                        + ", ".join(f"{m / 2**20:.1f}" for m in auto.stage_memory_bytes)
                        + " MiB")
         if schedule == ScheduleName.ASYNC.value:
-            click.echo(_stability_text(StabilityBounds.at(lr, momentum),
+            click.echo(_stability_text(StabilityBounds.at(lr, momentum, fraction),
                                        DelayCompensation(delay_compensation)))
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from ftpipe_iot.control.job import JobModel
 from ftpipe_iot.core.curvature import Curvature, top_curvature
 from ftpipe_iot.core.models import build_layers
-from ftpipe_iot.planning.stability import CurvatureVerdict, judge_curvature
+from ftpipe_iot.planning.stability import CurvatureVerdict, judge_curvature, stale_fraction
 from ftpipe_iot.protocol.plan import StageAssignment, TrainConfig
 from ftpipe_iot.protocol.vocab import DelayCompensation, OptimizerName
 from ftpipe_iot.schedules import schedule_for
@@ -170,11 +170,15 @@ class CurvatureWatch:
             return False
         self._busy = True
         self._last_step = step
-        self._pending = self._submit(lambda: self._measure(step, version, block, weights))
+        train = self.model.train
+        fraction = stale_fraction(train.schedule, len(stages) or 1, train.micro_batches)
+        self._pending = self._submit(
+            lambda: self._measure(step, version, block, weights, fraction))
         return True
 
     def _measure(self, step: int, version: int, block: tuple[int, int],
-                 weights: Mapping[int, Mapping[str, np.ndarray]] | None) -> None:
+                 weights: Mapping[int, Mapping[str, np.ndarray]] | None,
+                 fraction: float = 1.0) -> None:
         started = self._clock()
         try:
             curvature = top_curvature(self._layers, self._x, self._y, block,
@@ -189,8 +193,9 @@ class CurvatureWatch:
         self._next_at = self._clock() + seconds / self._cpu_share
         if curvature is not None:
             train = self.model.train
+            # the bound of the first stage, whose share of stale micro-batches is the largest
             verdict = judge_curvature(curvature.value, train.lr, train.momentum,
-                                      train.schedule, train.delay_compensation)
+                                      train.schedule, train.delay_compensation, fraction)
             self._done.put(CurvatureReading(step, version, curvature, verdict, seconds))
         self._busy = False
 
@@ -221,8 +226,9 @@ def describe_reading(reading: CurvatureReading, train: TrainConfig) -> str:
     first, end = curvature.layers
     where = f"layers [{first}, {end})"
     if schedule_for(train.schedule).stashes_weights:
-        where += (f", computed one step stale by --schedule {train.schedule.value} "
-                  f"--delay-compensation {train.delay_compensation.value}")
+        where += (f", computed one step stale in part by --schedule "
+                  f"{train.schedule.value} --delay-compensation "
+                  f"{train.delay_compensation.value}")
     text = (f"curvature at step {reading.step}: {curvature.value:.3g} along {where}; stable "
             f"below {verdict.largest_stable:.3g} at --lr {train.lr:g} "
             f"(lr x curvature < {verdict.bound:g}, momentum {train.momentum:g})")

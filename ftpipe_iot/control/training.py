@@ -110,7 +110,7 @@ class PlanTraining:
         micro-batches and every evaluation batch go around them; evaluation batches they may
         have held are sent again (a result is counted once)."""
         self.counts = counts_without(self.stages, gone, self.train.micro_batches)
-        # under 2BW the step after the one completing may be under way too: both are re-routed
+        # under async the step after the one completing may be under way too: both are re-routed
         for step in {self.feed.step, *(s for s in self._routes if s > self.feed.step)}:
             self._routes[step] = StepRoutes.for_counts(self.counts)
         if self.eval_round is not None:

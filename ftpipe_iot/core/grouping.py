@@ -66,8 +66,8 @@ def grouping_refusal(layers: Sequence[nn.Module]) -> str | None:
 @dataclass
 class BatchNormRecorder:
     """Records each micro-batch's batch statistics at every BatchNorm of a stage, keyed by
-    (step, micro-batch): under PipeDream-2BW the forwards of two steps interleave. ``start``
-    is the running statistics the next step to apply starts from."""
+    (step, micro-batch): under the asynchronous schedule the forwards of two steps interleave.
+    ``start`` is the running statistics the next step to apply starts from."""
 
     layers: Sequence[nn.Module]
     first_layer: int
@@ -181,7 +181,7 @@ class BatchNormRecorder:
                 mean.mul_(1 - momentum).add_(torch.from_numpy(np.array(batch_mean)), alpha=momentum)
                 var.mul_(1 - momentum).add_(torch.from_numpy(np.array(batch_var)), alpha=momentum)
                 tracked += 1
-            # new tensors, not copies into the old ones: under 2BW the next step's forwards
+            # new tensors, not copies into the old ones: under async the next step's forwards
             # ran already and their graphs saved the running statistics they saw (autograd's
             # version check would fail their backwards)
             module.running_mean = mean

@@ -18,8 +18,8 @@
 
 Either way steps are applied in step order, one at a time: a reducer returns the updates that
 are ready, oldest first, starting at the stage's version. Neither knows which weights a step
-computed with (``core.versioning``): under PipeDream-2BW the exchange is keyed by the step, and
-the step is applied at the version the schedule gives it.
+computed with (``core.versioning``): under the asynchronous schedule the exchange is keyed by
+the step, and the step is applied at the version the schedule gives it.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class LocalAccumulation:
     def micro_batch_done(self, step: int, micro_batch: int, version: int) -> list[Update]:
         """One of this holder's backwards (or a frozen stage's forward) is done: the steps now
         complete, in order from ``version`` (a later step completes only after the one before
-        it, which under 2BW may finish last when a group upstream reorders inputs)."""
+        it, which under async may finish last when a group upstream reorders inputs)."""
         self.done.setdefault(step, set()).add(micro_batch)
         ready = []
         while self._complete(version):

@@ -7,10 +7,10 @@ single-process training with the same micro-batching.
 
 A stage is a compute kernel (this module: the layers' forward and backward, timed, seeded and
 checked) plus a versioning (``core.versioning``: which weights a step computes with, one version
-or PipeDream-2BW's stash) plus a reducer (``core.reducers``: when a step is complete and with
-which gradients, local accumulation or the group exchange). The stage knows no schedule: the
-versioning and the reducer are chosen from the schedule's answers and the stage's holders, and
-any versioning works with any reducer.
+or the asynchronous schedule's stash) plus a reducer (``core.reducers``: when a step is
+complete and with which gradients, local accumulation or the group exchange). The stage knows
+no schedule: the versioning and the reducer are chosen from the schedule's answers and the
+stage's holders, and any versioning works with any reducer.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ class Stage:
     covered, by its own or other holders' contributions (``offer_partial``), in step order. A
     stage alone (``LocalAccumulation``) applies the optimizer after its expected micro-batches
     (given with the step's first forward). ``versions``: the schedule bound to the
-    job's numbers; under PipeDream-2BW the stage keeps the stash (``core.stash.WeightStash``).
+    job's numbers; under the asynchronous schedule the stage keeps the stash
+    (``core.stash.WeightStash``).
     """
 
     index: int
@@ -168,7 +169,7 @@ class Stage:
         # and a stage alone behind a group, record each micro-batch's batch statistics and
         # replay them in index order when the step is applied, so the stage behind a group
         # forwards its micro-batches as they come instead of waiting for the slowest member's
-        # (records are keyed by step: under 2BW two steps' forwards interleave). A stage alone
+        # (records are keyed by step: under async two steps' forwards interleave). A stage alone
         # with inputs in order feeds its layers in index order: no recording cost.
         running = has_running_statistics(self.layers)
         self.recorder = BatchNormRecorder(self.layers, self.first_layer) \

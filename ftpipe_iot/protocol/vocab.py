@@ -68,9 +68,10 @@ class OptimizerName(str, Enum):
 class ScheduleName(str, Enum):
     """How steps follow each other (docs/design.md §5): ``sync`` drains the pipeline every step;
     ``1f1b`` drains every step too, with at most one micro-batch in flight per stage
-    (PipeDream-Flush: sync's weights, less activation memory); ``async`` runs 1F1B across steps
-    with two weight versions (PipeDream-2BW) and drains only where a consistent version is
-    needed (replication points, epoch ends)."""
+    (PipeDream-Flush: sync's weights, less activation memory); ``async`` runs 1F1B across steps,
+    each micro-batch at the newest weights 1F1B's order lets exist (a stage's first few of a
+    step at the previous version, two versions at most), and drains only where a consistent
+    version is needed (replication points, evaluations, epoch ends)."""
 
     SYNC = "sync"
     FLUSH = "1f1b"
@@ -79,9 +80,9 @@ class ScheduleName(str, Enum):
 
 class DelayCompensation(str, Enum):
     """How the asynchronous schedule makes up for its one-step-stale weights (docs/design.md
-    §5): ``predict`` computes a stale step at the weights its update will reach, predicted
-    from the optimizer's own state (weight prediction, as SpecTrain and XPipe do); ``none``
-    computes it at the previous version, as PipeDream-2BW specifies."""
+    §5): ``predict`` computes a stale micro-batch at the weights its step's update will reach,
+    predicted from the optimizer's own state (weight prediction, as SpecTrain and XPipe do);
+    ``none`` computes it at the previous version, as PipeDream-2BW specifies."""
 
     PREDICT = "predict"
     NONE = "none"
