@@ -107,6 +107,17 @@ def test_stash_holds_at_most_two_versions():
         WeightStash(layers, StepVersions(AsyncOneFOneB(), 100), 3)
 
 
+def _apply_step(stash: WeightStash, optimizers: list, step: int) -> None:
+    """What a stage does when ``step`` is complete: the stash's gradients into the live
+    parameters, the optimizers' step, the stash's prediction after it."""
+    stash.before_update(step)
+    for optimizer in optimizers:
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    stash.after_update(step)
+
+
 def test_a_stages_first_micro_batches_are_stale_and_the_rest_wait_for_the_newest_weights():
     """A stage with two stages after it: 1F1B runs a step's first two forwards there before
     its last backward of the step before comes back, so those two compute with the previous
@@ -137,12 +148,7 @@ def test_a_stages_first_micro_batches_are_stale_and_the_rest_wait_for_the_newest
         gradients.after(step, micro_batch)
 
     def apply(step: int) -> None:
-        stash.before_update(step)
-        for optimizer in optimizers:
-            if optimizer is not None:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        stash.after_update(step)
+        _apply_step(stash, optimizers, step)
 
     backward(0, 0, 1.0)
     backward(1, 0, 10.0)  # step 1's stale micro-batches compute before step 0 is applied
@@ -189,12 +195,7 @@ def test_predicted_weights_are_the_live_ones_minus_the_next_update(drain_every,
         for leaf in leaves:
             leaf.grad = torch.ones_like(leaf)
         gradients.after(step, 0)
-        stash.before_update(step)
-        for optimizer in optimizers:
-            if optimizer is not None:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        stash.after_update(step)
+        _apply_step(stash, optimizers, step)
         assert stash.versions_held <= 3
     buffer = optimizers[1].state[weight]["momentum_buffer"]
     assert torch.allclose(buffer, torch.full_like(buffer, 1.9))
