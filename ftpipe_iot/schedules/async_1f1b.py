@@ -15,10 +15,10 @@ keeps two versions at most (``core.stash.WeightStash``). A step right after a dr
 
 Chosen over PipeDream-2BW (every micro-batch of a step one step stale on every stage but the
 last), which this schedule was until its convergence was measured against it: a stage's
-gradient is stale only in ``n`` of its ``M`` micro-batches instead of all of them, and where
-compute hides the wait for the step before (full-width MobileNetV2) the throughput is 2BW's;
-where a message's latency does not (the digits CNN's 1-2 ms micro-batches) it gives up 2BW's
-run-ahead (docs/design.md §5 has the figures).
+gradient is stale only in ``n`` of its ``M`` micro-batches instead of all of them. Where
+compute hides the wait for the step before (full-width MobileNetV2) it runs at sync's samples/s
+or more in fewer steps than sync; where a message's latency does not (the digits CNN's 1-2 ms
+micro-batches) it gives up 2BW's run-ahead and its speed (docs/design.md §5 has the figures).
 
 Stage groups and warm standbys run under it as under sync: the group exchange is keyed by the
 step (``core.reducers``), every holder keeps the same stash and applies the same updates in
