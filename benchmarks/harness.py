@@ -135,6 +135,30 @@ def rate_between(summary: dict, batch: int, lo: int, hi: int) -> float:
     return (hi - lo) * batch / (times[hi] - times[lo])
 
 
+def rates_side_by_side(runs: dict[str, tuple[float, list[tuple[int, float]]]],
+                       skip: int) -> dict:
+    """Steps/s of jobs that ran at the same time on one host, each over the window in which
+    all of them were training, so that every job met the same host: ``runs`` maps a label to
+    (the job's ``started_at``, its (step, t) history); each job's first ``skip`` steps (the
+    warm-up) are left out. Returns the window and each job's steps/s in it, from its first
+    to its last step end inside the window. Raises ``ValueError`` where the window holds
+    fewer than three step ends of some job (the jobs hardly overlapped)."""
+    ends = {label: sorted(started + t for _step, t in history)
+            for label, (started, history) in runs.items()}
+    if any(len(times) <= skip for times in ends.values()):
+        raise ValueError("a job ran no step past its warm-up")
+    low = max(times[skip] for times in ends.values())
+    high = min(times[-1] for times in ends.values())
+    rates = {}
+    for label, times in ends.items():
+        inside = [t for t in times if low <= t <= high]
+        if len(inside) < 3:
+            raise ValueError(f"{label}: {len(inside)} step ends while every job trained "
+                             f"({max(0.0, high - low):.1f} s); run longer jobs")
+        rates[label] = (len(inside) - 1) / (inside[-1] - inside[0])
+    return {"window_s": round(high - low, 3), "steps_per_s": rates}
+
+
 def save_figure(fig, path: Path) -> None:
     """Lay out, write and close a matplotlib figure."""
     import matplotlib.pyplot as plt

@@ -19,26 +19,40 @@
 
 Wall-clock rates on a 2-core host vary by several per cent between runs, more than the cost
 measured here; the CPU share is the figure that does not depend on the host's load.
+``--side-by-side`` measures the whole jobs' cost without that noise: in each round the signed
+and the unsigned job run at the same time, each with its own broker, and their steps/s are
+compared over the window in which both were training (``harness.rates_side_by_side``), so
+both met the same host at the same moments; the launch order alternates between rounds. Each
+job then has about half the host, so it measures what signing costs a job whose host is
+busy, which on a 2-core host running four or five processes is what every job meets anyway.
 
-    python benchmarks/signing.py [--only frames|demo|mobilenetv2] [--pairs 3]
+    python benchmarks/signing.py [--only frames|demo|mobilenetv2] [--pairs 3] [--side-by-side]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import save_figure, say, write_results  # noqa: E402
-from benchmarks.speed import ftpipe, loadavg  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    rates_side_by_side,
+    save_figure,
+    say,
+    write_results,
+)
+from benchmarks.speed import BATCH, TRAINING, ftpipe, loadavg  # noqa: E402
 from ftpipe_iot.protocol.messages import Activation, envelope  # noqa: E402
 from ftpipe_iot.protocol.signing import (  # noqa: E402
     IdentityKey,
@@ -161,6 +175,100 @@ def demo(pairs: int, epochs: int, layout_name: str = "pipeline") -> dict:
     return result
 
 
+def _round_result(index: int, summaries: dict[str, dict], skip: int) -> dict:
+    """One side-by-side round: each job's steps/s over the window both trained, and the
+    cost of signing in it."""
+    rates = rates_side_by_side(
+        {label: (summary["started_at"], [(h["step"], h["t"]) for h in summary["history"]])
+         for label, summary in summaries.items()}, skip)
+    signed, unsigned = rates["steps_per_s"]["signed"], rates["steps_per_s"]["unsigned"]
+    crypto = {label: summary.get("crypto_s", 0.0) + sum(
+        t.get("crypto_s", 0.0) for t in summary["device_traffic"].values())
+        for label, summary in summaries.items()}
+    return {"round": index, "first": _pair_order(index)[0] and "signed" or "unsigned",
+            "window_s": rates["window_s"],
+            "steps_per_s": {k: round(v, 4) for k, v in rates["steps_per_s"].items()},
+            "cost_pct": round(100 * (1 - signed / unsigned), 2),
+            "signed_crypto_ms_per_step": round(
+                1e3 * crypto["signed"] / max(1, summaries["signed"]["steps"]), 4),
+            "layouts": {label: [[d["device"] for d in stage["devices"]]
+                                for stage in summary["stages"]]
+                        for label, summary in summaries.items()}}
+
+
+def _side_by_side_summary(rounds: list[dict]) -> dict:
+    costs = [r["cost_pct"] for r in rounds]
+    return {"rounds": rounds, "rounds_cost_pct": costs,
+            "median_cost_pct": round(statistics.median(costs), 2),
+            "mean_cost_pct": round(statistics.fmean(costs), 2),
+            "cost_range_pct": [min(costs), max(costs)]}
+
+
+def demo_side_by_side(rounds: int, epochs: int, layout_name: str) -> dict:
+    """The demo signed and unsigned at the same time (two ``ftpipe-iot demo`` processes, each
+    with its own Mosquitto), ``rounds`` times; each round's cost over the window both
+    trained."""
+    results = []
+    for index in range(rounds):
+        before = loadavg()
+        work = {label: Path(tempfile.mkdtemp(prefix=f"sign-sbs-{label}-")) / "demo"
+                for label in ("signed", "unsigned")}
+        procs = {}
+        for signed in _pair_order(index):
+            label = "signed" if signed else "unsigned"
+            procs[label] = subprocess.Popen(
+                [sys.executable, "-m", "ftpipe_iot", "demo", "--work-dir", str(work[label]),
+                 "--layout", layout_name, "--epochs", str(epochs), "--job", f"sbs-{label}",
+                 *([] if signed else ["--insecure-unsigned"])],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=open(work[label].parent / "demo.err", "w"))
+        for label, proc in procs.items():
+            if proc.wait() != 0:
+                raise RuntimeError(f"the {label} demo failed; see {work[label].parent}")
+        summaries = {label: json.loads((work[label] / "summary.json").read_text())
+                     for label in procs}
+        row = _round_result(index, summaries, skip=1)
+        row.update(loadavg_before=before, loadavg_after=loadavg())
+        results.append(row)
+        say(f"demo side by side #{index}: signed {row['steps_per_s']['signed']:.1f}, unsigned "
+            f"{row['steps_per_s']['unsigned']:.1f} steps/s over {row['window_s']:.0f} s: "
+            f"cost {row['cost_pct']:+.2f} %")
+    return _side_by_side_summary(results)
+
+
+def mobilenetv2_side_by_side(rounds: int, steps: int, warmup: int) -> dict:
+    """Full-width MobileNetV2 (speed.py's split, 4 devices a job) signed and unsigned at the
+    same time, each job on its own broker, ``rounds`` times."""
+    # one epoch as long as the run (speed.py's 4096 samples are 16 steps): the jobs start
+    # tens of seconds apart on a busy host, and the window both train in must hold many steps
+    training = [*TRAINING, "--max-steps", str(warmup + steps)]
+    training[training.index("--data-samples") + 1] = str(BATCH * (warmup + steps))
+    results = []
+    for index in range(rounds):
+        before = loadavg()
+        with BrokerProcess() as first, BrokerProcess() as second, \
+                ThreadPoolExecutor(max_workers=2) as pool:
+            jobs = {}
+            for signed, broker in zip(_pair_order(index), (first, second)):
+                label = "signed" if signed else "unsigned"
+                jobs[label] = pool.submit(ftpipe, broker, f"sbs-{label}-{index}", "sync",
+                                          (1, 1, 1, 1), steps, warmup, training=training,
+                                          signed=signed)
+            outcome = {label: job.result() for label, job in jobs.items()}
+        summaries = {label: {"started_at": result["started_at"], "steps": result["steps"],
+                             "history": [{"step": s, "t": t} for s, t in result["history_t"]],
+                             "crypto_s": result["crypto_s"], "device_traffic": {},
+                             "stages": []}
+                     for label, result in outcome.items()}
+        row = _round_result(index, summaries, skip=warmup)
+        row.update(loadavg_before=before, loadavg_after=loadavg())
+        results.append(row)
+        say(f"mobilenetv2 side by side #{index}: signed {row['steps_per_s']['signed']:.4f}, "
+            f"unsigned {row['steps_per_s']['unsigned']:.4f} steps/s over "
+            f"{row['window_s']:.0f} s: cost {row['cost_pct']:+.2f} %")
+    return _side_by_side_summary(results)
+
+
 def _pair_order(index: int) -> tuple[bool, bool]:
     """Which side of pair ``index`` runs first (True: signed): signed first in even pairs,
     unsigned first in odd ones. A series drifts: the load average left by the runs before
@@ -273,17 +381,32 @@ def main() -> None:
     parser.add_argument("--demo-layout", choices=["pipeline", "data", "auto"], default="pipeline",
                         help="the demo's layout on both sides of every pair")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="run each pair's signed and unsigned job at the same time and "
+                             "compare them over the window both trained (--pairs rounds)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent /
                         "results" / "signing.json")
     args = parser.parse_args()
     results: dict = {"loadavg_start": loadavg()}
     if args.only in (None, "frames"):
         results["frames"] = frames()
-    if args.only in (None, "demo"):
-        results["demo"] = demo(args.pairs, args.demo_epochs, args.demo_layout)
-        results["demo"]["layout"] = args.demo_layout
-    if args.only in (None, "mobilenetv2"):
-        results["mobilenetv2"] = mobilenetv2(max(1, args.pairs - 1), args.steps, args.warmup)
+    if args.side_by_side:
+        if args.only in (None, "demo"):
+            results["demo_side_by_side"] = demo_side_by_side(args.pairs, args.demo_epochs,
+                                                             args.demo_layout)
+            results["demo_side_by_side"]["layout"] = args.demo_layout
+            results["demo_side_by_side"]["epochs"] = args.demo_epochs
+        if args.only in (None, "mobilenetv2"):
+            results["mobilenetv2_side_by_side"] = mobilenetv2_side_by_side(
+                args.pairs, args.steps, args.warmup)
+            results["mobilenetv2_side_by_side"].update(steps=args.steps, warmup=args.warmup)
+    else:
+        if args.only in (None, "demo"):
+            results["demo"] = demo(args.pairs, args.demo_epochs, args.demo_layout)
+            results["demo"]["layout"] = args.demo_layout
+        if args.only in (None, "mobilenetv2"):
+            results["mobilenetv2"] = mobilenetv2(max(1, args.pairs - 1), args.steps,
+                                                 args.warmup)
     results["loadavg_end"] = loadavg()
     write_results(results, args.out, lambda png: plot(results, png))
 

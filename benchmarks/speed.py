@@ -294,7 +294,8 @@ def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float,
                                                   "events")},
               "crypto_s": round(summary.get("crypto_s", 0.0) + sum(
                   t.get("crypto_s", 0.0) for t in summary["device_traffic"].values()), 4),
-              "history_t": [(h["step"], round(h["t"], 2)) for h in summary["history"]],
+              "history_t": [(h["step"], round(h["t"], 3)) for h in summary["history"]],
+              "started_at": summary.get("started_at", 0.0),
               "work_dir": str(work)}
     if trace:
         files = list((work / "trace").glob("*.jsonl"))

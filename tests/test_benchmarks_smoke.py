@@ -346,3 +346,23 @@ def test_the_convergence_benchmark_evaluates_the_simulator_as_the_fleet_does(mon
                       {"variant": "async-predict", "steps_to_target": 30,
                        "final_accuracy": 0.9}], 0.95)
     assert rows["async-predict"]["steps_vs_sync"] == 1.5
+
+
+def test_jobs_side_by_side_are_compared_over_the_window_both_trained(monkeypatch):
+    """Each job's warm-up is left out, and only the step ends inside the window in which every
+    job trained count: a job that goes on alone after the other stopped is not compared
+    there."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks.harness import rates_side_by_side
+
+    # job a: a step every 0.5 s from t = 10; job b, started 2 s later, a step a second from
+    # its own t = 9 (t = 11 on a's clock) to 30 steps, running on alone after a stops
+    a = (100.0, [(k, 10 + 0.5 * k) for k in range(20)])
+    b = (102.0, [(k, 9 + 1.0 * k) for k in range(30)])
+    rates = rates_side_by_side({"a": a, "b": b}, skip=2)
+    # the window: from b's third step end (t = 113) to a's last (t = 119.5)
+    assert rates["window_s"] == 6.5
+    assert rates["steps_per_s"]["a"] == pytest.approx(2.0)
+    assert rates["steps_per_s"]["b"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="run longer jobs"):
+        rates_side_by_side({"a": a, "b": (130.0, b[1])}, skip=0)

@@ -44,11 +44,13 @@ class EpochResult:
 
 
 class Recorder:
-    """Records one job. ``publish`` sends an event on the events topic."""
+    """Records one job. ``publish`` sends an event on the events topic; ``clock`` times the
+    job's steps, ``wall_clock`` stamps its start (the summary's ``started_at``)."""
 
     def __init__(self, job: str, metrics: ControllerMetrics, progress: ProgressReporter,
-                 publish: Callable[[Event], None], clock: Callable[[], float]) -> None:
-        self.summary = RunSummary(job=job)
+                 publish: Callable[[Event], None], clock: Callable[[], float],
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.summary = RunSummary(job=job, started_at=wall_clock())
         self.forecast = ForecastCheck()  # the planner's step time against the measured one
         self.metrics = metrics
         self.progress = progress

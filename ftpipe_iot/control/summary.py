@@ -24,6 +24,9 @@ class RunSummary:
     devices: int = 0
     wall_s: float = 0.0
     train_s: float = 0.0
+    # when the job started, in seconds since the epoch: a history entry's ``t`` counts from
+    # here, so runs on one host can be lined up in time (benchmarks/signing.py --side-by-side)
+    started_at: float = 0.0
     final_loss: float = 0.0
     stages: list[dict] = field(default_factory=list)
     failures_detected: int = 0
