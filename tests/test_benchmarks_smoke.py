@@ -366,3 +366,21 @@ def test_jobs_side_by_side_are_compared_over_the_window_both_trained(monkeypatch
     assert rates["steps_per_s"]["b"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="run longer jobs"):
         rates_side_by_side({"a": a, "b": (130.0, b[1])}, skip=0)
+
+
+def test_side_by_side_rounds_on_two_layouts_are_set_apart(monkeypatch):
+    """A round whose two jobs laid out differently compares layouts: it counts among all
+    rounds, not among the rounds on one layout."""
+    monkeypatch.syspath_prepend(str(REPO))
+    import benchmarks.signing as signing
+
+    data = [["dev0", "dev1"]]
+    pipeline = [["dev0"], ["dev1"], ["dev2"]]
+    swapped = [["dev1"], ["dev0"], ["dev2"]]  # the same shape on identical devices
+    rounds = [{"cost_pct": 4.0, "layouts": {"signed": pipeline, "unsigned": swapped}},
+              {"cost_pct": 20.0, "layouts": {"signed": pipeline, "unsigned": data}},
+              {"cost_pct": 2.0, "layouts": {"signed": data, "unsigned": data}}]
+    summary = signing.side_by_side_summary(rounds)
+    assert summary["median_cost_pct"] == 4.0
+    assert summary["rounds_on_one_layout"] == 2
+    assert summary["one_layout_mean_cost_pct"] == 3.0
