@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -208,6 +209,8 @@ def side_by_side_summary(rounds: list[dict]) -> dict:
              if len({tuple(len(stage) for stage in layout)
                      for layout in r["layouts"].values()}) == 1]
     summary = {"rounds": rounds, "rounds_cost_pct": costs,
+               **({"rounds_cpu_cost_pct": [r["cpu_cost_pct"] for r in rounds]}
+                  if all("cpu_cost_pct" in r for r in rounds) else {}),
                "median_cost_pct": round(statistics.median(costs), 2),
                "mean_cost_pct": round(statistics.fmean(costs), 2),
                "cost_range_pct": [min(costs), max(costs)],
@@ -236,17 +239,35 @@ def demo_side_by_side(rounds: int, epochs: int, layout_name: str) -> dict:
                  *([] if signed else ["--insecure-unsigned"])],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=open(work[label].parent / "demo.err", "w"))
+        cpu_s = {}
         for label, proc in procs.items():
-            if proc.wait() != 0:
+            # wait4's usage covers the demo and every process it started and waited for
+            # (broker, controller, devices): the job's whole CPU, apart from the other job's
+            _pid, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            if proc.returncode != 0:
                 raise RuntimeError(f"the {label} demo failed; see {work[label].parent}")
+            cpu_s[label] = usage.ru_utime + usage.ru_stime
         summaries = {label: json.loads((work[label] / "summary.json").read_text())
                      for label in procs}
         row = _round_result(index, summaries, skip=1)
-        row.update(loadavg_before=before, loadavg_after=loadavg())
+        # CPU a step over the whole job (start-up included, the same on both sides): whether
+        # the cost is CPU spent or time waited
+        cpu = {label: 1e3 * cpu_s[label] / max(1, summaries[label]["steps"]) for label in cpu_s}
+        rates = row["steps_per_s"]
+        row.update(cpu_ms_per_step={k: round(v, 3) for k, v in cpu.items()},
+                   cpu_cost_pct=round(100 * (cpu["signed"] / cpu["unsigned"] - 1), 2),
+                   # start-up cancels in the difference; each job has about one core of two,
+                   # so CPU spent shows as about as much wall time
+                   extra_cpu_ms_per_step=round(cpu["signed"] - cpu["unsigned"], 3),
+                   extra_wall_ms_per_step=round(
+                       1e3 * (1 / rates["signed"] - 1 / rates["unsigned"]), 3),
+                   loadavg_before=before, loadavg_after=loadavg())
         results.append(row)
         say(f"demo side by side #{index}: signed {row['steps_per_s']['signed']:.1f}, unsigned "
             f"{row['steps_per_s']['unsigned']:.1f} steps/s over {row['window_s']:.0f} s: "
-            f"cost {row['cost_pct']:+.2f} %")
+            f"cost {row['cost_pct']:+.2f} %; a step {row['extra_wall_ms_per_step']:+.2f} ms "
+            f"longer, {row['extra_cpu_ms_per_step']:+.2f} CPU-ms more")
     return side_by_side_summary(results)
 
 
