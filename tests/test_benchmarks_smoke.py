@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,13 +141,19 @@ def test_the_harness_the_heavy_benchmarks_share_runs_a_job(needs_mosquitto):
         from benchmarks.harness import JobSpec, run_job
         from ftpipe_iot.runtime.broker import BrokerProcess
 
+        before = time.time()
         with BrokerProcess() as broker:
             summary = run_job(JobSpec("smoke-harness", [("h0", None), ("h1", None)],
                                       ["--max-steps", "2", "--no-repartition"], timeout_s=240),
                               broker)
+        after = time.time()
     finally:
         sys.path.remove(str(REPO))
     assert summary["steps"] == 2 and summary["error"] is None
+    # the controller's start on the wall clock, from which its steps' times count: what lines
+    # up jobs run side by side (benchmarks/signing.py --side-by-side)
+    assert before < summary["started_at"] < summary["started_at"] + summary["history"][-1]["t"] \
+        < after
 
 
 def test_the_harness_runs_a_job_with_a_standby_controller_that_takes_it_over(needs_mosquitto):
