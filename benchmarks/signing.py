@@ -221,10 +221,11 @@ def side_by_side_summary(rounds: list[dict]) -> dict:
     return summary
 
 
-def demo_side_by_side(rounds: int, epochs: int, layout_name: str) -> dict:
+def demo_side_by_side(rounds: int, epochs: int, layout_name: str,
+                      demo_options: tuple[str, ...] = ()) -> dict:
     """The demo signed and unsigned at the same time (two ``ftpipe-iot demo`` processes, each
-    with its own Mosquitto), ``rounds`` times; each round's cost over the window both
-    trained."""
+    with its own Mosquitto, both given ``demo_options``), ``rounds`` times; each round's cost
+    over the window both trained."""
     results = []
     for index in range(rounds):
         before = loadavg()
@@ -236,6 +237,7 @@ def demo_side_by_side(rounds: int, epochs: int, layout_name: str) -> dict:
             procs[label] = subprocess.Popen(
                 [sys.executable, "-m", "ftpipe_iot", "demo", "--work-dir", str(work[label]),
                  "--layout", layout_name, "--epochs", str(epochs), "--job", f"sbs-{label}",
+                 *demo_options,
                  *([] if signed else ["--insecure-unsigned"])],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=open(work[label].parent / "demo.err", "w"))
@@ -431,6 +433,9 @@ def main() -> None:
     parser.add_argument("--demo-layout", choices=["pipeline", "data", "auto"], default="pipeline",
                         help="the demo's layout on both sides of every pair")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--demo-option", action="append", default=[], metavar="ARG",
+                        help="with --side-by-side: pass ARG to both demos (repeatable; "
+                             "--demo-option=--replicate-every --demo-option=0)")
     parser.add_argument("--side-by-side", action="store_true",
                         help="run each pair's signed and unsigned job at the same time and "
                              "compare them over the window both trained (--pairs rounds)")
@@ -443,8 +448,10 @@ def main() -> None:
     if args.side_by_side:
         if args.only in (None, "demo"):
             results["demo_side_by_side"] = demo_side_by_side(args.pairs, args.demo_epochs,
-                                                             args.demo_layout)
+                                                             args.demo_layout,
+                                                             tuple(args.demo_option))
             results["demo_side_by_side"]["layout"] = args.demo_layout
+            results["demo_side_by_side"]["demo_options"] = args.demo_option
             results["demo_side_by_side"]["epochs"] = args.demo_epochs
         if args.only in (None, "mobilenetv2"):
             results["mobilenetv2_side_by_side"] = mobilenetv2_side_by_side(
