@@ -53,7 +53,7 @@ from benchmarks.harness import (  # noqa: E402
     say,
     write_results,
 )
-from benchmarks.speed import BATCH, TRAINING, ftpipe, loadavg  # noqa: E402
+from benchmarks.speed import BATCH, TRAINING, ftpipe, job_crypto_s, loadavg  # noqa: E402
 from ftpipe_iot.protocol.messages import Activation, envelope  # noqa: E402
 from ftpipe_iot.protocol.signing import (  # noqa: E402
     IdentityKey,
@@ -136,8 +136,7 @@ def demo(pairs: int, epochs: int, layout_name: str = "pipeline") -> dict:
             summary = Demo(options).run()
             # every process of the demo (broker, controller, devices) is a child, waited for
             cpu_s = _children_cpu_s() - children_before
-            crypto = summary.get("crypto_s", 0.0) + sum(
-                t.get("crypto_s", 0.0) for t in summary["device_traffic"].values())
+            crypto = job_crypto_s(summary)
             runs[label].append({"samples_per_s": summary["samples_per_s"],
                                 "steps": summary["steps"], "train_s": summary["train_s"],
                                 "crypto_s": round(crypto, 4),
@@ -183,10 +182,8 @@ def _round_result(index: int, summaries: dict[str, dict], skip: int) -> dict:
         {label: (summary["started_at"], [(h["step"], h["t"]) for h in summary["history"]])
          for label, summary in summaries.items()}, skip)
     signed, unsigned = rates["steps_per_s"]["signed"], rates["steps_per_s"]["unsigned"]
-    crypto = {label: summary.get("crypto_s", 0.0) + sum(
-        t.get("crypto_s", 0.0) for t in summary["device_traffic"].values())
-        for label, summary in summaries.items()}
-    return {"round": index, "first": _pair_order(index)[0] and "signed" or "unsigned",
+    crypto = {label: job_crypto_s(summary) for label, summary in summaries.items()}
+    return {"round": index, "first": "signed" if _pair_order(index)[0] else "unsigned",
             "window_s": rates["window_s"],
             "steps_per_s": {k: round(v, 4) for k, v in rates["steps_per_s"].items()},
             "cost_pct": round(100 * (1 - signed / unsigned), 2),

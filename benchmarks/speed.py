@@ -212,6 +212,13 @@ def _top(profile: Path, n: int = 12) -> list[str]:
             if _category(f, name) != "idle"][:n]
 
 
+def job_crypto_s(summary: dict) -> float:
+    """CPU seconds a job's processes spent signing and verifying: the controller's and each
+    device's as last heartbeated (a run summary's ``crypto_s`` and ``device_traffic``)."""
+    return summary.get("crypto_s", 0.0) + sum(
+        t.get("crypto_s", 0.0) for t in summary["device_traffic"].values())
+
+
 def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float, ...],
            steps: int, warmup: int, profile: bool = False,
            training: list[str] | None = None, assignment: bool = True,
@@ -292,8 +299,7 @@ def ftpipe(broker: BrokerProcess, job: str, schedule: str, factors: tuple[float,
               "summary": {k: summary[k] for k in ("wall_s", "train_s", "test_accuracy",
                                                   "evals", "wire_bytes_per_step",
                                                   "events")},
-              "crypto_s": round(summary.get("crypto_s", 0.0) + sum(
-                  t.get("crypto_s", 0.0) for t in summary["device_traffic"].values()), 4),
+              "crypto_s": round(job_crypto_s(summary), 4),
               "history_t": [(h["step"], round(h["t"], 3)) for h in summary["history"]],
               "started_at": summary.get("started_at", 0.0),
               "work_dir": str(work)}
