@@ -223,6 +223,10 @@ def demo_side_by_side(rounds: int, epochs: int, layout_name: str,
     """The demo signed and unsigned at the same time (two ``ftpipe-iot demo`` processes, each
     with its own Mosquitto, both given ``demo_options``), ``rounds`` times; each round's cost
     over the window both trained."""
+    options = list(demo_options)
+    mode = options[options.index("--mode") + 1] if "--mode" in options[:-1] else "pipeline"
+    # a layout is the pipeline mode's; the collaborative modes lay out their own split
+    layout = ["--layout", layout_name] if mode == "pipeline" else []
     results = []
     for index in range(rounds):
         before = loadavg()
@@ -233,8 +237,7 @@ def demo_side_by_side(rounds: int, epochs: int, layout_name: str,
             label = "signed" if signed else "unsigned"
             procs[label] = subprocess.Popen(
                 [sys.executable, "-m", "ftpipe_iot", "demo", "--work-dir", str(work[label]),
-                 "--layout", layout_name, "--epochs", str(epochs), "--job", f"sbs-{label}",
-                 *demo_options,
+                 *layout, "--epochs", str(epochs), "--job", f"sbs-{label}", *options,
                  *([] if signed else ["--insecure-unsigned"])],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=open(work[label].parent / "demo.err", "w"))

@@ -416,7 +416,10 @@ def test_the_recorder_names_who_each_round_left_out():
     from ftpipe_iot.observability.progress import SilentProgress
 
     recorder = CollabRecorder("j", "collaborative", CoordinatorMetrics(CollectorRegistry()),
-                              SilentProgress(), lambda event: None, clock=lambda: 0.0)
+                              SilentProgress(), lambda event: None, clock=lambda: 0.0,
+                              wall_clock=lambda: 1234.5)
+    # the start on the wall clock, as a pipeline job's summary says it
+    assert recorder.summary.started_at == 1234.5
     members = {n: Member(n, 10) for n in ("dev0", "dev1", "dev2")}
     recorder.round_completed(0, 5, ("dev0", "dev1", "dev2"), members, 0.0)
     recorder.round_completed(1, 10, ("dev0", "dev2"), members, 0.0)

@@ -103,12 +103,14 @@ def rounds_text(rounds: list[int]) -> str:
 
 
 class CollabRecorder:
-    """Records one job; ``publish`` sends an event on the events topic."""
+    """Records one job; ``publish`` sends an event on the events topic; ``clock`` times the
+    job, ``wall_clock`` stamps its start (the summary's ``started_at``, as a pipeline job's)."""
 
     def __init__(self, job: str, mode: str, metrics: CoordinatorMetrics,
                  progress: ProgressReporter, publish: Callable[[Event], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.summary = CollabSummary(job, collab=CollabFigures(mode))
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.summary = CollabSummary(job, collab=CollabFigures(mode), started_at=wall_clock())
         self.metrics = metrics
         self.progress = progress
         self._publish = publish
