@@ -224,9 +224,10 @@ def test_replacement_device_that_was_not_there_at_start(fault_job, tmp_path):
         "the replacement device was never taken into the plan"
     summary = fault_job.finish()
     final = {d["device"] for s in summary["stages"] for d in s["devices"]}
-    # the solver may leave a slow survivor out where it would not shorten the bottleneck, but
-    # never the fast newcomer, and never the dead
-    assert "spare" in final and final <= {"spare", "dev1", "dev2"} and len(final) >= 2
+    # the solver may leave slow survivors out where they would not shorten the bottleneck (the
+    # newcomer alone, 3x faster, is a plan it may choose), but never the fast newcomer, and
+    # never the dead
+    assert "spare" in final and final <= {"spare", "dev1", "dev2"}
 
 
 def test_controller_killed_and_resumed(fault_job):
