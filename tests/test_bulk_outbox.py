@@ -350,12 +350,14 @@ def test_nothing_goes_while_disconnected_and_stop_returns_what_never_went():
 
 def test_the_messenger_classifies_by_kind():
     assert traffic_of(MessageKind.ACTIVATION) is Traffic.STAGE_DATA
+    assert traffic_of(MessageKind.ACTIVATIONS) is Traffic.STAGE_DATA
     assert traffic_of(MessageKind.GRADIENT) is Traffic.STAGE_DATA
     assert traffic_of(MessageKind.REDUCE) is Traffic.STAGE_DATA
     assert traffic_of(MessageKind.SMASHED) is Traffic.STAGE_DATA
     assert traffic_of(MessageKind.COLLAB_UPDATE) is Traffic.STAGE_DATA
     assert traffic_of(MessageKind.WEIGHTS) is Traffic.REPLICA
-    bulk = {MessageKind.ACTIVATION, MessageKind.GRADIENT, MessageKind.REDUCE,
+    bulk = {MessageKind.ACTIVATION, MessageKind.ACTIVATIONS, MessageKind.GRADIENT,
+            MessageKind.REDUCE,
             MessageKind.SMASHED, MessageKind.COLLAB_UPDATE, MessageKind.WEIGHTS}
     for kind in MessageKind:
         if kind not in bulk:

@@ -9,10 +9,11 @@ import pytest
 from helpers import MemoryJob, max_weight_diff
 
 from ftpipe_iot.control.controller import ControllerConfig
+from ftpipe_iot.control.training import BUNDLE_MAX_BYTES, bundled
 from ftpipe_iot.core.data import DataSpec
 from ftpipe_iot.core.models import ModelSpec
 from ftpipe_iot.core.reference import train_reference
-from ftpipe_iot.protocol.messages import ControllerState, decode_message
+from ftpipe_iot.protocol.messages import Activation, ControllerState, FedInput, decode_message
 from ftpipe_iot.protocol.plan import Member, OptimizerName, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.results import MAX_BATCHED_REPORTS
 from ftpipe_iot.protocol.topics import Topics
@@ -160,17 +161,20 @@ def _published_in_order(steps: int, *topics: str, devices: int = 2,
     return job, published
 
 
+_INPUTS = (MessageKind.ACTIVATION, MessageKind.ACTIVATIONS)  # the feed's frames
+
+
 def test_the_next_steps_micro_batches_leave_before_the_finished_steps_state():
     """The state a step ends with is signed for later readers; between two steps of a sync
     pipeline it was the last thing the next step waited for, so it goes out after the feed."""
     topics = Topics("t")
     _, published = _published_in_order(4, topics.state, f"{topics.base}/stage/0/act/+")
     order = [(env.kind.value, env.step) for env in published
-             if env.kind is MessageKind.STATE or (env.kind is MessageKind.ACTIVATION and
+             if env.kind is MessageKind.STATE or (env.kind in _INPUTS and
                                                   env.sender == "controller")]
     first_feed: dict[int, int] = {}
     for index, (kind, step) in enumerate(order):
-        if kind == MessageKind.ACTIVATION.value:
+        if kind in (k.value for k in _INPUTS):
             first_feed.setdefault(step, index)
     checked = 0
     for index, (kind, step) in enumerate(order):
@@ -228,10 +232,11 @@ def test_a_holders_reports_wait_for_its_step_end_where_the_controller_needs_none
     """Sync with the whole step in flight (the default's 8 >= the step's micro-batches):
     nothing the controller does waits for a loss or a micro-batch's end before the step
     ends. A pipeline's stage sends its step's reports with its step's end, one frame a step;
-    a group member sends them with its contribution to the group (the controller may end
-    the step with the other member's step end, and needs its losses then), so its two
-    micro-batches' losses and ends go in one frame, its step's end in another. The
-    controller takes every report as it would alone."""
+    a group member puts them in its contribution to the group, and every member's step end
+    carries the whole group's (the controller may end the step with either member's step
+    end, and needs every loss then): one frame a step for each member, with all four
+    micro-batches' losses and ends before the step's end. The controller takes every report
+    once, as it would alone."""
     steps = 3
     job, published = _published_in_order(steps, Topics("t").results)
     assert job.controller.plan.reports_at_step_end
@@ -250,12 +255,17 @@ def test_a_holders_reports_wait_for_its_step_end_where_the_controller_needs_none
     job, published = _published_in_order(steps, Topics("t").results, devices=2,
                                          assignment=group, micro_batches=4)
     for member in ("d0", "d1"):
-        frames = [[kind for kind, _, _ in frame]
-                  for frame in _report_frames(published, member)]
-        computed = [f for f in frames if ResultType.MICRO_BATCH_DONE.value in f]
-        assert len(computed) == steps and all(
-            f.count(ResultType.LOSS.value) == f.count(ResultType.MICRO_BATCH_DONE.value) == 2
-            for f in computed), frames
+        frames = _report_frames(published, member)
+        training = [f for f in frames if f[-1][0] == ResultType.STEP_DONE.value]
+        assert len(training) == steps, frames
+        for frame in training:
+            step = frame[-1][1]
+            for kind in (ResultType.LOSS.value, ResultType.MICRO_BATCH_DONE.value):
+                assert sorted(mb for k, s, mb in frame if k == kind and s == step) == \
+                    [0, 1, 2, 3], frame
+        assert not any(kind in (ResultType.LOSS.value, ResultType.MICRO_BATCH_DONE.value)
+                       for frame in frames if frame not in training
+                       for kind, _, _ in frame if kind != ResultType.EVAL.value), frames
     summary = job.controller.summary
     assert summary.steps == steps and len(summary.history) == steps
     assert all(math.isfinite(h["loss"]) for h in summary.history)
@@ -333,3 +343,58 @@ def test_a_steps_reports_beyond_one_frames_worth_go_in_several_frames_in_order()
     assert [mb for _, mb in done] == list(range(70)) and len(ends) == 1, flat
     assert max(i for i, _ in done) < ends[0], flat
     assert job.controller.summary.steps == 1
+
+
+def _inputs_fed(published: list[Envelope]) -> list[tuple[bool, list[tuple[int, int]]]]:
+    """The controller's input frames for training, each as (whether it is an
+    ``ActivationBatch``, its micro-batches' (step, index) pairs in order)."""
+    frames = []
+    for env in published:
+        if env.sender != "controller" or env.kind not in _INPUTS:
+            continue
+        inbound = decode_message(env, "")
+        parts = [p for p in inbound.unbundled() if p.message.train]
+        if parts:
+            frames.append((env.kind is MessageKind.ACTIVATIONS,
+                           [(p.step, p.micro_batch) for p in parts]))
+    return frames
+
+
+def test_the_feed_sends_each_holder_its_micro_batches_of_a_step_in_one_frame():
+    """A frame's fixed cost is most of what a small micro-batch costs to send: the feed sends
+    each holder of the first stage what it may send it at once in one frame, in order (a
+    group of two: two frames a step of two micro-batches each; a pipeline: one of all four).
+    Micro-batches too large to wait for each other go alone (``bundled``), and the job is
+    exact either way."""
+    steps = 3
+    group = (StageAssignment(0, 0, 6, (Member("d0", 0.5), Member("d1", 0.5))),)
+    feed = f"{Topics('t').base}/stage/0/act/+"
+    job, published = _published_in_order(steps, feed, devices=2, assignment=group,
+                                         micro_batches=4)
+    frames = _inputs_fed(published)
+    assert len(frames) == 2 * steps and all(batch and len(pairs) == 2
+                                            for batch, pairs in frames), frames
+    assert sorted(pair for _, pairs in frames for pair in pairs) == \
+        [(s, m) for s in range(steps) for m in range(4)]
+    reference = train_reference(job.controller.train, job.controller.data, steps)
+    gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
+    assert max_weight_diff(gathered, reference) < 1e-5
+    _, published = _published_in_order(steps, feed, devices=2, micro_batches=4)
+    assert [pairs for _, pairs in _inputs_fed(published)] == \
+        [[(s, m) for m in range(4)] for s in range(steps)]
+
+
+def test_inputs_go_together_while_they_fit_in_the_bundle_size():
+    def fed(step: int, index: int, samples: int) -> FedInput:
+        x = np.zeros((samples, 1024), np.float32)  # 4 KiB a sample
+        return FedInput(step, index, Activation(x, np.zeros(samples, np.int64), True))
+
+    inputs = [fed(0, 0, 4), fed(0, 1, 4), fed(0, 2, 4), fed(0, 3, 4)]  # 16 KiB each
+    assert [[f.micro_batch for f in run] for run in bundled(inputs, 40 * 1024)] == \
+        [[0, 1], [2, 3]]
+    large = [fed(1, 0, 20), fed(1, 1, 2), fed(1, 2, 2)]  # 80 KiB, then 8 KiB each
+    assert [[f.micro_batch for f in run] for run in bundled(large, 40 * 1024)] == \
+        [[0], [1, 2]]
+    small = [fed(2, index, 2) for index in range(4)]  # 8 KiB each: a digits step's are 2 KiB
+    assert [[f.micro_batch for f in run] for run in bundled(small, BUNDLE_MAX_BYTES)] == \
+        [[0, 1, 2, 3]]

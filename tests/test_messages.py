@@ -16,11 +16,13 @@ from ftpipe_iot.errors import BadBody
 from ftpipe_iot.observability.metrics import ControllerMetrics
 from ftpipe_iot.protocol.messages import (
     Activation,
+    ActivationBatch,
     Capabilities,
     Command,
     ControllerState,
     DeviceStatus,
     Event,
+    FedInput,
     Gradient,
     GroupPartial,
     Heartbeat,
@@ -84,6 +86,13 @@ MESSAGES = [
     GroupPartial(1, 0, {"0.weight": np.ones((2, 2), np.float32)},
                  {"2.running_mean": np.zeros(3, np.float32)}),
     GroupPartial(2, 1, {}),
+    GroupPartial(0, 1, {"0.weight": np.ones((2, 2))}, covers=(1, 3),
+                 reports=(Report(3, 1, Result(MicroBatchLoss(2.3, 4, 8))),
+                          Report(3, 1, Result(MicroBatchFinished())))),
+    ActivationBatch((FedInput(3, 0, Activation(np.ones((2, 3), np.float32), np.array([1, 2]),
+                                               True, (0,), ((2, 2),))),
+                     FedInput(3, 2, Activation(np.zeros((2, 3), np.float32), np.array([3, 4]),
+                                               True, (0,), ((2, 2),))))),
     Progress(3),
     LayerReplica(3, 10, {"weight": np.ones((2, 2), np.float32)},
                  {"state": {"0": {"momentum_buffer": np.zeros((2, 2), np.float32)}},
@@ -141,6 +150,7 @@ def test_every_body_round_trips_through_the_wire(message):
 
 
 DONE = {"type": "mb_done"}
+_INPUT = {"x": np.zeros((1, 2), np.float32), "y": np.zeros(1, np.int64), "train": True}
 
 
 def _spans(**changed: object) -> dict:
@@ -169,6 +179,13 @@ def _spans(**changed: object) -> dict:
     (MessageKind.RESULTS, {"reports": [[1, 0, DONE], [1, 0, {"type": "loss", "loss": "high",
                                                             "correct": 1, "count": 2}]]}, "loss"),
     (MessageKind.ACTIVATION, {"x": [1, 2], "y": np.zeros(2, np.int64), "train": True}, "x"),
+    (MessageKind.ACTIVATIONS, {"inputs": []}, "inputs"),
+    (MessageKind.ACTIVATIONS, {"inputs": [[0, 1]]}, "inputs"),
+    (MessageKind.ACTIVATIONS, {"inputs": [[0, -1, {}]]}, "inputs"),
+    (MessageKind.ACTIVATIONS, {"inputs": [[0, 0, _INPUT]] * 65}, "inputs"),
+    (MessageKind.ACTIVATIONS, {"inputs": [[0, 0, {**_INPUT, "train": "yes"}]]}, "train"),
+    (MessageKind.REDUCE, {"stage": 0, "member": 0, "grads": {}, "reports": [[1, 0]]},
+     "reports"),
     (MessageKind.ACTIVATION, {"x": np.zeros(2), "y": np.zeros(2, np.int64)}, "train"),
     (MessageKind.WEIGHTS, {"layer": 1, "version": 2, "state": {"w": [1.0]}}, "state"),
     (MessageKind.COMMAND, {"op": "reboot"}, "op"),
@@ -186,6 +203,24 @@ def test_a_bad_field_is_one_bad_body_error_naming_it(kind, body, field):
     env = Envelope(kind, "j", "s", body=body)
     with pytest.raises(BadBody, match=field):
         decode_message(decode(encode(env)[0]))
+
+
+def test_a_batch_of_inputs_is_taken_as_its_micro_batches_each_as_if_alone():
+    """The feed's frame of several micro-batches arrives as one message; a receiver takes its
+    inputs in order, each with its own step and index, as separate frames would give them."""
+    first = Activation(np.ones((2, 3), np.float32), np.array([1, 2]), True, (1,), ((2, 2),))
+    second = Activation(np.zeros((2, 3), np.float32), np.array([3, 4]), True, (1,), ((2, 2),))
+    batch = ActivationBatch((FedInput(5, 1, first), FedInput(6, 3, second)))
+    assert batch.nbytes == first.nbytes + second.nbytes
+    env = envelope(batch, "j", "controller", plan_version=7, step=5, micro_batch=1)
+    inbound = decode_message(decode(encode(env)[0]), "ftpipe/j/stage/0/act/d1")
+    parts = inbound.unbundled()
+    assert [(p.step, p.micro_batch, p.sender, p.topic, p.plan_version) for p in parts] == \
+        [(5, 1, "controller", "ftpipe/j/stage/0/act/d1", 7),
+         (6, 3, "controller", "ftpipe/j/stage/0/act/d1", 7)]
+    assert _equal(parts[0].message, first) and _equal(parts[1].message, second)
+    alone = decode_message(decode(encode(envelope(first, "j", "c", step=2))[0]))
+    assert alone.unbundled() == [alone]
 
 
 def test_messenger_counts_a_bad_body_as_a_drop_and_keeps_going():

@@ -641,7 +641,8 @@ def test_inputs_and_gradients_are_tagged_for_their_addressee_alone_unless_its_st
     for resiliency in (0, 1):
         tagged, drops = _tags_of(tmp_path / f"r{resiliency}", monkeypatch, stages, resiliency)
         data = [(topic, tags) for kind, topic, tags in tagged
-                if kind in (MessageKind.ACTIVATION.value, MessageKind.GRADIENT.value)]
+                if kind in (MessageKind.ACTIVATION.value, MessageKind.ACTIVATIONS.value,
+                            MessageKind.GRADIENT.value)]
         assert {topic.split("/")[-2] for topic, _ in data} >= {"act", "grad"}, data
         for topic, tags in data:
             stage = 0 if "/stage/0/" in topic else 1

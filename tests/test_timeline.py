@@ -151,7 +151,7 @@ def _run(tmp_path, device_offset: float = 0.25):
     for step in range(6):
         for micro_batch in range(2):
             fed = clock.now
-            with tracer.feeding(step, micro_batch, train=True):
+            with tracer.feeding([(step, micro_batch)], train=True):
                 clock.now += 0.01
             device.record(SpanKind.WAIT_INPUT, fed + device_offset - 0.02 + 0.0,
                           fed + device_offset + 0.011, step, micro_batch)

@@ -47,11 +47,11 @@ from ftpipe_iot.planning.codec_choice import priced
 from ftpipe_iot.planning.partition import RepartitionPolicy
 from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.messages import (
-    Activation,
     Command,
     ControllerState,
     DeviceStatus,
     Event,
+    FedInput,
     Heartbeat,
     Inbound,
     LayerReplica,
@@ -667,9 +667,10 @@ class Controller:
         watch.probe(version, version, self.plan.stages, weights)
 
     # -- feeding --------------------------------------------------------------------------------
-    def _feed(self, batch: Activation, step: int, index: int, device: str) -> None:
-        with self.tracer.feeding(step, index, batch.train):
-            self.out.batch(batch, step, index, device)
+    def _feed(self, inputs: Sequence[FedInput], device: str) -> None:
+        with self.tracer.feeding([(fed.step, fed.micro_batch) for fed in inputs],
+                                 inputs[0].activation.train):
+            self.out.inputs(inputs, device)
 
     def _step_completed(self, step: int) -> None:
         self.tracer.step_done(step)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ftpipe_iot.protocol.messages import (
-    Activation,
+    ActivationBatch,
     Command,
     ControllerState,
     Event,
+    FedInput,
     LayerReplica,
     PlanMessage,
 )
@@ -63,11 +64,14 @@ class JobOutbox:
             for device in (d for d in stage.devices if lost and d not in excluded):
                 self.command(device, Command(CommandOp.TAKE_OVER, devices=lost))
 
-    def batch(self, batch: Activation, step: int, index: int, device: str) -> None:
-        """A micro-batch of data into stage 0's member ``device``."""
+    def inputs(self, inputs: Sequence[FedInput], device: str) -> None:
+        """Micro-batches of data into stage 0's member ``device``, in order: one alone as an
+        ``Activation``, several in one ``ActivationBatch`` frame."""
         readers = self._plan.input_readers(0, device) if self._plan is not None else None
-        self.messenger.send(self.topics.stage_act(0, device), batch, self.plan_version, step,
-                            index, receivers=readers)
+        first = inputs[0]
+        message = first.activation if len(inputs) == 1 else ActivationBatch(tuple(inputs))
+        self.messenger.send(self.topics.stage_act(0, device), message, self.plan_version,
+                            first.step, first.micro_batch, receivers=readers)
 
     def replicas(self, replicas: Iterable[LayerReplica]) -> None:
         """The controller's own copies of layers, retained on their weights topics."""

@@ -38,6 +38,7 @@ from ftpipe_iot.planning.profiles import DeviceProfile
 from ftpipe_iot.planning.replication import is_interval_of
 from ftpipe_iot.protocol.messages import (
     Activation,
+    ActivationBatch,
     Capabilities,
     Command,
     ControllerState,
@@ -280,6 +281,8 @@ class DeviceAgent:
                 self._on_command(inbound, message)
             elif isinstance(message, (Activation, Gradient, GroupPartial, Progress)):
                 self._on_data(inbound, message)
+            elif isinstance(message, ActivationBatch):
+                self._on_inputs(inbound)
             elif isinstance(message, LayerReplica):
                 self._on_weights(inbound, message)
             else:
@@ -536,6 +539,16 @@ class DeviceAgent:
             replica = self.copies.own.get(layer)
             if replica is not None and replica.version == version:
                 self._publish_replica(replica)
+
+    def _on_inputs(self, inbound: Inbound) -> None:
+        """Several micro-batches' inputs in one frame: each taken as if it had come alone, in
+        order (one that cannot be used is dropped and counted, the others still taken)."""
+        for part in inbound.unbundled():
+            assert isinstance(part.message, Activation)
+            try:
+                self._on_data(part, part.message)
+            except StageInputError as exc:
+                self.messenger.drops.drop(exc.reason, str(exc))
 
     def _on_data(self, inbound: Inbound, message: StageMessage) -> None:
         if self.plan is None or (self.stage is None and self.loader is None):

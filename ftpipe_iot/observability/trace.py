@@ -113,12 +113,15 @@ class RunTracer:
     def enabled(self) -> bool:
         return self.store is not None
 
-    def feeding(self, step: int, micro_batch: int, train: bool
+    def feeding(self, micro_batches: Sequence[tuple[int, int]], train: bool
                 ) -> contextlib.AbstractContextManager[None]:
-        """A span around publishing one micro-batch's inputs; a training step starts at its
-        first."""
+        """A span around publishing the inputs of ``micro_batches`` ((step, index) pairs, in
+        one frame; the span names the first); a training step starts at its first."""
         if train and self.enabled:
-            self._step_started.setdefault(step, self.timeline.clock())
+            now = self.timeline.clock()
+            for step, _ in micro_batches:
+                self._step_started.setdefault(step, now)
+        step, micro_batch = micro_batches[0]
         return self.timeline.span(SpanKind.FEED, step, micro_batch)
 
     def step_done(self, step: int) -> None:

@@ -9,7 +9,7 @@ dataclass, receivers get one back from ``decode`` (see ``Inbound``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -19,6 +19,7 @@ from ftpipe_iot.protocol.collab import COLLAB_BODIES, CollabMessage
 from ftpipe_iot.protocol.fields import REQUIRED, BodyReader
 from ftpipe_iot.protocol.plan import Plan, StageAssignment
 from ftpipe_iot.protocol.results import (
+    Report,
     Result,
     ResultBatch,
 )
@@ -238,6 +239,55 @@ class Activation:
                    tuple(tuple(c) for c in counts))
 
 
+#: Micro-batches an ``ActivationBatch`` may carry: a step's worth at most (the feed sends no
+#: more at once than the in-flight bound); a body claiming more is not from this version.
+MAX_BATCHED_INPUTS = 64
+
+
+@dataclass(frozen=True)
+class FedInput:
+    """One micro-batch of an ``ActivationBatch``: its step, its index and its input."""
+
+    step: int
+    micro_batch: int
+    activation: Activation
+
+
+@dataclass(frozen=True)
+class ActivationBatch:
+    """Several micro-batches' inputs for one holder of the first stage, in one frame, in the
+    order the feed sent them (the controller's feed, docs/design.md §4). Every frame is
+    sealed, published, taken in by the broker and checked by its reader; on the digits demo
+    the feed's inputs were a third of every frame, a few kilobytes each. A receiver takes each
+    micro-batch as if it had come alone (``Inbound.unbundled``)."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.ACTIVATIONS
+    inputs: tuple[FedInput, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(fed.activation.nbytes for fed in self.inputs)
+
+    def to_body(self) -> dict[str, Any]:
+        return {"inputs": [[fed.step, fed.micro_batch, fed.activation.to_body()]
+                           for fed in self.inputs]}
+
+    @classmethod
+    def from_body(cls, raw: object) -> ActivationBatch:
+        f = BodyReader(raw, "activations")
+        rows = f._get("inputs", REQUIRED)
+        if not isinstance(rows, list) or not 0 < len(rows) <= MAX_BATCHED_INPUTS:
+            raise f.fail("inputs", f"a list of 1 to {MAX_BATCHED_INPUTS} inputs", rows)
+        inputs = []
+        for row in rows:
+            if not isinstance(row, (list, tuple)) or len(row) != 3 or \
+                    not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                            for v in row[:2]):
+                raise f.fail("inputs", "[step, micro-batch, activation] rows", row)
+            inputs.append(FedInput(int(row[0]), int(row[1]), Activation.from_body(row[2])))
+        return cls(tuple(inputs))
+
+
 @dataclass(frozen=True)
 class Gradient:
     """Gradient of the receiving stage's output for one micro-batch."""
@@ -299,7 +349,10 @@ class GroupPartial:
     """A holder's contribution to a step, for the other holders of its stage: one micro-batch's
     gradients (``covers`` empty, keys ``<micro-batch>:<parameter>``, float32), or the float64
     sum over the micro-batches in ``covers`` (keys ``<parameter>``), with the BatchNorm
-    statistics of those micro-batches (``core.grouping``, ``core.reducers``)."""
+    statistics of those micro-batches (``core.grouping``, ``core.reducers``). ``reports``:
+    the holder's training reports of the step so far, where the plan holds them for the
+    step's end (``Plan.reports_at_step_end``): every holder then ends the step knowing the
+    whole group's, and its step's end carries them to the controller in its frame."""
 
     KIND: ClassVar[MessageKind] = MessageKind.REDUCE
     stage: int
@@ -307,6 +360,7 @@ class GroupPartial:
     grads: dict[str, np.ndarray]
     batch_norm: dict[str, np.ndarray] = field(default_factory=dict)
     covers: tuple[int, ...] = ()
+    reports: tuple[Report, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -318,6 +372,8 @@ class GroupPartial:
                                 "grads": self.grads, "batch_norm": self.batch_norm}
         if self.covers:
             body["covers"] = list(self.covers)
+        if self.reports:
+            body["reports"] = ResultBatch(self.reports).to_body()["reports"]
         return body
 
     @classmethod
@@ -329,8 +385,10 @@ class GroupPartial:
         covers = f.int_list("covers", [])
         if any(m < 0 for m in covers) or len(set(covers)) != len(covers):
             raise f.fail("covers", "distinct micro-batch indices >= 0", covers)
+        rows = f.raw.get("reports")
+        reports = ResultBatch.from_body({"reports": rows}).reports if rows is not None else ()
         return cls(f.int("stage", low=0), f.int("member", low=0), arrays["grads"],
-                   arrays["batch_norm"], tuple(covers))
+                   arrays["batch_norm"], tuple(covers), reports)
 
 
 @dataclass(frozen=True)
@@ -536,13 +594,14 @@ class RosterMessage:
             raise BadBody(str(exc)) from exc
 
 
-Message = PlanMessage | Command | ControllerState | Event | Activation | Gradient | LayerReplica \
-    | GroupPartial | Progress | DeviceStatus | Heartbeat | SpanBatch | Result | ResultBatch \
-    | RosterMessage | CollabMessage
+Message = PlanMessage | Command | ControllerState | Event | Activation | ActivationBatch \
+    | Gradient | LayerReplica | GroupPartial | Progress | DeviceStatus | Heartbeat | SpanBatch \
+    | Result | ResultBatch | RosterMessage | CollabMessage
 _BY_KIND: dict[MessageKind, Any] = {
-    cls.KIND: cls for cls in (PlanMessage, Command, ControllerState, Event, Activation, Gradient,
-                              LayerReplica, GroupPartial, Progress, DeviceStatus, Heartbeat,
-                              SpanBatch, Result, ResultBatch, RosterMessage)
+    cls.KIND: cls for cls in (PlanMessage, Command, ControllerState, Event, Activation,
+                              ActivationBatch, Gradient, LayerReplica, GroupPartial, Progress,
+                              DeviceStatus, Heartbeat, SpanBatch, Result, ResultBatch,
+                              RosterMessage)
 } | COLLAB_BODIES
 
 
@@ -562,6 +621,15 @@ class Inbound:
     @property
     def kind(self) -> MessageKind:
         return self.message.KIND
+
+    def unbundled(self) -> list[Inbound]:
+        """The messages this one carries, each as if it had come alone: an
+        ``ActivationBatch``'s micro-batches in order (its step and index in the header), any
+        other message itself."""
+        if not isinstance(self.message, ActivationBatch):
+            return [self]
+        return [replace(self, step=fed.step, micro_batch=fed.micro_batch,
+                        message=fed.activation) for fed in self.message.inputs]
 
 
 def envelope(message: Message, job: str, sender: str, plan_version: int = 0, step: int = -1,

@@ -16,6 +16,7 @@ class MessageKind(str, Enum):
     STATE = "state"
     COMMAND = "cmd"
     ACTIVATION = "act"
+    ACTIVATIONS = "acts"  # several micro-batches' inputs for one holder, in one frame
     GRADIENT = "grad"
     RESULT = "result"
     RESULTS = "results"  # the reports one computation made, in one frame

@@ -40,6 +40,7 @@ _FLEET_KINDS = (MessageKind.STATUS, MessageKind.HEARTBEAT)
 # device's 9 MB FedAvg update sent as control held its heartbeats for 7 s on a 10 Mbit/s link,
 # and the coordinator dropped it from the round (fleet L8, benchmarks/links_l8.py).
 _BULK_KINDS = {MessageKind.ACTIVATION: Traffic.STAGE_DATA,
+               MessageKind.ACTIVATIONS: Traffic.STAGE_DATA,
                MessageKind.GRADIENT: Traffic.STAGE_DATA,
                MessageKind.REDUCE: Traffic.STAGE_DATA,
                MessageKind.SMASHED: Traffic.STAGE_DATA,
