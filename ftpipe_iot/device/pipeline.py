@@ -35,7 +35,6 @@ from ftpipe_iot.observability.metrics import DeviceMetrics
 from ftpipe_iot.protocol.messages import Activation, Gradient, GroupPartial, Inbound, Progress
 from ftpipe_iot.protocol.plan import Plan
 from ftpipe_iot.protocol.results import (
-    MAX_BATCHED_REPORTS,
     MicroBatchFinished,
     MicroBatchLoss,
     Report,
@@ -92,9 +91,6 @@ class StageRunner:
         # training micro-batches' reports held for the step's end (``Plan.reports_at_step_end``)
         self.holds_reports = plan.reports_at_step_end
         self.held: list[Report] = []
-        # a group's held reports per step, its own and those its peers' contributions carried:
-        # sent with this holder's step end
-        self.group_reports: dict[int, list[Report]] = {}
 
     @property
     def topics_to_follow(self) -> list[str]:
@@ -157,9 +153,6 @@ class StageRunner:
     def _on_contribution(self, inbound: Inbound, message: GroupPartial) -> None:
         if message.stage != self.stage.index or inbound.sender == self.name:
             return  # our own contribution, echoed back: already counted
-        if self.holds_reports:
-            for report in message.reports:
-                self.group_reports.setdefault(report.step, []).append(report)
         self.role.contribution_seen(inbound.step, inbound.micro_batch, self.clock())
         self.hooks.link(message.nbytes)
         self._emit_all(self.stage.offer_partial(inbound.step, SendPartial(
@@ -236,20 +229,14 @@ class StageRunner:
         """Stage data first, then the reports in one frame (``ResultBatch``), then the step's
         end to the agent (which may start a replication): another stage waits for the data,
         and nothing waits for a loss or a micro-batch's end (the last stage's loss was sealed
-        and sent before the gradient its neighbour waits for). A group member's contribution
-        goes after its activations and gradients, with the reports it carries (``_due``). An
-        emulated link is busy with the data after that, as a real one would be while the
-        reports, control traffic, go past (``Traffic``)."""
-        sent = [self._publish(output) for output in outputs
-                if isinstance(output, (SendActivation, SendGradient))]
+        and sent before the gradient its neighbour waits for). An emulated link is busy with
+        the data after that, as a real one would be while the reports, control traffic, go
+        past (``Traffic``)."""
+        sent = [self._publish(output) for output in outputs if isinstance(output, _DATA)]
         reports = [self._report_of(output) for output in outputs
                    if not isinstance(output, _DATA)]
-        partials = [output for output in outputs if isinstance(output, SendPartial)]
-        carried: list[Report] = []
         if self.holds_reports:
-            reports, carried = self._due(reports, bool(partials))
-        for index, partial in enumerate(partials):
-            sent.append(self._publish(partial, tuple(carried) if index == 0 else ()))
+            reports = self._due(reports, any(isinstance(o, SendPartial) for o in outputs))
         if reports:
             self.hooks.report(reports)
         for output in outputs:
@@ -258,18 +245,13 @@ class StageRunner:
         for n_bytes in sent:
             self.hooks.link(n_bytes)
 
-    def _due(self, reports: list[Report], contributing: bool
-             ) -> tuple[list[Report], list[Report]]:
-        """Where the plan holds training micro-batches' reports (``Plan.reports_at_step_end``):
-        the reports to send now, and those to carry in the contribution going out
-        (``contributing``). Training losses and micro-batch ends are held; a group member
-        puts every report it holds into its contribution, so each holder ends the step with
-        the whole group's (its peers' came in theirs, which it waited for) and sends them
-        before its step's end, in that frame: the controller ends a group's step with the
-        first member's step end and needs every member's losses by then, and the other
-        members' ends bring the same reports again, which it takes once. An evaluation loss
-        goes at once (no step's end follows it). A holder with more reports than a frame
-        takes (``MAX_BATCHED_REPORTS``) sends them at its contribution instead."""
+    def _due(self, reports: list[Report], contributed: bool) -> list[Report]:
+        """The reports to send now where the plan holds training micro-batches' reports
+        (``Plan.reports_at_step_end``): what this computation reported, after every report
+        held before it, once the holder has sent its contribution to its group
+        (``contributed``: its part of the step is computed, and the controller may end the
+        step with another member's step end, so it needs these losses now) or reached its
+        step's end; an evaluation loss at once (no step's end follows it); the rest is held."""
         due = []
         for report in reports:
             body = report.result.body
@@ -278,31 +260,16 @@ class StageRunner:
                 self.held.append(report)
             else:
                 due.append(report)
-        carried: list[Report] = []
-        if contributing:
-            if len(self.held) <= MAX_BATCHED_REPORTS:
-                carried = self.held
-                for report in carried:
-                    self.group_reports.setdefault(report.step, []).append(report)
-            else:
-                due = [*self.held, *due]
-            self.held = []
-        ends = [r.step for r in due if isinstance(r.result.body, StageStepDone)]
-        if ends:
-            group = [r for step in sorted(s for s in self.group_reports if s <= max(ends))
-                     for r in self.group_reports.pop(step)]
-            due, self.held = [*group, *self.held, *due], []
-        return due, carried
+        if contributed or any(isinstance(r.result.body, StageStepDone) for r in due):
+            due, self.held = [*self.held, *due], []
+        return due
 
-    def _publish(self, output: SendActivation | SendGradient | SendPartial,
-                 reports: tuple[Report, ...] = ()) -> int:
+    def _publish(self, output: SendActivation | SendGradient | SendPartial) -> int:
         with self.stage.timeline.span(SpanKind.SEND, output.step, output.micro_batch):
-            return self._send(output, reports)
+            return self._send(output)
 
-    def _send(self, output: SendActivation | SendGradient | SendPartial,
-              reports: tuple[Report, ...] = ()) -> int:
-        """Publish an output to the stage that takes it in (a contribution with the
-        ``reports`` it carries); returns the bytes of the output."""
+    def _send(self, output: SendActivation | SendGradient | SendPartial) -> int:
+        """Publish an output to the stage that takes it in; returns the bytes of the output."""
         version, index, key = self.plan.version, self.stage.index, (output.step,
                                                                    output.micro_batch)
         if isinstance(output, SendActivation):
@@ -335,7 +302,7 @@ class StageRunner:
         return self.messenger.send(
             self.topics.stage_reduce(index),
             GroupPartial(index, self.stage.member, output.grads, output.batch_norm,
-                         output.covers, reports),
+                         output.covers),
             version, output.step, output.micro_batch, receivers=self._exchange_readers(index))
 
     def _report_of(self, output: StageOutput) -> Report:

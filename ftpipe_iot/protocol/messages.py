@@ -19,7 +19,6 @@ from ftpipe_iot.protocol.collab import COLLAB_BODIES, CollabMessage
 from ftpipe_iot.protocol.fields import REQUIRED, BodyReader
 from ftpipe_iot.protocol.plan import Plan, StageAssignment
 from ftpipe_iot.protocol.results import (
-    Report,
     Result,
     ResultBatch,
 )
@@ -349,10 +348,7 @@ class GroupPartial:
     """A holder's contribution to a step, for the other holders of its stage: one micro-batch's
     gradients (``covers`` empty, keys ``<micro-batch>:<parameter>``, float32), or the float64
     sum over the micro-batches in ``covers`` (keys ``<parameter>``), with the BatchNorm
-    statistics of those micro-batches (``core.grouping``, ``core.reducers``). ``reports``:
-    the holder's training reports of the step so far, where the plan holds them for the
-    step's end (``Plan.reports_at_step_end``): every holder then ends the step knowing the
-    whole group's, and its step's end carries them to the controller in its frame."""
+    statistics of those micro-batches (``core.grouping``, ``core.reducers``)."""
 
     KIND: ClassVar[MessageKind] = MessageKind.REDUCE
     stage: int
@@ -360,7 +356,6 @@ class GroupPartial:
     grads: dict[str, np.ndarray]
     batch_norm: dict[str, np.ndarray] = field(default_factory=dict)
     covers: tuple[int, ...] = ()
-    reports: tuple[Report, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -372,8 +367,6 @@ class GroupPartial:
                                 "grads": self.grads, "batch_norm": self.batch_norm}
         if self.covers:
             body["covers"] = list(self.covers)
-        if self.reports:
-            body["reports"] = ResultBatch(self.reports).to_body()["reports"]
         return body
 
     @classmethod
@@ -385,10 +378,8 @@ class GroupPartial:
         covers = f.int_list("covers", [])
         if any(m < 0 for m in covers) or len(set(covers)) != len(covers):
             raise f.fail("covers", "distinct micro-batch indices >= 0", covers)
-        rows = f.raw.get("reports")
-        reports = ResultBatch.from_body({"reports": rows}).reports if rows is not None else ()
         return cls(f.int("stage", low=0), f.int("member", low=0), arrays["grads"],
-                   arrays["batch_norm"], tuple(covers), reports)
+                   arrays["batch_norm"], tuple(covers))
 
 
 @dataclass(frozen=True)
