@@ -41,6 +41,23 @@ class BodyReader:
             raise self.fail(key, f"an integer >= {low}", value)
         return int(value)
 
+    def step_rows(self, key: str, limit: int, low: int, item: str
+                  ) -> list[tuple[int, int, object]]:
+        """A list of 1 to ``limit`` ``[step, micro-batch, item]`` rows (step and index integers
+        >= ``low``), as (step, micro-batch, the item's raw body): the bodies that carry several
+        micro-batches' messages in one frame."""
+        rows = self._get(key, REQUIRED)
+        if not isinstance(rows, list) or not 0 < len(rows) <= limit:
+            raise self.fail(key, f"a list of 1 to {limit} {key}", rows)
+        checked = []
+        for row in rows:
+            if not isinstance(row, (list, tuple)) or len(row) != 3 or \
+                    not all(isinstance(v, int) and not isinstance(v, bool) and v >= low
+                            for v in row[:2]):
+                raise self.fail(key, f"[step, micro-batch, {item}] rows", row)
+            checked.append((int(row[0]), int(row[1]), row[2]))
+        return checked
+
     def array_map(self, key: str, default: Any = REQUIRED) -> dict[str, np.ndarray]:
         """A map of names to arrays (a state dict, gradients); a failure names the entry."""
         value = self._get(key, default)

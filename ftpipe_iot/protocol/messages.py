@@ -273,18 +273,10 @@ class ActivationBatch:
 
     @classmethod
     def from_body(cls, raw: object) -> ActivationBatch:
-        f = BodyReader(raw, "activations")
-        rows = f._get("inputs", REQUIRED)
-        if not isinstance(rows, list) or not 0 < len(rows) <= MAX_BATCHED_INPUTS:
-            raise f.fail("inputs", f"a list of 1 to {MAX_BATCHED_INPUTS} inputs", rows)
-        inputs = []
-        for row in rows:
-            if not isinstance(row, (list, tuple)) or len(row) != 3 or \
-                    not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                            for v in row[:2]):
-                raise f.fail("inputs", "[step, micro-batch, activation] rows", row)
-            inputs.append(FedInput(int(row[0]), int(row[1]), Activation.from_body(row[2])))
-        return cls(tuple(inputs))
+        rows = BodyReader(raw, "activations").step_rows("inputs", MAX_BATCHED_INPUTS, 0,
+                                                        "activation")
+        return cls(tuple(FedInput(step, micro_batch, Activation.from_body(body))
+                         for step, micro_batch, body in rows))
 
 
 @dataclass(frozen=True)

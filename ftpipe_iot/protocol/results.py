@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ftpipe_iot.protocol.fields import REQUIRED, BodyReader
+from ftpipe_iot.protocol.fields import BodyReader
 from ftpipe_iot.protocol.vocab import MessageKind, ResultType
 
 
@@ -249,15 +249,6 @@ class ResultBatch:
 
     @classmethod
     def from_body(cls, raw: object) -> ResultBatch:
-        f = BodyReader(raw, "results")
-        rows = f._get("reports", REQUIRED)
-        if not isinstance(rows, list) or not 0 < len(rows) <= MAX_BATCHED_REPORTS:
-            raise f.fail("reports", f"a list of 1 to {MAX_BATCHED_REPORTS} reports", rows)
-        reports = []
-        for row in rows:
-            if not isinstance(row, (list, tuple)) or len(row) != 3 or \
-                    not all(isinstance(v, int) and not isinstance(v, bool) and v >= -1
-                            for v in row[:2]):
-                raise f.fail("reports", "[step, micro-batch, result] rows", row)
-            reports.append(Report(int(row[0]), int(row[1]), Result.from_body(row[2])))
-        return cls(tuple(reports))
+        rows = BodyReader(raw, "results").step_rows("reports", MAX_BATCHED_REPORTS, -1, "result")
+        return cls(tuple(Report(step, micro_batch, Result.from_body(body))
+                         for step, micro_batch, body in rows))
