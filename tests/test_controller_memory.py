@@ -13,7 +13,13 @@ from ftpipe_iot.control.training import BUNDLE_MAX_BYTES, bundled
 from ftpipe_iot.core.data import DataSpec
 from ftpipe_iot.core.models import ModelSpec
 from ftpipe_iot.core.reference import train_reference
-from ftpipe_iot.protocol.messages import Activation, ControllerState, FedInput, decode_message
+from ftpipe_iot.protocol.messages import (
+    MAX_BATCHED_INPUTS,
+    Activation,
+    ControllerState,
+    FedInput,
+    decode_message,
+)
 from ftpipe_iot.protocol.plan import Member, OptimizerName, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.results import MAX_BATCHED_REPORTS
 from ftpipe_iot.protocol.topics import Topics
@@ -392,3 +398,6 @@ def test_inputs_go_together_while_they_fit_in_the_bundle_size():
     small = [fed(2, index, 2) for index in range(4)]  # 8 KiB each: a digits step's are 2 KiB
     assert [[f.micro_batch for f in run] for run in bundled(small, BUNDLE_MAX_BYTES)] == \
         [[0, 1, 2, 3]]
+    # a frame takes at most MAX_BATCHED_INPUTS, however small (a receiver refuses more)
+    many = [fed(3, index, 1) for index in range(MAX_BATCHED_INPUTS + 6)]
+    assert [len(run) for run in bundled(many, 10 * 1024 * 1024)] == [MAX_BATCHED_INPUTS, 6]

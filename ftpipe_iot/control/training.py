@@ -18,7 +18,7 @@ from ftpipe_iot.core.schedule import StepVersions
 from ftpipe_iot.errors import TrainingDiverged
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.costs import LayerCosts
-from ftpipe_iot.protocol.messages import Activation, FedInput
+from ftpipe_iot.protocol.messages import MAX_BATCHED_INPUTS, Activation, FedInput
 from ftpipe_iot.protocol.plan import Plan, StageAssignment
 from ftpipe_iot.protocol.results import (
     MicroBatchFinished,
@@ -38,15 +38,16 @@ SendInputs = Callable[[Sequence[FedInput], str], None]
 BUNDLE_MAX_BYTES = 64 * 1024
 
 
-def bundled(inputs: Sequence[FedInput], max_bytes: int = BUNDLE_MAX_BYTES
-            ) -> list[list[FedInput]]:
+def bundled(inputs: Sequence[FedInput], max_bytes: int = BUNDLE_MAX_BYTES,
+            max_count: int = MAX_BATCHED_INPUTS) -> list[list[FedInput]]:
     """``inputs`` in order, cut into runs that go in one frame each: as many as fit together
-    in ``max_bytes`` of arrays (one larger than that goes alone)."""
+    in ``max_bytes`` of arrays and ``max_count`` micro-batches (one larger than ``max_bytes``
+    goes alone)."""
     runs: list[list[FedInput]] = []
     size = 0
     for fed in inputs:
         nbytes = fed.activation.nbytes
-        if not runs or size + nbytes > max_bytes:
+        if not runs or size + nbytes > max_bytes or len(runs[-1]) >= max_count:
             runs.append([])
             size = 0
         runs[-1].append(fed)
