@@ -357,8 +357,8 @@ def test_the_messenger_classifies_by_kind():
     assert traffic_of(MessageKind.COLLAB_UPDATE) is Traffic.STAGE_DATA
     assert traffic_of(MessageKind.WEIGHTS) is Traffic.REPLICA
     bulk = {MessageKind.ACTIVATION, MessageKind.ACTIVATIONS, MessageKind.GRADIENT,
-            MessageKind.REDUCE,
-            MessageKind.SMASHED, MessageKind.COLLAB_UPDATE, MessageKind.WEIGHTS}
+            MessageKind.REDUCE, MessageKind.SMASHED, MessageKind.COLLAB_UPDATE,
+            MessageKind.WEIGHTS}
     for kind in MessageKind:
         if kind not in bulk:
             assert traffic_of(kind) is Traffic.CONTROL, kind

@@ -181,7 +181,6 @@ def _spans(**changed: object) -> dict:
     (MessageKind.ACTIVATIONS, {"inputs": [[0, -1, {}]]}, "inputs"),
     (MessageKind.ACTIVATIONS, {"inputs": [[0, 0, _INPUT]] * 65}, "inputs"),
     (MessageKind.ACTIVATIONS, {"inputs": [[0, 0, {**_INPUT, "train": "yes"}]]}, "train"),
-
     (MessageKind.ACTIVATION, {"x": np.zeros(2), "y": np.zeros(2, np.int64)}, "train"),
     (MessageKind.WEIGHTS, {"layer": 1, "version": 2, "state": {"w": [1.0]}}, "state"),
     (MessageKind.COMMAND, {"op": "reboot"}, "op"),

@@ -238,8 +238,8 @@ class Activation:
                    tuple(tuple(c) for c in counts))
 
 
-#: Micro-batches an ``ActivationBatch`` may carry: a step's worth at most (the feed sends no
-#: more at once than the in-flight bound); a body claiming more is not from this version.
+#: Micro-batches an ``ActivationBatch`` may carry (the feed cuts longer runs into several
+#: frames, ``control.training.bundled``); a body claiming more is not from this version.
 MAX_BATCHED_INPUTS = 64
 
 
