@@ -74,7 +74,11 @@ def test_the_controller_takes_an_idle_devices_speed_from_its_probe_once():
     assert len(capacity.history["d2"]) == 3
     low, high = capacity.bounds("d2")
     assert low <= capacity.factor("d2") <= high
-    assert capacity.factor("d2") > 5 * max(capacity.factor("d0"), capacity.factor("d1"))
+    # a stand-in would price it as the others (1x); 30x on an idle host, but d0 and d1 are
+    # measured while training and d2 while probing, and on a loaded host (the suite's other
+    # worker) their ratio came out as low as 2.5x (1 run in 12 failed a 5x bound, before and
+    # after this stop's change alike)
+    assert capacity.factor("d2") > 2 * max(capacity.factor("d0"), capacity.factor("d1"))
     # the summary says what the controller knew of every device, the idle one included
     assert job.controller.summary.device_capacity == pytest.approx(
         {d: capacity.factor(d) for d in ("d0", "d1", "d2")}, rel=1e-3)
