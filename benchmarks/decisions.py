@@ -3,10 +3,12 @@ times in a row, and how often its controller moved work with nothing changing in
 
 On 3 identical device processes a run should change neither its layout nor a group's shares
 after the first plan: every ``shares_changed`` event, every ``plan_changed`` event after the
-first and every repartition is counted per run. Throughput and accuracy come along, to show
+first and every repartition is counted per run, and the runs' distinct layouts (1 when every
+run laid the fleet out the same way). Throughput and accuracy come along, to show
 the decisions left alone cost nothing.
 
-    python benchmarks/decisions.py [--runs 10] [--out benchmarks/results/decisions.json]
+    python benchmarks/decisions.py [--runs 10] [--busy-cores K] \
+        [--out benchmarks/results/decisions.json]
 """
 
 from __future__ import annotations
@@ -56,22 +58,36 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent /
                         "results" / "decisions.json")
+    parser.add_argument("--busy-cores", type=int, default=0,
+                        help="processes spinning alongside every run, as on a loaded host "
+                             "(the controller then profiles its layers slower)")
     parser.add_argument("demo_args", nargs="*", help="passed to ftpipe-iot demo (after --)")
     args = parser.parse_args()
     results: dict = {"command": "ftpipe-iot demo --json " + " ".join(args.demo_args),
-                     "cores": os.cpu_count(), "loadavg_start": loadavg(), "runs": []}
+                     "cores": os.cpu_count(), "busy_cores": args.busy_cores,
+                     "loadavg_start": loadavg(), "runs": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for index in range(args.runs):
-        say(f"demo {index + 1}/{args.runs}")
-        results["runs"].append(one_demo(index, args.demo_args))
-        args.out.write_text(json.dumps({**results, "partial": True}, indent=2))
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(args.busy_cores)]
+    try:
+        for index in range(args.runs):
+            say(f"demo {index + 1}/{args.runs}")
+            results["runs"].append(one_demo(index, args.demo_args))
+            args.out.write_text(json.dumps({**results, "partial": True}, indent=2))
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
     runs = results["runs"]
     results["total"] = {"share_changes": sum(r["share_changes"] for r in runs),
                         "layout_changes": sum(r["layout_changes"] for r in runs),
                         "repartitions": sum(r["repartitions"] for r in runs),
                         "runs_without_any_change": sum(
                             r["share_changes"] == r["layout_changes"] == r["repartitions"] == 0
-                            for r in runs)}
+                            for r in runs),
+                        # a user who runs the demo twice gets the same layout (issue 23's "no
+                        # flapping", between runs as within them)
+                        "distinct_layouts": len({json.dumps(r["layout"]) for r in runs})}
     results["loadavg_end"] = loadavg()
     args.out.write_text(json.dumps(results, indent=2))
     print(json.dumps(results))

@@ -104,6 +104,23 @@ def test_priced_messages_make_auto_choose_the_layout_that_sends_fewest_whatever_
     assert choose_layout(costs, small, 4, Layout.AUTO, step_model=model).kind != "data"
 
 
+@pytest.mark.parametrize("host_slowdown", [0.5, 1.0, 2.0, 4.0])
+def test_the_demos_first_layout_does_not_depend_on_how_fast_the_host_measures_its_layers(
+        host_slowdown):
+    # The controller profiles the layers on its own host, so a slower or busier host measures
+    # them longer while the prior message cost stays put: at a 1 ms prior the demo's first
+    # plan turned from data parallelism to the pipeline at 2x (a coin toss between runs on a
+    # loaded two-core host, where a data-parallel demo ran 1.2-1.7x the pipeline's samples/s)
+    costs = LayerCosts(tuple(t * 1e-6 * host_slowdown for t in DEMO_LAYER_US),
+                       DEMO_ACTIVATION_BYTES, (1.0,) * 12, param_bytes=DEMO_PARAM_BYTES,
+                       stage_overhead_s=3e-5 * host_slowdown,
+                       head_overhead_s=6e-5 * host_slowdown)
+    choice = choose_layout(costs, _devices(3), 4, Layout.AUTO,
+                           step_model=StepModel(Calibration.prior()))
+    assert choice.kind == "data"
+    assert choice.planner_step_s < choice.pipeline_step_s * (1 - GROUP_MIN_GAIN)
+
+
 def test_auto_weighs_the_planner_against_the_best_single_pipeline_not_the_longest():
     # the minimum-bottleneck pipeline takes the slow devices for the single layers they lower
     # the bottleneck by, and pays their stages in the bubble (M + S - 1 stage times a step);

@@ -14,20 +14,23 @@ from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.control.config import ControllerConfig
 from ftpipe_iot.control.replan import Replanner, ReplanReason, changed_work, retuned
-from ftpipe_iot.core.reference import train_reference
+from ftpipe_iot.core.reference import stage_timeline, train_reference
 from ftpipe_iot.core.routing import plan_counts
 from ftpipe_iot.device.agent import DeviceAgent, device_will
+from ftpipe_iot.planning.calibration import Calibration, StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
 from ftpipe_iot.planning.group_search import solve_groups
+from ftpipe_iot.planning.layouts import GROUP_MIN_GAIN, Layout
 from ftpipe_iot.planning.partition import RepartitionPolicy
 from ftpipe_iot.planning.profiles import parse_profile
 from ftpipe_iot.planning.rebalance import Rebalance, RebalanceInputs
-from ftpipe_iot.planning.regroup import Regroup, plan_stages, propose_regroup
+from ftpipe_iot.planning.regroup import Regroup, plan_stages, propose_grouping, propose_regroup
 from ftpipe_iot.protocol.messages import Capabilities
 from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.specs import ModelSpec
-from ftpipe_iot.protocol.vocab import ControllerPhase
+from ftpipe_iot.protocol.vocab import ControllerPhase, ScheduleName
+from ftpipe_iot.schedules import schedule_for
 
 M = 4
 COSTS = LayerCosts.from_dict({"layer_cost_s": [0.01] * 6, "activation_bytes": [2e4] * 6,
@@ -260,3 +263,125 @@ def test_a_change_that_measures_slower_is_taken_back_and_training_stays_exact(ch
     assert moves[1]["at_step"] >= 8 + 1 + 5  # judged on the steps after the move
     gathered = [job.controller.weights[i] for i in range(job.controller.model.num_layers)]
     assert max_weight_diff(gathered, train_reference(train, job.controller.data, steps)) < 1e-5
+
+
+def _demo_costs() -> LayerCosts:
+    from test_layouts import DEMO_ACTIVATION_BYTES, DEMO_LAYER_US, DEMO_PARAM_BYTES
+    return LayerCosts(tuple(t * 1e-6 for t in DEMO_LAYER_US), DEMO_ACTIVATION_BYTES,
+                      (1.0,) * 12, param_bytes=DEMO_PARAM_BYTES, stage_overhead_s=3e-5,
+                      head_overhead_s=6e-5)
+
+
+def _demo_pipeline_measured():
+    """The demo's model as a pipeline of three identical devices, each measured for a full
+    noise window."""
+    costs = _demo_costs()
+    pipeline = (StageAssignment.single(0, "d0", 0, 4), StageAssignment.single(1, "d1", 4, 8),
+                StageAssignment.single(2, "d2", 8, 12))
+    caps = {f"d{i}": Capabilities() for i in range(3)}
+    capacity = CapacityEstimator.for_costs(costs)
+    for _ in range(capacity.noise_window):
+        for stage in pipeline:
+            capacity.observe(stage.leader, stage.start, stage.end,
+                             costs.stage_cost_s(stage.start, stage.end) * M, M)
+    return costs, pipeline, caps, capacity
+
+
+def test_a_running_pipeline_of_auto_is_grouped_once_the_calibrated_model_says_it_pays():
+    # The digits demo's situation: its first plan is made blind, and a pipeline chosen then
+    # (as at a 1 ms prior on a slow host) was only ever rebalanced as a pipeline, even when
+    # the model fitted to its steps put data parallelism far past the 1.33x a group must promise
+    costs, pipeline, caps, capacity = _demo_pipeline_measured()
+    policy = RepartitionPolicy(0.10, 10)
+    at = RebalanceInputs(step=50, last_change_step=0, steps_left=200, micro_batches=M,
+                         replan_cost_s=1.0)
+    sync = schedule_for(ScheduleName.SYNC)
+    fitted = StepModel(Calibration(0.005))  # the demo's fits: 3.4-5.8 ms a message
+
+    def propose(model, at=at, layout=None, candidates=sorted(caps), gain=GROUP_MIN_GAIN):
+        return propose_grouping(costs, pipeline, candidates, capacity, caps, policy, at,
+                                gain, sync, model, layout)
+
+    move = propose(fitted)
+    assert move is not None and len(move.stages) == 1 and len(move.stages[0].members) > 1
+    assert move.proposed_s < move.current_s * (1 - GROUP_MIN_GAIN)
+    # free messages: the pipeline is as good, nothing moves
+    assert propose(StepModel(Calibration(0.0))) is None
+    # a group must promise the first plan's gain, not the rebalance threshold's 10 %
+    assert propose(fitted, gain=1 - move.proposed_s / move.current_s + 0.01) is None
+    assert propose(fitted, RebalanceInputs(50, 45, 200, M, 1.0)) is None  # cooling down
+    assert propose(fitted, RebalanceInputs(50, 0, 2, M, 1.0)) is None  # cannot pay back
+    # the move held from the last boundary is judged again, unless a device of it is gone
+    again = propose(fitted, layout=move.stages)
+    assert again is not None and again.stages == move.stages
+    gone = move.stages[0].members[0].device
+    assert propose(fitted, layout=move.stages,
+                   candidates=sorted(set(caps) - {gone})) is None
+
+
+def test_the_replanner_groups_a_pipeline_only_under_layout_auto_at_consecutive_boundaries():
+    costs, pipeline, caps, capacity = _demo_pipeline_measured()
+    model = SimpleNamespace(cost_model=costs, total_steps=1000, grouping_refusal=None)
+    plan = SimpleNamespace(train=TrainConfig(micro_batches=M), stages=pipeline)
+    fitted = StepModel(Calibration(0.005))
+    moves = {}
+    for gain in (None, GROUP_MIN_GAIN):
+        replanner = Replanner(RepartitionPolicy(0.10, 10))
+        replanner.grouping_min_gain = gain
+        replanner.training_from(0, now=0.0)
+        moves[gain] = [replanner.consider(step, model, plan, sorted(caps), capacity, caps,
+                                          step_model=fitted) for step in (20, 21)]
+        if gain is not None:
+            assert replanner.pending is not None and \
+                replanner.pending.reason is ReplanReason.REBALANCE
+            assert replanner.pending.target == moves[gain][1].stages
+    assert moves[None] == [None, None]  # --layout pipeline: equal devices keep their layers
+    first, second = moves[GROUP_MIN_GAIN]
+    assert first is None and isinstance(second, Regroup)  # confirmed at the second boundary
+    # a model no group can hold (grouping refused) stays a pipeline
+    refused = SimpleNamespace(cost_model=costs, total_steps=1000, grouping_refusal="frozen")
+    replanner = Replanner(RepartitionPolicy(0.10, 10))
+    replanner.grouping_min_gain = GROUP_MIN_GAIN
+    replanner.training_from(0, now=0.0)
+    assert [replanner.consider(step, refused, plan, sorted(caps), capacity, caps,
+                               step_model=fitted) for step in (20, 21)] == [None, None]
+
+
+@pytest.mark.parametrize("schedule", list(ScheduleName), ids=lambda s: s.value)
+def test_a_pipeline_grouped_mid_run_trains_exactly_as_its_yardstick(schedule):
+    # --layout auto whose first plan is a pipeline (a group must promise 10x there), then
+    # the replanner's bar back at the default and a model whose messages cost 20 ms: the
+    # running pipeline becomes a group through the real move, and training equals the
+    # yardstick of the same plan history (one process; for async the 2BW simulator, whose
+    # plans change only at its drain points, every replicate_every steps)
+    steps = 30
+    train = TrainConfig(model=ModelSpec("mlp"), micro_batches=4, micro_batch_size=8,
+                        max_steps=steps, lr=0.05, schedule=schedule, replicate_every=4)
+    job = MemoryJob(ControllerConfig(train=train, devices=3, layout=Layout.AUTO,
+                                     group_min_gain=0.9, repartition_cooldown_steps=5),
+                    devices=3)
+    controller = job.controller
+    controller.replanner.grouping_min_gain = GROUP_MIN_GAIN
+    controller.replanner.cost_s = 0.01
+    real_consider = controller.replanner.consider
+    heavy = StepModel(Calibration(0.02))
+
+    def consider(step, model, plan, candidates, capacity, capabilities, stages=None,
+                 counts=None, step_model=None):
+        return real_consider(step, model, plan, candidates, capacity, capabilities, stages,
+                             counts, heavy)
+
+    controller.replanner.consider = consider
+    job.start()
+    assert job.run() is ControllerPhase.DONE
+    summary = controller.summary
+    plans = [e for e in summary.events if e["type"] == "plan_changed"]
+    assert all(len(s["devices"]) == 1 for s in plans[0]["stages"]), plans[0]
+    # (the A/B guard may take the move back if it measures slower in memory: exact either way)
+    assert summary.repartitions >= 1 and any(len(s["devices"]) > 1 for p in plans[1:]
+                                             for s in p["stages"]), \
+        [(e["type"], e.get("at_step")) for e in summary.events]
+    gathered = [controller.weights[i] for i in range(controller.model.num_layers)]
+    expected = train_reference(train, controller.data, steps,
+                               stages_from=stage_timeline(summary.events))
+    assert max_weight_diff(gathered, expected) < 1e-5

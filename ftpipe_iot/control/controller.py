@@ -44,6 +44,7 @@ from ftpipe_iot.observability.trace import RunTracer, TraceStore
 from ftpipe_iot.planning.calibration import Calibration, StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.codec_choice import priced
+from ftpipe_iot.planning.layouts import Layout
 from ftpipe_iot.planning.partition import RepartitionPolicy
 from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.messages import (
@@ -130,6 +131,9 @@ class Controller:
         self.replanner = Replanner(RepartitionPolicy(config.repartition_threshold,
                                                      config.repartition_cooldown_steps),
                                    config.repartition)
+        if config.layout is Layout.AUTO and not config.assignment:
+            # auto's choice of a pipeline is made again once the run has measured it
+            self.replanner.grouping_min_gain = config.group_min_gain
         self._given_data = data
         # the job's facts prepared in advance (a standby does it while the leader runs): used
         # when the retained plan trains with the same config, so a take-over skips the seconds

@@ -62,14 +62,6 @@ def check_grouping(refusal: str | None, layout: Layout, resiliency: int,
         raise ConfigError(f"{why}; pass --resiliency 0")
 
 
-def group_stages(choice: LayoutChoice, micro_batches: int) -> tuple[StageAssignment, ...]:
-    """A layout choice as plan stages: each member's share is its micro-batches per step over
-    ``micro_batches`` (``core.routing.counts_from_shares`` turns them back into the counts)."""
-    return tuple(StageAssignment(k, lo, hi, tuple(
-        Member(device, n / micro_batches) for device, n in zip(members, counts, strict=True)))
-        for k, (lo, hi, members, counts) in enumerate(choice.stages))
-
-
 def choose_stages(inputs: LayoutInputs) -> tuple[tuple[StageAssignment, ...], list[str]]:
     """The stages over ``inputs.devices`` and the lines to log (warnings, and what a layout
     decision compared)."""
@@ -111,7 +103,7 @@ def choose_stages(inputs: LayoutInputs) -> tuple[tuple[StageAssignment, ...], li
             warnings.append(choice.warning)
         if layout is not Layout.PIPELINE:
             warnings.append(_described(choice))
-        stages = group_stages(choice, inputs.micro_batches)
+        stages = choice.plan_stages(inputs.micro_batches)
         used = {d for s in stages for d in s.devices}
         idle = [d for d in computing if d not in used]  # more devices than pay off, or layers
         if idle and not inputs.resiliency:

@@ -5,14 +5,14 @@ pipeline's partition by ``planning.rebalance``, a group plan's layout by ``plann
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from ftpipe_iot.control.job import JobModel
 from ftpipe_iot.control.step_times import StepTimes
 from ftpipe_iot.core.routing import Counts, plan_counts
-from ftpipe_iot.planning.calibration import StepModel
+from ftpipe_iot.planning.calibration import Calibration, StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.groups import apportion
 from ftpipe_iot.planning.partition import RepartitionPolicy
@@ -22,10 +22,11 @@ from ftpipe_iot.planning.rebalance import (
     RebalanceInputs,
     propose_rebalance,
 )
-from ftpipe_iot.planning.regroup import Regroup, propose_regroup
+from ftpipe_iot.planning.regroup import Regroup, propose_grouping, propose_regroup
 from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.messages import Capabilities
 from ftpipe_iot.protocol.plan import CutCodecs, Member, Plan, StageAssignment
+from ftpipe_iot.schedules import schedule_for
 
 
 class ReplanReason(str, Enum):
@@ -91,6 +92,9 @@ class Replanner:
     cost_s: float = 1.0  # measured seconds from asking a change to training again, smoothed
     failed_moves: int = 0  # rebalances in a row whose predicted gain did not show up
     confirmations: int = 2  # boundaries in a row that must propose the same move
+    # ``--layout auto``: the gain a group must promise over a running pipeline to replace it
+    # (``planning.regroup.propose_grouping``); None: a pipeline stays a pipeline
+    grouping_min_gain: float | None = None
     _asked_at: float | None = None
     # the move last proposed (a pipeline's assignment, a group plan's Regroup) and at how many
     # boundaries in a row
@@ -193,12 +197,15 @@ class Replanner:
             better, seen = self._regroup(model, running, counts, candidates, capacity,
                                          capabilities, at, step_model)
         else:
-            current = [(s.leader, s.start, s.end) for s in running]
-            better = propose_rebalance(model.cost_model, current, candidates, capacity,
-                                       capabilities, self.effective_policy, at)
-            held = self._candidate
-            seen = held[1] + 1 if better is not None and held and \
-                held[0] == tuple(better.assignment) else 1
+            better, seen = self._grouping(model, plan, running, candidates, capacity,
+                                          capabilities, at, step_model)
+            if better is None:
+                current = [(s.leader, s.start, s.end) for s in running]
+                better = propose_rebalance(model.cost_model, current, candidates, capacity,
+                                           capabilities, self.effective_policy, at)
+                held = self._candidate
+                seen = held[1] + 1 if better is not None and held and \
+                    held[0] == tuple(better.assignment) else 1
         if better is None:
             self._candidate = None
             return None
@@ -217,16 +224,41 @@ class Replanner:
                  capacity: CapacityEstimator, capabilities: Mapping[str, Capabilities],
                  at: RebalanceInputs, step_model: StepModel | None = None
                  ) -> tuple[Regroup | None, int]:
-        """A group plan's layout move and the boundaries in a row it was proposed at: the
-        move held from the last boundary when it still pays (the planner is not asked again:
-        among devices equal but for noise its choice flips between layouts of the same time),
-        else the planner's."""
+        """A group plan's layout move and the boundaries in a row it was proposed at
+        (``_held_or_new``)."""
         counts = counts if counts is not None else plan_counts(running, at.micro_batches)
 
         def propose(layout: Sequence[StageAssignment] | None) -> Regroup | None:
             return propose_regroup(model.cost_model, running, counts, candidates, capacity,
                                    capabilities, self.effective_policy, at, layout, step_model)
 
+        return self._held_or_new(propose)
+
+    def _grouping(self, model: JobModel, plan: Plan, running: tuple[StageAssignment, ...],
+                  candidates: Sequence[str], capacity: CapacityEstimator,
+                  capabilities: Mapping[str, Capabilities], at: RebalanceInputs,
+                  step_model: StepModel | None) -> tuple[Regroup | None, int]:
+        """A group layout for a running pipeline of ``--layout auto`` and the boundaries in a
+        row it was proposed at (``_held_or_new``), or (None, 1)."""
+        if self.grouping_min_gain is None or model.grouping_refusal is not None:
+            return None, 1
+        schedule = schedule_for(plan.train.schedule)
+        model_in_use = step_model if step_model is not None else StepModel(Calibration.prior())
+
+        def propose(layout: Sequence[StageAssignment] | None) -> Regroup | None:
+            assert self.grouping_min_gain is not None
+            return propose_grouping(model.cost_model, running, candidates, capacity,
+                                    capabilities, self.effective_policy, at,
+                                    self.grouping_min_gain, schedule, model_in_use, layout)
+
+        return self._held_or_new(propose)
+
+    def _held_or_new(self, propose: Callable[[Sequence[StageAssignment] | None],
+                                             Regroup | None]) -> tuple[Regroup | None, int]:
+        """The layout move held from the last boundary when ``propose`` finds it still pays
+        (judged again, not solved again: among devices equal but for noise the planner's
+        choice flips between layouts of the same time), else ``propose``'s own, with the
+        boundaries in a row it was proposed at."""
         held = self._candidate
         if held is not None and isinstance(held[0], Regroup):
             again = propose(held[0].stages)

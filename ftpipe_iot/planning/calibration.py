@@ -31,10 +31,14 @@ from ftpipe_iot.planning.step_simulation import HostShare, SimulationSettings, s
 MAX_MESSAGE_COST_S = 1.0
 #: What a message costs before a run has measured it (``Calibration.prior``). Below what the
 #: fit finds where messages are most of a step (the digits demo on loopback Mosquitto: 3.4-5.8
-#: ms a message on two cores), and on a model whose step takes seconds it changes no choice;
-#: but not the zero of a model that counts no message, under which layouts that differ only in
-#: how many messages they send tie and the noise of the profile picks one.
-MESSAGE_COST_PRIOR_S = 0.001
+#: ms a message on two cores; a message over Wi-Fi costs more, not less), and on a model whose
+#: step takes seconds it changes no choice; not the zero of a model that counts no message,
+#: under which layouts that differ only in how many messages they send tie and the noise of
+#: the profile picks one. Not 1 ms either: the profile's layers take longer on a slower or
+#: busier host while the prior stays put, and at 1 ms the demo's first layout turned from data
+#: parallelism to the pipeline once the host measured its layers 2x slower (a coin toss
+#: between runs on a loaded two-core host); at 3 ms it holds up to 4x.
+MESSAGE_COST_PRIOR_S = 0.003
 #: Bisection steps of the fit (the interval shrinks 2^-n: sub-microsecond at n = 40).
 FIT_ITERATIONS = 40
 

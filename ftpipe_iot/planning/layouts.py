@@ -43,6 +43,7 @@ from ftpipe_iot.planning.group_search import (
 )
 from ftpipe_iot.planning.groups import GradientExchange, GroupPlan, evaluate_groups
 from ftpipe_iot.planning.rebalance import new_assignment
+from ftpipe_iot.protocol.plan import Member, StageAssignment
 from ftpipe_iot.protocol.vocab import ScheduleName
 from ftpipe_iot.schedules import (
     JobOptions,
@@ -87,6 +88,14 @@ class LayoutChoice:
     def grouped(self) -> bool:
         """Whether some stage is held by more than one device."""
         return any(len(members) > 1 for _, _, members, _ in self.stages)
+
+    def plan_stages(self, micro_batches: int) -> tuple[StageAssignment, ...]:
+        """The stages as a plan's: each member's share is its micro-batches per step over
+        ``micro_batches`` (``core.routing.counts_from_shares`` turns them back into the
+        counts)."""
+        return tuple(StageAssignment(k, lo, hi, tuple(
+            Member(device, n / micro_batches) for device, n in zip(members, counts, strict=True)))
+            for k, (lo, hi, members, counts) in enumerate(self.stages))
 
 
 def _kind(plan: GroupPlan) -> str:

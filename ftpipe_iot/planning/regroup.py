@@ -17,12 +17,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ftpipe_iot.core.routing import plan_counts
 from ftpipe_iot.errors import PartitionError
 from ftpipe_iot.planning.calibration import StepModel
 from ftpipe_iot.planning.capacity import CapacityEstimator
 from ftpipe_iot.planning.costs import DeviceSpec, LayerCosts
 from ftpipe_iot.planning.group_search import solve_groups
-from ftpipe_iot.planning.groups import GroupPlan, evaluate_groups
+from ftpipe_iot.planning.groups import GroupPlan, evaluate_groups, exchange_for
+from ftpipe_iot.planning.layouts import Layout, choose_layout
 from ftpipe_iot.planning.partition import RepartitionPolicy
 from ftpipe_iot.planning.rebalance import (
     RebalanceInputs,
@@ -32,6 +34,7 @@ from ftpipe_iot.planning.rebalance import (
 )
 from ftpipe_iot.protocol.messages import Capabilities
 from ftpipe_iot.protocol.plan import Member, StageAssignment
+from ftpipe_iot.schedules import Schedule
 
 #: ``(start, end, members in order)`` per stage: what a layout move changes (shares aside).
 LayoutKey = tuple[tuple[int, int, tuple[str, ...]], ...]
@@ -128,5 +131,63 @@ def propose_regroup(costs: LayerCosts, stages: Sequence[StageAssignment],
     except PartitionError:
         return None
     if not pays_off(current_s, proposed_s, policy, at):
+        return None
+    return Regroup(proposal, current_s, proposed_s)
+
+
+def propose_grouping(costs: LayerCosts, stages: Sequence[StageAssignment],
+                     candidates: Sequence[str], capacity: CapacityEstimator,
+                     capabilities: Mapping[str, Capabilities], policy: RepartitionPolicy,
+                     at: RebalanceInputs, min_gain: float, schedule: Schedule,
+                     step_model: StepModel, layout: Sequence[StageAssignment] | None = None
+                     ) -> Regroup | None:
+    """A group layout for a running single pipeline of ``--layout auto`` (``stages``, one
+    device each), or None: the layout choice of its first plan made again, with the devices'
+    speeds measured since and the step model as fitted since (``planning.calibration``).
+
+    The first plan is chosen blind (devices unmeasured, every message at the prior cost); a
+    pipeline chosen then was otherwise only ever rebalanced as a pipeline, even once the
+    calibrated model put a group well past the gain a group must promise. The bar is the first
+    plan's, ``min_gain`` (``layouts.GROUP_MIN_GAIN``), and stricter: ``choose_layout`` must take
+    the group over the best single pipeline, and the group, at the slow end of each device's
+    noise band, must beat the pipeline in force at the fast end by ``min_gain`` and pay off
+    (``pays_off``). ``layout``: judge these stages (a move proposed at the previous boundary)
+    instead of choosing again. None while a device lacks a full noise window, during the
+    cooldown, and when the schedule refuses the group (``choose_layout`` never returns one).
+    """
+    devices = [d for s in stages for d in s.devices]
+    if not capacity.settled(devices) or policy.cooling_down(at.step, at.last_change_step):
+        return None
+    if layout is not None and not {d for s in layout for d in s.devices} <= set(candidates):
+        return None  # a device of the held move is gone
+    pool = list(dict.fromkeys([*devices, *candidates]))
+    m = at.micro_batches
+    running = [(s.start, s.end, s.devices) for s in stages]
+    exchange = exchange_for(0)  # a pipeline runs at resiliency 0: standbys make groups
+    try:
+        if layout is None:
+            typical = [spec for spec in _specs(pool, capacity, capabilities, None)
+                       if spec.name in set(candidates)]
+            choice = choose_layout(costs, typical, m, Layout.AUTO, min_gain, schedule,
+                                   exchange, step_model)
+            if not choice.grouped:
+                return None
+            proposal = choice.plan_stages(m)
+        else:
+            proposal = tuple(layout)
+        fast = _specs(pool, capacity, capabilities, 0)
+        slow = _specs(pool, capacity, capabilities, 1)
+        current_s = step_model.step_s(evaluate_groups(running, costs, fast, m, exchange=exchange),
+                                      costs, fast)
+        counts = plan_counts(proposal, m)
+        planned = evaluate_groups([(s.start, s.end, s.devices) for s in proposal], costs, slow,
+                                  m, counts=counts, exchange=exchange)
+        if not planned.fits_memory:
+            return None
+        proposed_s = step_model.step_s(planned, costs, slow)
+    except PartitionError:
+        return None
+    if proposed_s >= current_s * (1 - min_gain) or not pays_off(current_s, proposed_s, policy,
+                                                                 at):
         return None
     return Regroup(proposal, current_s, proposed_s)
