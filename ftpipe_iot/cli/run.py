@@ -176,8 +176,9 @@ _PIPELINE_ONLY = ("assignment", "checkpoint_dir", "device_names", "freeze_layers
 @click.option("--layout", type=click.Choice([x.value for x in Layout]), default="pipeline",
               show_default=True,
               help="new plans: one device per stage (pipeline), one stage held by every device "
-                   "(data), or the fleet planner's pipeline, data-parallel or hybrid plan when it "
-                   "predicts a step --repartition-threshold shorter (auto)")
+                   "(data), or the fleet planner's data-parallel or hybrid plan when it predicts "
+                   "a step 25% shorter than the best single pipeline, which it also regroups "
+                   "once the model fitted to its steps says so (auto)")
 @click.option("--init-from", type=click.Path(dir_okay=False), default=None,
               help="start from these weights: a --save-model checkpoint or a state dict of the "
                    "whole nn.Sequential (fine-tuning)")
