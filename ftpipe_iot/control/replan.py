@@ -99,6 +99,9 @@ class Replanner:
     # the move last proposed (a pipeline's assignment, a group plan's Regroup) and at how many
     # boundaries in a row
     _candidate: tuple[object, int] | None = None
+    # the step model a running pipeline's layout was last chosen again with: choosing costs
+    # 3 ms at 3 devices and 0.2 s at 16, so it is done once per fit, not at every boundary
+    _grouping_chosen_with: Calibration | None = None
     _check: MoveCheck | None = None
     _step_times: StepTimes = field(default_factory=lambda: StepTimes(4 * _JUDGE_STEPS + 1))
     # a move that measured slower, to be taken back at the next boundary
@@ -244,6 +247,10 @@ class Replanner:
             return None, 1
         schedule = schedule_for(plan.train.schedule)
         model_in_use = step_model if step_model is not None else StepModel(Calibration.prior())
+        held = self._candidate
+        if not (held is not None and isinstance(held[0], Regroup)) and \
+                self._grouping_chosen_with == model_in_use.calibration:
+            return None, 1  # chosen again with this fit already (a move held is judged anew)
 
         def propose(layout: Sequence[StageAssignment] | None) -> Regroup | None:
             assert self.grouping_min_gain is not None
@@ -251,7 +258,11 @@ class Replanner:
                                     capabilities, self.effective_policy, at,
                                     self.grouping_min_gain, schedule, model_in_use, layout)
 
-        return self._held_or_new(propose)
+        found = self._held_or_new(propose)
+        if capacity.settled([d for s in running for d in s.devices]) and \
+                not self.effective_policy.cooling_down(at.step, at.last_change_step):
+            self._grouping_chosen_with = model_in_use.calibration  # the choice was made
+        return found
 
     def _held_or_new(self, propose: Callable[[Sequence[StageAssignment] | None],
                                              Regroup | None]) -> tuple[Regroup | None, int]:
