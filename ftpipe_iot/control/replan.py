@@ -22,7 +22,12 @@ from ftpipe_iot.planning.rebalance import (
     RebalanceInputs,
     propose_rebalance,
 )
-from ftpipe_iot.planning.regroup import Regroup, propose_grouping, propose_regroup
+from ftpipe_iot.planning.regroup import (
+    Regroup,
+    propose_grouping,
+    propose_regroup,
+    ready_to_move,
+)
 from ftpipe_iot.planning.solver import LayerCosts
 from ftpipe_iot.protocol.messages import Capabilities
 from ftpipe_iot.protocol.plan import CutCodecs, Member, Plan, StageAssignment
@@ -259,8 +264,7 @@ class Replanner:
                                     self.grouping_min_gain, schedule, model_in_use, layout)
 
         found = self._held_or_new(propose)
-        if capacity.settled([d for s in running for d in s.devices]) and \
-                not self.effective_policy.cooling_down(at.step, at.last_change_step):
+        if ready_to_move(running, capacity, self.effective_policy, at):
             self._grouping_chosen_with = model_in_use.calibration  # the choice was made
         return found
 

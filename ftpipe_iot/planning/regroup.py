@@ -73,6 +73,24 @@ def _specs(devices: Sequence[str], capacity: CapacityEstimator,
                             moving_work=True)
 
 
+def ready_to_move(stages: Sequence[StageAssignment], capacity: CapacityEstimator,
+                  policy: RepartitionPolicy, at: RebalanceInputs) -> bool:
+    """Whether the layers of ``stages`` may be weighed for a move at all: every device has a
+    full noise window of measurements and the cooldown has passed (checked before anything
+    is solved: solving is the costly part at large fleets)."""
+    return capacity.settled([d for s in stages for d in s.devices]) and \
+        not policy.cooling_down(at.step, at.last_change_step)
+
+
+def _pool(stages: Sequence[StageAssignment], candidates: Sequence[str],
+          layout: Sequence[StageAssignment] | None) -> list[str] | None:
+    """The devices a move may be priced over (the plan's and the candidates, in order), or
+    None when a device of the held move ``layout`` is gone."""
+    if layout is not None and not {d for s in layout for d in s.devices} <= set(candidates):
+        return None
+    return list(dict.fromkeys([*(d for s in stages for d in s.devices), *candidates]))
+
+
 def propose_regroup(costs: LayerCosts, stages: Sequence[StageAssignment],
                     counts: Sequence[Sequence[int]], candidates: Sequence[str],
                     capacity: CapacityEstimator, capabilities: Mapping[str, Capabilities],
@@ -95,14 +113,13 @@ def propose_regroup(costs: LayerCosts, stages: Sequence[StageAssignment],
     ``step_model``: the step times judged are played out with the per-message cost fitted so
     far (``planning.calibration``) instead of the closed form, when one is given.
     """
-    devices = [d for s in stages for d in s.devices]
-    if not capacity.settled(devices) or policy.cooling_down(at.step, at.last_change_step):
-        return None  # checked first: solving is the costly part at large fleets
+    if not ready_to_move(stages, capacity, policy, at):
+        return None
     if any(n < 1 for stage in counts for n in stage):
         return None
-    if layout is not None and not {d for s in layout for d in s.devices} <= set(candidates):
-        return None  # a device of the held move is gone
-    pool = list(dict.fromkeys([*devices, *candidates]))
+    pool = _pool(stages, candidates, layout)
+    if pool is None:
+        return None
     running = [(s.start, s.end, s.devices) for s in stages]
     m = at.micro_batches
     try:
@@ -155,19 +172,19 @@ def propose_grouping(costs: LayerCosts, stages: Sequence[StageAssignment],
     instead of choosing again. None while a device lacks a full noise window, during the
     cooldown, and when the schedule refuses the group (``choose_layout`` never returns one).
     """
-    devices = [d for s in stages for d in s.devices]
-    if not capacity.settled(devices) or policy.cooling_down(at.step, at.last_change_step):
+    if not ready_to_move(stages, capacity, policy, at):
         return None
-    if layout is not None and not {d for s in layout for d in s.devices} <= set(candidates):
-        return None  # a device of the held move is gone
-    pool = list(dict.fromkeys([*devices, *candidates]))
+    pool = _pool(stages, candidates, layout)
+    if pool is None:
+        return None
     m = at.micro_batches
     running = [(s.start, s.end, s.devices) for s in stages]
     exchange = exchange_for(0)  # a pipeline runs at resiliency 0: standbys make groups
     try:
         if layout is None:
+            usable = set(candidates)
             typical = [spec for spec in _specs(pool, capacity, capabilities, None)
-                       if spec.name in set(candidates)]
+                       if spec.name in usable]
             choice = choose_layout(costs, typical, m, Layout.AUTO, min_gain, schedule,
                                    exchange, step_model)
             if not choice.grouped:
