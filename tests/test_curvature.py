@@ -240,11 +240,14 @@ def test_the_recorder_says_the_first_reading_and_each_crossing_once():
 
 def test_a_job_measures_its_curvature_before_it_trains_and_records_it(monkeypatch):
     # six steps in one process can end before the background probe does on a loaded host
-    # (the suite's other worker): the job's end waits for it, here as long as it takes
+    # (the suite's other worker): the job's end waits for it, here as long as it takes. The
+    # split is pinned: the layers profiled on a loaded host can put only the MLP's flatten
+    # before the cut, and a block of no trained layer has no curvature to read
     monkeypatch.setattr(controller_module, "_CURVATURE_WAIT_S", 120.0)
     train = TrainConfig(model=ModelSpec("mlp"), lr=0.05, max_steps=6, schedule=ASYNC,
                         delay_compensation=PREDICT)
-    job = MemoryJob(ControllerConfig(train=train, devices=2), devices=2)
+    split = (StageAssignment.single(0, "d0", 0, 3), StageAssignment.single(1, "d1", 3, 6))
+    job = MemoryJob(ControllerConfig(train=train, devices=2, assignment=split), devices=2)
     job.start()
     job.run()
     readings = job.controller.summary.curvature
