@@ -190,6 +190,20 @@ def test_the_watch_waits_for_its_cpu_share(monkeypatch):
     assert reading.verdict.stable  # async with prediction at lr 0.05 at the start: inside
 
 
+def test_a_split_whose_stale_layers_train_nothing_is_not_probed_and_says_so_once(caplog):
+    # the MLP's first layer is its flatten: a cut right after it leaves nothing stale to train
+    train = replace(TrainConfig(model=ModelSpec("mlp")), schedule=ASYNC)
+    ran = []
+    watch = CurvatureWatch(_job(train), submit=lambda probe: ran.append(probe))
+    with caplog.at_level("INFO", logger=curvature_watch.log.name):
+        assert not watch.probe(0, 0, _stages(0, 1, end=6), None)
+        assert not watch.probe(5, 5, _stages(0, 1, end=6), None)
+    assert ran == [] and watch.due(10)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "layers [0, 1)" in said[0] and "no parameters" in said[0]
+    assert watch.probe(10, 10, _stages(0, 3, end=6), None) and len(ran) == 1  # one that has
+
+
 def test_with_adam_the_watch_says_it_does_not_judge_and_sync_is_not_probed():
     adam = replace(TrainConfig(), schedule=ASYNC, optimizer=OptimizerName.ADAM)
     watch = CurvatureWatch(_job(adam))

@@ -142,6 +142,7 @@ class CurvatureWatch:
         self._busy = False
         self._pending: object = None  # the future of the probe last submitted
         self.readings: list[CurvatureReading] = []
+        self._untrained_said: set[tuple[int, int]] = set()  # stale blocks said to train nothing
 
     @property
     def why_off(self) -> str | None:
@@ -167,6 +168,15 @@ class CurvatureWatch:
         reading comes out of ``readings_ready``. False when there is nothing to measure."""
         block = stale_block(self.model.train, self.model.num_layers, stages)
         if not self.enabled or block is None or self._submit is None:
+            return False
+        if not any(p.requires_grad for layer in self._layers[block[0]:block[1]]
+                   for p in layer.parameters()):
+            # (a split that puts only a flatten or an activation before the last stage: what
+            # is computed stale has nothing to train, and a later split may have)
+            if block not in self._untrained_said:
+                self._untrained_said.add(block)
+                log.info("no curvature check on this split: layers [%d, %d), computed at "
+                         "stale weights, have no parameters to train", *block)
             return False
         self._busy = True
         self._last_step = step
