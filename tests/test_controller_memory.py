@@ -296,6 +296,41 @@ def test_a_micro_batchs_reports_go_at_once_where_the_controller_may_need_them(wh
     assert job.controller.summary.steps == steps
 
 
+@pytest.mark.parametrize("schedule", list(ScheduleName), ids=lambda s: s.value)
+def test_the_last_stage_sends_its_losses_with_its_step_end_under_every_schedule(schedule):
+    """The controller reads a loss only when the step completes, and that waits for the last
+    stage's step end: the losses go with it, one frame a step, under every schedule (under
+    async the last stage sent a frame a computation), even where the first stage's
+    micro-batch ends go at once (the feed runs on them). Not where holders watch each other:
+    there every computation's reports go as it ends."""
+    steps, m = 4, 4
+    for resiliency in (0, 1):
+        stages = (StageAssignment(0, 0, 3, (Member("d0", 1.0),)),
+                  StageAssignment(1, 3, 6, (Member("d1", 1.0),) if resiliency == 0 else
+                                  (Member("d1", 0.5), Member("d2", 0.5))))
+        job, published = _published_in_order(steps, Topics("t").results, devices=len(
+            [d for stage in stages for d in stage.devices]), assignment=stages,
+            micro_batches=m, schedule=schedule, resiliency=resiliency)
+        assert job.controller.plan.losses_at_step_end is (resiliency == 0)
+        assert job.controller.summary.steps == steps
+        for last in stages[-1].devices:
+            frames = [[kind for kind, _, _ in frame]
+                      for frame in _report_frames(published, last)]
+            with_losses = [f for f in frames if ResultType.LOSS.value in f]
+            if resiliency == 0:
+                assert len(with_losses) == steps and all(
+                    f.count(ResultType.LOSS.value) == m and f[-1] == ResultType.STEP_DONE.value
+                    for f in with_losses), (schedule, frames)
+            else:  # a member computes half: its losses as they come, not with its end
+                assert any(ResultType.STEP_DONE.value not in f for f in with_losses), \
+                    (schedule, frames)
+    # the first stage's micro-batch ends go at once where the feed runs on them
+    first = [[kind for kind, _, _ in frame] for frame in _report_frames(published, "d0")]
+    ends = [f for f in first if ResultType.MICRO_BATCH_DONE.value in f]
+    if not job.controller.plan.reports_at_step_end:
+        assert len(ends) >= steps * 2, first
+
+
 def _states(beat_s: float, steps: int) -> tuple[MemoryJob, list[tuple[int, ControllerState]]]:
     """Every live state of a two-device pipeline replicating every 2 steps, led with a beat
     every ``beat_s`` (0: none): (step count, state)."""

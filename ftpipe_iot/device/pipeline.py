@@ -88,8 +88,10 @@ class StageRunner:
         self.role: ComputingHolder = role_for(name, plan, stage)
         self.takeovers = 0
         self.deferred: deque[Incoming] = deque()  # set aside by ``_absorb_contributions``
-        # training micro-batches' reports held for the step's end (``Plan.reports_at_step_end``)
-        self.holds_reports = plan.reports_at_step_end
+        # training micro-batches' reports held for the step's end: their ends where
+        # ``Plan.reports_at_step_end``, their losses where ``Plan.losses_at_step_end``
+        self.holds_ends = plan.reports_at_step_end
+        self.holds_losses = plan.losses_at_step_end
         self.held: list[Report] = []
 
     @property
@@ -235,7 +237,7 @@ class StageRunner:
         sent = [self._publish(output) for output in outputs if isinstance(output, _DATA)]
         reports = [self._report_of(output) for output in outputs
                    if not isinstance(output, _DATA)]
-        if self.holds_reports:
+        if self.holds_ends or self.holds_losses:
             reports = self._due(reports, any(isinstance(o, SendPartial) for o in outputs))
         if reports:
             self.hooks.report(reports)
@@ -246,17 +248,18 @@ class StageRunner:
             self.hooks.link(n_bytes)
 
     def _due(self, reports: list[Report], contributed: bool) -> list[Report]:
-        """The reports to send now where the plan holds training micro-batches' reports
-        (``Plan.reports_at_step_end``): what this computation reported, after every report
-        held before it, once the holder has sent its contribution to its group
-        (``contributed``: its part of the step is computed, and the controller may end the
-        step with another member's step end, so it needs these losses now) or reached its
-        step's end; an evaluation loss at once (no step's end follows it); the rest is held."""
+        """The reports to send now where the plan holds training micro-batches' ends
+        (``Plan.reports_at_step_end``) or losses (``Plan.losses_at_step_end``): what this
+        computation reported, after every report held before it, once the holder has sent its
+        contribution to its group (``contributed``: its part of the step is computed, and the
+        controller may end the step with another member's step end, so it needs these losses
+        now) or reached its step's end; an evaluation loss at once (no step's end follows
+        it); the rest is held."""
         due = []
         for report in reports:
             body = report.result.body
-            if isinstance(body, MicroBatchFinished) or \
-                    (isinstance(body, MicroBatchLoss) and body.train):
+            if (isinstance(body, MicroBatchFinished) and self.holds_ends) or \
+                    (isinstance(body, MicroBatchLoss) and body.train and self.holds_losses):
                 self.held.append(report)
             else:
                 due.append(report)

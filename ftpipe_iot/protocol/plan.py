@@ -409,6 +409,17 @@ class Plan:
         return schedule_for(self.train.schedule).reports_wait_for_step_end(
             self.train.micro_batches, self.in_flight_limit, watched)
 
+    @property
+    def losses_at_step_end(self) -> bool:
+        """Whether the stages hold their training micro-batches' losses until their step's
+        end (a group member: until it sends its contribution) and send them with it, under
+        every schedule: the controller reads a loss only when the step completes, which waits
+        for that stage's step end anyway, and what its feed runs on is the first stage's
+        micro-batch ends (``reports_at_step_end`` says when those may wait). Under async the
+        last stage sent a frame of losses a computation, most of its frames; not where
+        holders watch each other (a holder that hangs after computing must have reported)."""
+        return not any(self.holders_watch(stage) for stage in range(self.n_stages))
+
     def holders_watch(self, stage: int) -> bool:
         """Whether the holders of ``stage`` follow each other's inputs, gradients and
         contributions to take over what one of them is late with: at ``--resiliency`` 1 or
