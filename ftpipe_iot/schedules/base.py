@@ -177,14 +177,14 @@ class Schedule(ABC):
 
     def reports_wait_for_step_end(self, micro_batches: int, in_flight_limit: int,
                                   watched: bool) -> bool:
-        """Whether a stage may hold its training micro-batches' reports (losses, micro-batch
-        ends) until its step's end, a group member until it sends its contribution, and send
-        them then in one frame: only where the controller needs none of them sooner. It does
-        when the next step may start before this one ends (a micro-batch's end lets it feed
-        more), when fewer than a step's micro-batches fit in flight (each end frees a slot the
-        step needs), and where holders watch each other (``watched``: a holder that hangs
-        after computing must have reported, or the takeover's first result never comes).
-        Default: never."""
+        """Whether a stage may hold its training micro-batches' ends until its step's end, a
+        group member until it sends its contribution, and send them then in one frame with
+        its losses (which wait under every schedule: ``Plan.losses_at_step_end``): only where
+        the controller needs none of them sooner. It does when the next step may start before
+        this one ends (a micro-batch's end lets it feed more), when fewer than a step's
+        micro-batches fit in flight (each end frees a slot the step needs), and where holders
+        watch each other (``watched``: a holder that hangs after computing must have
+        reported, or the takeover's first result never comes). Default: never."""
         return False
 
     @abstractmethod
