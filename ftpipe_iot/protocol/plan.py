@@ -401,13 +401,13 @@ class Plan:
 
     @property
     def reports_at_step_end(self) -> bool:
-        """Whether the stages hold their training micro-batches' reports until their step's
-        end (a group member: until it sends its contribution) and send them then in one frame
-        (``Schedule.reports_wait_for_step_end``): a frame or two a step for each holder
-        instead of one a computation, where the controller needs no report sooner."""
-        watched = any(self.holders_watch(stage) for stage in range(self.n_stages))
+        """Whether the stages hold their training micro-batches' ends, with their losses,
+        until their step's end (a group member: until it sends its contribution) and send them
+        then in one frame (``Schedule.reports_wait_for_step_end``): a frame or two a step for
+        each holder instead of one a computation, where the controller needs no report
+        sooner."""
         return schedule_for(self.train.schedule).reports_wait_for_step_end(
-            self.train.micro_batches, self.in_flight_limit, watched)
+            self.train.micro_batches, self.in_flight_limit, self.any_holders_watch)
 
     @property
     def losses_at_step_end(self) -> bool:
@@ -418,7 +418,12 @@ class Plan:
         micro-batch ends (``reports_at_step_end`` says when those may wait). Under async the
         last stage sent a frame of losses a computation, most of its frames; not where
         holders watch each other (a holder that hangs after computing must have reported)."""
-        return not any(self.holders_watch(stage) for stage in range(self.n_stages))
+        return not self.any_holders_watch
+
+    @property
+    def any_holders_watch(self) -> bool:
+        """Whether the holders of some stage watch each other (``holders_watch``)."""
+        return any(self.holders_watch(stage) for stage in range(self.n_stages))
 
     def holders_watch(self, stage: int) -> bool:
         """Whether the holders of ``stage`` follow each other's inputs, gradients and
