@@ -24,7 +24,8 @@ micro-batches of 32, M = 8, 4 stages on the split [0,3),[3,5),[5,12),[12,22):
   to the first epoch at 0.95, the median over the seeds, and a plot of accuracy against wall
   time;
 * where each schedule's time goes on the time-to-accuracy fleet (``--only shares``): sync and
-  async traced over ``--shares-steps`` steps of MobileNetV2 at ``--acc-factor``, each
+  async traced over ``--shares-steps`` steps of ``--shares-model`` (MobileNetV2 on the
+  upscaled digits, or the CNN on the digits) at ``--acc-factor``, each
   device's compute, communication and wait shares and its compute seconds per step over the
   steps after the first replication point, so whether a device is the bottleneck, and whether
   computing at once (async fills the bubble) slows each device's compute (a shared host);
@@ -443,7 +444,7 @@ def accuracy_summary(runs: list[dict]) -> dict:
 
 
 def schedule_shares(broker: BrokerProcess, data: Path, factor: int, steps: int,
-                    repartition: bool = False) -> dict:
+                    repartition: bool = False, model: str = "mobilenetv2") -> dict:
     """Sync and async on the time-to-accuracy fleet, traced (``--only shares``): per schedule
     the steady step time over the last 20 steps but one and each device's shares of it;
     ``repartition``: the controller may rebalance the first plan from measured times (then
@@ -453,7 +454,8 @@ def schedule_shares(broker: BrokerProcess, data: Path, factor: int, steps: int,
     out: dict = {}
     for schedule in ("sync", "async"):
         say(f"shares: {schedule}, {steps} steps, factor {factor}")
-        training = ["--model", "mobilenetv2", "--data", f"npz:{data}", "--micro-batches", "4",
+        dataset = "digits" if model == "cnn" else f"npz:{data}"
+        training = ["--model", model, "--data", dataset, "--micro-batches", "4",
                     "--micro-batch-size", "8", "--lr", "0.05", "--max-steps", str(steps),
                     "--seed", "0"]
         run = ftpipe(broker, f"shares-{schedule}", schedule, (factor,) * 3, 0, 0,
@@ -638,6 +640,8 @@ def main() -> None:
                         help="--only trace: traced/untraced pairs")
     parser.add_argument("--shares-steps", type=int, default=30,
                         help="--only shares: steps of each traced run")
+    parser.add_argument("--shares-model", choices=["mobilenetv2", "cnn"], default="mobilenetv2",
+                        help="--only shares: the model traced")
     parser.add_argument("--shares-repartition", action="store_true",
                         help="--only shares: let the controller rebalance the first plan")
     parser.add_argument("--acc-lr", type=float, default=0.05)
@@ -712,8 +716,10 @@ def main() -> None:
             upscaled = upscaled_digits(Path(tempfile.mkdtemp(prefix="speed-digits-")))
             results["schedule_shares"] = schedule_shares(broker, upscaled, args.acc_factor,
                                                          args.shares_steps,
-                                                         args.shares_repartition)
+                                                         args.shares_repartition,
+                                                         args.shares_model)
             results["schedule_shares"]["factor"] = args.acc_factor
+            results["schedule_shares"]["model"] = args.shares_model
         if args.only == "trace":
             results["trace_overhead"] = trace_overhead(
                 broker, args.steps, args.warmup, args.trace_pairs, args.out.with_suffix(".png"),
