@@ -3,6 +3,7 @@ weight stash, and stages driven in arbitrary interleavings against the simulator
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from dataclasses import replace
 
@@ -26,7 +27,7 @@ from ftpipe_iot.core.prediction import first_moment, predicted_weights
 from ftpipe_iot.core.reference import stage_timeline, train_reference
 from ftpipe_iot.core.schedule import StepVersions, SyncSchedule
 from ftpipe_iot.core.stage import Stage, make_optimizer
-from ftpipe_iot.core.stash import WeightStash
+from ftpipe_iot.core.stash import WeightStash, call_with
 from ftpipe_iot.errors import PlanError
 from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.vocab import (
@@ -387,3 +388,68 @@ def test_the_compensation_travels_with_the_config_and_an_older_config_keeps_none
     assert TrainConfig.from_dict(saved_before).delay_compensation is DelayCompensation.NONE
     assert StepVersions.of(ASYNC, 10).predicts_weights
     assert not StepVersions.of(replace(ASYNC, schedule=ScheduleName.SYNC), 10).predicts_weights
+
+
+def _layer_with_tied_weights() -> torch.nn.Module:
+    tied = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 6))
+    tied[2].weight = tied[0].weight
+    return tied
+
+
+@pytest.mark.parametrize("kind", ["cnn", "inverted_residual", "tied"])
+def test_a_layer_called_with_stashed_weights_computes_as_functional_call_and_keeps_its_own(kind):
+    # call_with puts the tensors in the layer's parameter slots for the call: its output, the
+    # gradients of the tensors and of the input, and BatchNorm's running statistics must be
+    # functional_call's to the bit, and the layer's own parameters must be back after it
+    torch.manual_seed(0)
+    if kind == "cnn":
+        layer, x = build_layers(ModelSpec("cnn"), (1, 8, 8), 10, 0)[2], torch.randn(4, 16, 8, 8)
+    elif kind == "inverted_residual":
+        layers = build_layers(ModelSpec("mobilenetv2", width=0.25), (3, 32, 32), 10, 0)
+        layer = next(m for m in layers if sum(1 for _ in m.named_parameters()) > 4)
+        x = torch.randn(4, *_input_of(layers, layer))
+    else:
+        layer, x = _layer_with_tied_weights(), torch.randn(4, 6)
+    layer.train()
+    copies = [copy.deepcopy(layer) for _ in range(2)]
+    own = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    results = []
+    for module, call in zip(copies, ("functional_call", "call_with")):
+        leaves = {name: (p.detach() * 0.5 + 0.1).requires_grad_(True)
+                  for name, p in module.named_parameters()}
+        inputs = x.clone().requires_grad_(True)
+        out = torch.func.functional_call(module, leaves, (inputs,)) \
+            if call == "functional_call" else call_with(module, leaves, inputs)
+        out.square().sum().backward()
+        results.append((out.detach(), inputs.grad, {n: t.grad for n, t in leaves.items()},
+                        {n: b.clone() for n, b in module.named_buffers()}))
+        for name, p in module.named_parameters():  # the layer's own, untouched and unused
+            assert isinstance(p, torch.nn.Parameter) and torch.equal(p, own[name])
+            assert p.grad is None
+    (out_a, dx_a, grads_a, buffers_a), (out_b, dx_b, grads_b, buffers_b) = results
+    assert torch.equal(out_a, out_b) and torch.equal(dx_a, dx_b)
+    assert grads_a.keys() == grads_b.keys()
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    assert buffers_a.keys() == buffers_b.keys()
+    assert all(torch.equal(buffers_a[n], buffers_b[n]) for n in buffers_a)
+    if kind == "inverted_residual":
+        assert buffers_a  # its BatchNorm statistics moved, alike in both
+
+
+def test_a_layer_that_fails_inside_call_with_gets_its_own_parameters_back():
+    layer = torch.nn.Linear(3, 2)
+    own = layer.weight
+    leaves = {name: p.detach().clone().requires_grad_(True) for name, p in
+              layer.named_parameters()}
+    with pytest.raises(RuntimeError):
+        call_with(layer, leaves, torch.randn(4, 5))  # the wrong width: the forward raises
+    assert layer.weight is own and isinstance(layer.bias, torch.nn.Parameter)
+
+
+def _input_of(layers, target) -> tuple[int, ...]:
+    h = torch.zeros(1, 3, 32, 32)
+    for layer in layers:
+        if layer is target:
+            return tuple(h.shape[1:])
+        h = layer.eval()(h)
+    raise AssertionError("the layer is not in the model")

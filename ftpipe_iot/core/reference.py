@@ -26,6 +26,7 @@ from ftpipe_iot.core.models import build_layers
 from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.core.schedule import StepVersions, SyncSchedule
 from ftpipe_iot.core.stage import freeze, make_optimizer, micro_batch_loss, train_mode
+from ftpipe_iot.core.stash import call_with
 from ftpipe_iot.core.versioning import versioning_for
 from ftpipe_iot.errors import PlanError
 from ftpipe_iot.protocol.codecs import roundtrip
@@ -194,8 +195,7 @@ def _train(config: TrainConfig, data: Dataset, steps: int,
                 if index in coded:
                     h = _WireCut.apply(h, coded[index])
                 seed_layer(config.seed, step, mb.index, index)
-                h = layer(h) if weights[index] is None else \
-                    torch.func.functional_call(layer, weights[index], (h,))
+                h = call_with(layer, weights[index], h)
             versioning.before(step, mb.index)
             micro_batch_loss(h, y, config.micro_batches).backward()
             versioning.after(step, mb.index)

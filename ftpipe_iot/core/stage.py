@@ -47,6 +47,7 @@ from ftpipe_iot.core.reducers import GroupExchange, PartialSums, Reducers, Updat
 from ftpipe_iot.core.replicas import export_layer, import_layer
 from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.core.schedule import StepVersions
+from ftpipe_iot.core.stash import call_with
 from ftpipe_iot.core.timings import StageTimings, Timed
 from ftpipe_iot.core.versioning import Versioning, versioning_for
 from ftpipe_iot.errors import PlanError, StageInputError
@@ -390,8 +391,7 @@ class Stage:
         for index, layer in enumerate(self.layers):
             seed_layer(self.config.seed, step, micro_batch, self.first_layer + index)
             start = time.perf_counter()
-            h = layer(h) if weights is None else \
-                torch.func.functional_call(layer, weights[index], (h,))
+            h = call_with(layer, None if weights is None else weights[index], h)
             self.timings.layer_forward_s[index] += time.perf_counter() - start
             if h.requires_grad:
                 h.register_hook(_stamp(arrivals, index))
