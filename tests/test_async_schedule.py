@@ -27,7 +27,7 @@ from ftpipe_iot.core.prediction import first_moment, predicted_weights
 from ftpipe_iot.core.reference import stage_timeline, train_reference
 from ftpipe_iot.core.schedule import StepVersions, SyncSchedule
 from ftpipe_iot.core.stage import Stage, make_optimizer
-from ftpipe_iot.core.stash import WeightStash, call_with
+from ftpipe_iot.core.stash import WeightStash, call_with, has_tied_parameters
 from ftpipe_iot.errors import PlanError
 from ftpipe_iot.protocol.plan import Member, StageAssignment, TrainConfig
 from ftpipe_iot.protocol.vocab import (
@@ -419,7 +419,8 @@ def test_a_layer_called_with_stashed_weights_computes_as_functional_call_and_kee
                   for name, p in module.named_parameters()}
         inputs = x.clone().requires_grad_(True)
         out = torch.func.functional_call(module, leaves, (inputs,)) \
-            if call == "functional_call" else call_with(module, leaves, inputs)
+            if call == "functional_call" else \
+            call_with(module, leaves, inputs, has_tied_parameters(module))
         out.square().sum().backward()
         results.append((out.detach(), inputs.grad, {n: t.grad for n, t in leaves.items()},
                         {n: b.clone() for n, b in module.named_buffers()}))
@@ -434,6 +435,7 @@ def test_a_layer_called_with_stashed_weights_computes_as_functional_call_and_kee
     assert all(torch.equal(buffers_a[n], buffers_b[n]) for n in buffers_a)
     if kind == "inverted_residual":
         assert buffers_a  # its BatchNorm statistics moved, alike in both
+    assert has_tied_parameters(layer) == (kind == "tied")
 
 
 def test_a_layer_that_fails_inside_call_with_gets_its_own_parameters_back():
@@ -442,7 +444,7 @@ def test_a_layer_that_fails_inside_call_with_gets_its_own_parameters_back():
     leaves = {name: p.detach().clone().requires_grad_(True) for name, p in
               layer.named_parameters()}
     with pytest.raises(RuntimeError):
-        call_with(layer, leaves, torch.randn(4, 5))  # the wrong width: the forward raises
+        call_with(layer, leaves, torch.randn(4, 5), False)  # the wrong width: forward raises
     assert layer.weight is own and isinstance(layer.bias, torch.nn.Parameter)
 
 

@@ -26,7 +26,7 @@ from ftpipe_iot.core.models import build_layers
 from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.core.schedule import StepVersions, SyncSchedule
 from ftpipe_iot.core.stage import freeze, make_optimizer, micro_batch_loss, train_mode
-from ftpipe_iot.core.stash import call_with
+from ftpipe_iot.core.stash import call_with, has_tied_parameters
 from ftpipe_iot.core.versioning import versioning_for
 from ftpipe_iot.errors import PlanError
 from ftpipe_iot.protocol.codecs import roundtrip
@@ -171,6 +171,7 @@ def _train(config: TrainConfig, data: Dataset, steps: int,
            after_step: Callable[[int, Sequence[torch.nn.Module]], None] | None = None
            ) -> list[dict[str, np.ndarray]]:
     layers = build_layers(config.model, data.input_shape, data.num_classes, config.seed)
+    tied = [has_tied_parameters(layer) for layer in layers]
     for index, state in (initial or {}).items():
         layers[index].load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in
                                        state.items()})
@@ -195,7 +196,7 @@ def _train(config: TrainConfig, data: Dataset, steps: int,
                 if index in coded:
                     h = _WireCut.apply(h, coded[index])
                 seed_layer(config.seed, step, mb.index, index)
-                h = call_with(layer, weights[index], h)
+                h = call_with(layer, weights[index], h, tied[index])
             versioning.before(step, mb.index)
             micro_batch_loss(h, y, config.micro_batches).backward()
             versioning.after(step, mb.index)

@@ -47,7 +47,7 @@ from ftpipe_iot.core.reducers import GroupExchange, PartialSums, Reducers, Updat
 from ftpipe_iot.core.replicas import export_layer, import_layer
 from ftpipe_iot.core.rng import seed_layer
 from ftpipe_iot.core.schedule import StepVersions
-from ftpipe_iot.core.stash import call_with
+from ftpipe_iot.core.stash import call_with, has_tied_parameters
 from ftpipe_iot.core.timings import StageTimings, Timed
 from ftpipe_iot.core.versioning import Versioning, versioning_for
 from ftpipe_iot.errors import PlanError, StageInputError
@@ -156,6 +156,7 @@ class Stage:
         self.sends_gradients = not self.is_first and self.first_layer > frozen
         self.all_frozen = self.first_layer + len(self.layers) <= frozen
         self.optimizers = [make_optimizer(layer, self.config) for layer in self.layers]
+        self.tied_weights = [has_tied_parameters(layer) for layer in self.layers]
         if self.start_step > 0:
             self.completed_steps = {self.start_step - 1}
         self.named = trainable(self.layers, self.first_layer)
@@ -391,7 +392,8 @@ class Stage:
         for index, layer in enumerate(self.layers):
             seed_layer(self.config.seed, step, micro_batch, self.first_layer + index)
             start = time.perf_counter()
-            h = call_with(layer, None if weights is None else weights[index], h)
+            h = call_with(layer, None if weights is None else weights[index], h,
+                          self.tied_weights[index])
             self.timings.layer_forward_s[index] += time.perf_counter() - start
             if h.requires_grad:
                 h.register_hook(_stamp(arrivals, index))
