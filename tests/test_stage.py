@@ -215,3 +215,58 @@ def test_a_stage_reports_its_cpu_seconds_and_emulated_sleep_apart_from_its_waits
     assert 0 < done.typical_cpu_s < done.typical_s - 0.08
     # the 40 ms overrun is in the wall time only
     assert done.typical_s - done.typical_cpu_s - done.typical_emulated_s >= 0.04
+
+
+def test_a_gradient_goes_out_before_the_update_its_backward_completes():
+    """With a ``data_sink`` (a device's), the gradient the stage before waits for is handed on
+    as soon as it is computed, not after the step's update that the same backward completes;
+    the arithmetic is the same as without one."""
+    first, last = _stages()
+    _, twin = _stages()
+    handed: list[tuple[object, bool]] = []
+    before = [p.detach().clone() for p in last.module.parameters()]
+
+    def sink(output):
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, last.module.parameters()))
+        handed.append((output, unchanged))
+
+    last.data_sink = sink
+    for mb in range(2):
+        x, y = _batch(mb)
+        (act,) = first.forward(0, mb, x, y, True)
+        out = last.forward(0, mb, act.x, act.y, True)
+        alone = twin.forward(0, mb, act.x, act.y, True)
+        assert not any(isinstance(o, SendGradient) for o in out)
+        assert (StepDone in [type(o) for o in out]) == (mb == 1)
+        (gradient, unchanged) = handed[-1]
+        assert isinstance(gradient, SendGradient) and gradient.micro_batch == mb
+        assert unchanged, "the gradient went out after the update"
+        expected = next(o for o in alone if isinstance(o, SendGradient))
+        assert np.array_equal(gradient.grad, expected.grad)
+    assert not all(torch.equal(a, b) for a, b in zip(before, last.module.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(last.module.parameters(),
+                                                  twin.module.parameters()))
+
+
+def test_the_next_steps_early_inputs_go_on_one_by_one_after_the_update():
+    """Inputs of the next step that came before the update are forwarded once it is applied;
+    each activation goes to the sink before the next of them is computed, so the stage after
+    starts on the first while this one computes the second."""
+    first, last = _stages()
+    grads = {}
+    for mb in range(2):
+        (act,) = first.forward(0, mb, *_batch(mb), True)
+        grads[mb] = next(o for o in last.forward(0, mb, act.x, act.y, True)
+                         if isinstance(o, SendGradient)).grad
+    handed: list[tuple[SendActivation, set]] = []
+    # step 1's inputs arrive before step 0's update
+    first.data_sink = lambda output: handed.append((output, set(first.pending)))
+    for mb in range(2):
+        assert first.forward(1, mb, *_batch(10 + mb), True) == []  # held: no version yet
+    assert handed == []
+    first.backward(0, 0, grads[0])
+    out = first.backward(0, 1, grads[1])
+    kinds = [type(o) for o in out]
+    assert SendActivation not in kinds and StepDone in kinds
+    assert [(a.step, a.micro_batch) for a, _ in handed] == [(1, 0), (1, 1)]
+    assert (1, 1) not in handed[0][1], "the first activation waited for the second forward"

@@ -35,11 +35,13 @@ from ftpipe_iot.core.grouping import (
     trainable,
 )
 from ftpipe_iot.core.outputs import (
+    STAGE_DATA,
     MicroBatchDone,
     MicroBatchResult,
     SendActivation,
     SendGradient,
     SendPartial,
+    StageData,
     StageOutput,
     StepDone,
 )
@@ -119,6 +121,14 @@ class Stage:
     (given with the step's first forward). ``versions``: the schedule bound to the
     job's numbers; under the asynchronous schedule the stage keeps the stash
     (``core.stash.WeightStash``).
+
+    ``data_sink``: where the outputs other stages take in go as soon as they are made, before
+    the call computes on (a device sends them from there); without one every output is in the
+    list the call returns. One call may do several things in a row: a backward, then the
+    step's update, then the forwards of the next step's inputs that came early; a gradient
+    held in the list until all of it was done reached the stage before only after the
+    update and those forwards (under async, at every step's boundary: the first stage then
+    waited for it, and the last for the forwards it gates).
     """
 
     index: int
@@ -139,6 +149,7 @@ class Stage:
     ordered_inputs: bool = True
     # where the compute's spans go (forward, backward, optimizer, exchange, evaluate)
     timeline: Timeline = field(default_factory=lambda: Timeline(enabled=False))
+    data_sink: Callable[[StageData], None] | None = None
     module: nn.Sequential = field(init=False)
     optimizers: list[torch.optim.Optimizer | None] = field(init=False)
     pending: dict[tuple[int, int], _Pending] = field(init=False, default_factory=dict)
@@ -326,13 +337,13 @@ class Stage:
         self.reducer.expect(step, len(own) if own is not None
                             else expected or self.config.micro_batches)
         if not self._in_order:
-            return self._forward_one(step, micro_batch, x, y)
+            return self._handed_on(self._forward_one(step, micro_batch, x, y))
         early = self._early.setdefault(step, {})
         early[micro_batch] = (x, y)
         out: list[StageOutput] = []
         while self._next_forward.setdefault(step, 0) in early:
             index = self._next_forward[step]
-            out += self._forward_one(step, index, *early.pop(index))
+            out += self._handed_on(self._forward_one(step, index, *early.pop(index)))
             self._next_forward[step] = index + 1
         return out
 
@@ -378,7 +389,7 @@ class Stage:
         out: list[StageOutput] = [SendActivation(step, micro_batch, outputs.numpy(), y, True)]
         self.computed[step] = self.computed.get(step, 0) + 1
         # nothing to sum, but the holders count the micro-batch done
-        return out + self._micro_batch_done(step, micro_batch, None)
+        return self._handed_on(out) + self._micro_batch_done(step, micro_batch, None)
 
     def _forward_layers(self, inputs: torch.Tensor, arrivals: dict[int, float], step: int,
                         micro_batch: int) -> torch.Tensor:
@@ -398,6 +409,20 @@ class Stage:
             if h.requires_grad:
                 h.register_hook(_stamp(arrivals, index))
         return h
+
+    def _handed_on(self, outputs: list[StageOutput]) -> list[StageOutput]:
+        """``outputs`` less the data, which goes to ``data_sink`` now (all of them without
+        one)."""
+        sink = self.data_sink
+        if sink is None:
+            return outputs
+        kept: list[StageOutput] = []
+        for output in outputs:
+            if isinstance(output, STAGE_DATA):
+                sink(output)
+            else:
+                kept.append(output)
+        return kept
 
     def contributed(self, step: int, micro_batch: int) -> bool:
         """Whether another holder's contribution of this training micro-batch is already in."""
@@ -454,7 +479,7 @@ class Stage:
         else:  # the first stage, or the first trainable one: this micro-batch is done
             out.append(MicroBatchDone(step, micro_batch))
         self.computed[step] = self.computed.get(step, 0) + 1
-        return out + self._micro_batch_done(step, micro_batch, gradients)
+        return self._handed_on(out) + self._micro_batch_done(step, micro_batch, gradients)
 
     def _micro_batch_done(self, step: int, micro_batch: int,
                           gradients: OrderedGradients | None) -> list[StageOutput]:
@@ -467,7 +492,7 @@ class Stage:
             grads = {} if gradients is None else gradient_partial(
                 self.named, {micro_batch: gradients.take(step, micro_batch)})
             own = SendPartial(step, micro_batch, grads, self.recorder.partial(step, micro_batch))
-            return [own, *self.offer_partial(step, own)]
+            return [*self._handed_on([own]), *self.offer_partial(step, own)]
         if isinstance(reducer, PartialSums):
             covers = reducer.micro_batch_done(step, micro_batch)
             if covers is None:
@@ -476,7 +501,7 @@ class Stage:
             records = {k: v for m in covers for k, v in self.recorder.partial(step, m).items()}
             grads = {} if gradients is None else sum_partial(self.named, gradients.total(step))
             own = SendPartial(step, covers[0], grads, records, covers)
-            return [own, *self.offer_partial(step, own)]
+            return [*self._handed_on([own]), *self.offer_partial(step, own)]
         return self._apply(reducer.micro_batch_done(step, micro_batch, self.version))
 
     def offer_partial(self, step: int, partial: SendPartial) -> list[StageOutput]:

@@ -17,11 +17,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ftpipe_iot.core.outputs import (
+    STAGE_DATA,
     MicroBatchDone,
     MicroBatchResult,
     SendActivation,
     SendGradient,
     SendPartial,
+    StageData,
     StageOutput,
     StepDone,
 )
@@ -49,8 +51,6 @@ from ftpipe_iot.transport.messenger import Messenger
 log = logging.getLogger("ftpipe_iot.device")
 
 StageMessage = Activation | Gradient | GroupPartial | Progress
-# A stage's outputs that go to other stages (the rest are reports to the agent)
-_DATA = (SendActivation, SendGradient, SendPartial)
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,10 @@ class StageRunner:
         self.holds_ends = plan.reports_at_step_end
         self.holds_losses = plan.losses_at_step_end
         self.held: list[Report] = []
+        # the data the stage handed on mid-computation, sent, with its bytes: the rest of the
+        # computation's outputs (``_emit_all``) settle the emulated link and the reports
+        self.handed: list[tuple[StageData, int]] = []
+        stage.data_sink = self._send_now
 
     @property
     def topics_to_follow(self) -> list[str]:
@@ -144,8 +148,13 @@ class StageRunner:
         self.routes[(step, micro_batch)] = (message, sender)
         own = own_micro_batches(message.counts, stage.index, stage.member) \
             if message.train else None
-        outputs = stage.forward(step, micro_batch, message.x, message.y, message.train,
-                                message.count(stage.index, stage.member), own)
+        if quiet:  # the activation must stay in the list, where it is dropped
+            stage.data_sink = None
+        try:
+            outputs = stage.forward(step, micro_batch, message.x, message.y, message.train,
+                                    message.count(stage.index, stage.member), own)
+        finally:
+            stage.data_sink = self._send_now
         if message.train:
             self.metrics.samples.inc(len(message.y))
         if quiet:
@@ -227,18 +236,26 @@ class StageRunner:
             return holders
         return tuple(d for d in holders if d != self.name) or holders
 
+    def _send_now(self, output: StageData) -> None:
+        """The stage's ``data_sink``: another stage waits for this, and the computation it came
+        from goes on (``Stage.data_sink``)."""
+        self.handed.append((output, self._publish(output)))
+
     def _emit_all(self, outputs: list[StageOutput]) -> None:
-        """Stage data first, then the reports in one frame (``ResultBatch``), then the step's
-        end to the agent (which may start a replication): another stage waits for the data,
-        and nothing waits for a loss or a micro-batch's end (the last stage's loss was sealed
-        and sent before the gradient its neighbour waits for). An emulated link is busy with
-        the data after that, as a real one would be while the reports, control traffic, go
-        past (``Traffic``)."""
-        sent = [self._publish(output) for output in outputs if isinstance(output, _DATA)]
+        """Stage data first (what the stage handed on while it computed is out already), then
+        the reports in one frame (``ResultBatch``), then the step's end to the agent (which
+        may start a replication): another stage waits for the data, and nothing waits for a
+        loss or a micro-batch's end. An emulated link is busy with the data after that, as a
+        real one would be while the reports, control traffic, go past (``Traffic``)."""
+        handed, self.handed = self.handed, []
+        sent = [n_bytes for _, n_bytes in handed]
+        sent += [self._publish(output) for output in outputs if isinstance(output, STAGE_DATA)]
         reports = [self._report_of(output) for output in outputs
-                   if not isinstance(output, _DATA)]
+                   if not isinstance(output, STAGE_DATA)]
         if self.holds_ends or self.holds_losses:
-            reports = self._due(reports, any(isinstance(o, SendPartial) for o in outputs))
+            contributed = any(isinstance(o, SendPartial)
+                              for o in [*(data for data, _ in handed), *outputs])
+            reports = self._due(reports, contributed)
         if reports:
             self.hooks.report(reports)
         for output in outputs:
