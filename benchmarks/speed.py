@@ -22,7 +22,7 @@ micro-batches of 32, M = 8, 4 stages on the split [0,3),[3,5),[5,12),[12,22):
   with delay compensation, over seeds, for the CNN (8 x 8) and full-width MobileNetV2 (the
   digits upscaled to 3 x 32 x 32) (``--only accuracy``): the wall time from the first step
   to the first epoch at 0.95, the median over the seeds, and a plot of accuracy against wall
-  time;
+  time; each run's planner chooses its split unless ``--acc-split`` pins one for all;
 * where each schedule's time goes on the time-to-accuracy fleet (``--only shares``): sync and
   async traced over ``--shares-steps`` steps of ``--shares-model`` (MobileNetV2 on the
   upscaled digits, or the CNN on the digits) at ``--acc-factor``, each
@@ -342,7 +342,8 @@ def upscaled_digits(directory: Path) -> Path:
 def time_to_accuracy(broker: BrokerProcess, variant: str, seed: int, model: str = "cnn",
                      target: float = 0.95, lr: float = 0.05, epochs: int = 4,
                      data: str = "digits", factor: float = 1, evaluate_every: int = 0,
-                     max_in_flight: int = 8) -> dict:
+                     max_in_flight: int = 8, split: list[tuple[int, int]] | None = None
+                     ) -> dict:
     """One job on ``data`` (3 devices, 4 x 8) until ``epochs`` end, evaluated every epoch
     and every ``evaluate_every`` steps (0: at epoch ends only; a multiple of the replication
     interval, 10, adds no drain to the asynchronous schedule): the time from its first step
@@ -353,14 +354,21 @@ def time_to_accuracy(broker: BrokerProcess, variant: str, seed: int, model: str 
     compute beyond the real part is slept), so three devices on two cores no longer fill
     each other's idle time, as separate devices would not. ``max_in_flight``: the product's
     default, 8: two steps' micro-batches, which only the asynchronous schedule can use (sync
-    feeds one step of 4 at a time); results before it was an option ran with 4."""
+    feeds one step of 4 at a time); results before it was an option ran with 4. ``split``:
+    the three stages' layers, pinned for every run (``--assignment``), where the planner's
+    choice would otherwise differ between runs whose profiles differ by noise: a comparison
+    of schedules on one split, as the GPipe comparison is."""
     schedule, compensation = ACCURACY_VARIANTS[variant]
+    job = f"acc-{model}-{variant}-s{seed}"
     training = ["--model", model, "--data", data, "--micro-batches", "4",
                 "--micro-batch-size", "8", "--lr", str(lr), "--epochs", str(epochs),
                 "--max-in-flight", str(max_in_flight), "--seed", str(seed),
                 "--delay-compensation", compensation, "--evaluate-every", str(evaluate_every)]
-    run = ftpipe(broker, f"acc-{model}-{variant}-s{seed}", schedule, (factor,) * 3, 0, 0,
-                 training=training, assignment=False)
+    if split is not None:
+        training += ["--assignment", ",".join(f"{job}-d{k}:{start}-{end}"
+                                              for k, (start, end) in enumerate(split))]
+    run = ftpipe(broker, job, schedule, (factor,) * 3, 0, 0, training=training,
+                 assignment=False)
     evals = run["summary"]["evals"]
     first_t = run["history_t"][0][1] if run["history_t"] else 0.0
     trained = training_seconds(evals, run["history_t"])
@@ -387,6 +395,18 @@ def time_to_accuracy(broker: BrokerProcess, variant: str, seed: int, model: str 
                        "layers": [[st["start"], st["end"]] for st in e["stages"]]}
                       for e in run["summary"].get("events", [])
                       if e.get("type") == "plan_changed" and e.get("stages")]}
+
+
+def parse_split(text: str) -> list[tuple[int, int]]:
+    """``0-3,3-6,6-12`` as [(0, 3), (3, 6), (6, 12)]: three contiguous stages from layer 0."""
+    try:
+        split = [(int(a), int(b)) for a, b in (part.split("-") for part in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected A-B,B-C,C-D") from None
+    if len(split) != 3 or split[0][0] != 0 or any(
+            a >= b for a, b in split) or any(split[k][1] != split[k + 1][0] for k in range(2)):
+        raise argparse.ArgumentTypeError(f"{text!r}: three contiguous stages from layer 0")
+    return split
 
 
 def training_seconds(evals: list[dict], history_t: list[tuple[int, float]]) -> list[float]:
@@ -656,6 +676,9 @@ def main() -> None:
     parser.add_argument("--acc-evaluate-every", type=int, default=10,
                         help="evaluate every N steps too (0: at epoch ends only; the default "
                              "is the replication interval: no drain added)")
+    parser.add_argument("--acc-split", type=parse_split, default=None, metavar="A-B,B-C,C-D",
+                        help="pin the three stages' layers in every run (default: each run's "
+                             "planner chooses)")
     parser.add_argument("--acc-models", default="cnn,mobilenetv2",
                         help="comma-separated models (mobilenetv2 at full width)")
     parser.add_argument("--acc-variants", default=",".join(ACCURACY_VARIANTS),
@@ -706,7 +729,8 @@ def main() -> None:
                                                      lr=args.acc_lr, epochs=args.acc_epochs,
                                                      data=data, factor=args.acc_factor,
                                                      evaluate_every=args.acc_evaluate_every,
-                                                     max_in_flight=args.acc_max_in_flight))
+                                                     max_in_flight=args.acc_max_in_flight,
+                                                     split=args.acc_split))
                         results["time_to_accuracy"]["summary"] = accuracy_summary(runs)
                         save("time_to_accuracy")(results["time_to_accuracy"])
             plot = args.out.with_suffix(".png")
