@@ -14,6 +14,7 @@ from ftpipe_iot.core.stage import (
     MicroBatchResult,
     SendActivation,
     SendGradient,
+    SendPartial,
     Stage,
     StageInputError,
     StepDone,
@@ -270,3 +271,26 @@ def test_the_next_steps_early_inputs_go_on_one_by_one_after_the_update():
     assert SendActivation not in kinds and StepDone in kinds
     assert [(a.step, a.micro_batch) for a, _ in handed] == [(1, 0), (1, 1)]
     assert (1, 1) not in handed[0][1], "the first activation waited for the second forward"
+
+
+@pytest.mark.parametrize("resiliency", [0, 1])
+def test_a_group_contribution_goes_out_with_the_report_not_before_it(resiliency):
+    """A contribution tells the stage's other holders that its micro-batches are done, so it
+    leaves with their loss report (in the returned list), never ahead of it through the sink:
+    a holder killed in between would leave micro-batches that nobody takes over and whose
+    losses the controller never gets."""
+    config = TrainConfig(model=ModelSpec("mlp"), micro_batches=2, micro_batch_size=4,
+                         resiliency=resiliency)
+    layers = build_layers(config.model, (1, 8, 8), 10, seed=0)
+    shapes = cut_shapes(layers, (1, 8, 8), 10)
+    first = Stage(0, 2, layers[:3], 0, config, shapes[0], 10)
+    last = Stage(1, 2, layers[3:], 3, config, shapes[3], 10, group_size=2)
+    handed = []
+    last.data_sink = handed.append
+    out = []
+    for mb in range(2):
+        (act,) = first.forward(0, mb, *_batch(mb), True)
+        out += last.forward(0, mb, act.x, act.y, True, expected=2)
+    assert [type(o) for o in handed] == [SendGradient, SendGradient]
+    kinds = [type(o) for o in out]
+    assert SendPartial in kinds and SendGradient not in kinds

@@ -92,5 +92,4 @@ class StepDone:
 StageOutput = SendActivation | SendGradient | SendPartial | SendProgress | MicroBatchResult \
     | MicroBatchDone | StepDone
 # The outputs other stages take in (the rest are reports for the device's agent)
-StageData = SendActivation | SendGradient | SendPartial
 STAGE_DATA = (SendActivation, SendGradient, SendPartial)

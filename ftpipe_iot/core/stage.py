@@ -35,13 +35,11 @@ from ftpipe_iot.core.grouping import (
     trainable,
 )
 from ftpipe_iot.core.outputs import (
-    STAGE_DATA,
     MicroBatchDone,
     MicroBatchResult,
     SendActivation,
     SendGradient,
     SendPartial,
-    StageData,
     StageOutput,
     StepDone,
 )
@@ -122,13 +120,16 @@ class Stage:
     job's numbers; under the asynchronous schedule the stage keeps the stash
     (``core.stash.WeightStash``).
 
-    ``data_sink``: where the outputs other stages take in go as soon as they are made, before
-    the call computes on (a device sends them from there); without one every output is in the
+    ``data_sink``: where activations and gradients go as soon as they are made, before the
+    call computes on (a device sends them from there); without one every output is in the
     list the call returns. One call may do several things in a row: a backward, then the
     step's update, then the forwards of the next step's inputs that came early; a gradient
     held in the list until all of it was done reached the stage before only after the
     update and those forwards (under async, at every step's boundary: the first stage then
-    waited for it, and the last for the forwards it gates).
+    waited for it, and the last for the forwards it gates). A group contribution stays in
+    the list: it tells the other holders that the micro-batch is done, so it goes out with
+    the micro-batch's loss report; a holder killed between the two would leave a micro-batch
+    that no holder takes over and whose loss the controller never gets (a stalled step).
     """
 
     index: int
@@ -149,7 +150,7 @@ class Stage:
     ordered_inputs: bool = True
     # where the compute's spans go (forward, backward, optimizer, exchange, evaluate)
     timeline: Timeline = field(default_factory=lambda: Timeline(enabled=False))
-    data_sink: Callable[[StageData], None] | None = None
+    data_sink: Callable[[SendActivation | SendGradient], None] | None = None
     module: nn.Sequential = field(init=False)
     optimizers: list[torch.optim.Optimizer | None] = field(init=False)
     pending: dict[tuple[int, int], _Pending] = field(init=False, default_factory=dict)
@@ -411,14 +412,14 @@ class Stage:
         return h
 
     def _handed_on(self, outputs: list[StageOutput]) -> list[StageOutput]:
-        """``outputs`` less the data, which goes to ``data_sink`` now (all of them without
-        one)."""
+        """``outputs`` less the activations and gradients, which go to ``data_sink`` now (all
+        of them without one)."""
         sink = self.data_sink
         if sink is None:
             return outputs
         kept: list[StageOutput] = []
         for output in outputs:
-            if isinstance(output, STAGE_DATA):
+            if isinstance(output, (SendActivation, SendGradient)):
                 sink(output)
             else:
                 kept.append(output)
@@ -492,7 +493,7 @@ class Stage:
             grads = {} if gradients is None else gradient_partial(
                 self.named, {micro_batch: gradients.take(step, micro_batch)})
             own = SendPartial(step, micro_batch, grads, self.recorder.partial(step, micro_batch))
-            return [*self._handed_on([own]), *self.offer_partial(step, own)]
+            return [own, *self.offer_partial(step, own)]
         if isinstance(reducer, PartialSums):
             covers = reducer.micro_batch_done(step, micro_batch)
             if covers is None:
@@ -501,7 +502,7 @@ class Stage:
             records = {k: v for m in covers for k, v in self.recorder.partial(step, m).items()}
             grads = {} if gradients is None else sum_partial(self.named, gradients.total(step))
             own = SendPartial(step, covers[0], grads, records, covers)
-            return [*self._handed_on([own]), *self.offer_partial(step, own)]
+            return [own, *self.offer_partial(step, own)]
         return self._apply(reducer.micro_batch_done(step, micro_batch, self.version))
 
     def offer_partial(self, step: int, partial: SendPartial) -> list[StageOutput]:

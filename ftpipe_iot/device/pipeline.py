@@ -23,7 +23,6 @@ from ftpipe_iot.core.outputs import (
     SendActivation,
     SendGradient,
     SendPartial,
-    StageData,
     StageOutput,
     StepDone,
 )
@@ -93,9 +92,9 @@ class StageRunner:
         self.holds_ends = plan.reports_at_step_end
         self.holds_losses = plan.losses_at_step_end
         self.held: list[Report] = []
-        # the data the stage handed on mid-computation, sent, with its bytes: the rest of the
-        # computation's outputs (``_emit_all``) settle the emulated link and the reports
-        self.handed: list[tuple[StageData, int]] = []
+        # the bytes of what the stage handed on mid-computation, sent: the rest of the
+        # computation's outputs (``_emit_all``) settle the emulated link with them
+        self.handed: list[int] = []
         stage.data_sink = self._send_now
 
     @property
@@ -236,10 +235,10 @@ class StageRunner:
             return holders
         return tuple(d for d in holders if d != self.name) or holders
 
-    def _send_now(self, output: StageData) -> None:
+    def _send_now(self, output: SendActivation | SendGradient) -> None:
         """The stage's ``data_sink``: another stage waits for this, and the computation it came
         from goes on (``Stage.data_sink``)."""
-        self.handed.append((output, self._publish(output)))
+        self.handed.append(self._publish(output))
 
     def _emit_all(self, outputs: list[StageOutput]) -> None:
         """Stage data first (what the stage handed on while it computed is out already), then
@@ -247,15 +246,12 @@ class StageRunner:
         may start a replication): another stage waits for the data, and nothing waits for a
         loss or a micro-batch's end. An emulated link is busy with the data after that, as a
         real one would be while the reports, control traffic, go past (``Traffic``)."""
-        handed, self.handed = self.handed, []
-        sent = [n_bytes for _, n_bytes in handed]
+        sent, self.handed = self.handed, []
         sent += [self._publish(output) for output in outputs if isinstance(output, STAGE_DATA)]
         reports = [self._report_of(output) for output in outputs
                    if not isinstance(output, STAGE_DATA)]
         if self.holds_ends or self.holds_losses:
-            contributed = any(isinstance(o, SendPartial)
-                              for o in [*(data for data, _ in handed), *outputs])
-            reports = self._due(reports, contributed)
+            reports = self._due(reports, any(isinstance(o, SendPartial) for o in outputs))
         if reports:
             self.hooks.report(reports)
         for output in outputs:
