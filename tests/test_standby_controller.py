@@ -10,11 +10,11 @@ import signal
 import time
 
 import pytest
-from helpers import max_weight_diff, quiet_listener
+from helpers import MemoryJob, max_weight_diff, quiet_listener
 from prometheus_client import CollectorRegistry
 
 from ftpipe_iot.control.config import ControllerConfig
-from ftpipe_iot.control.controller import Controller
+from ftpipe_iot.control.controller import Controller, Phase
 from ftpipe_iot.control.lease import LeaseVerdict, LeaseWatch, fenced
 from ftpipe_iot.control.weights_file import load_weights
 from ftpipe_iot.core.data import load_dataset
@@ -108,6 +108,27 @@ def test_the_leader_beats_from_its_loop_and_keeps_the_lease_record_its_own():
     now[0] += 5
     controller.tick()
     assert controller.fenced and _retained_state(broker).term == 8
+
+
+def test_a_resumed_job_whose_checkpoints_cover_its_steps_has_nothing_to_do():
+    # a finished job; then an older leader's Last Will lands late on the lease record, so
+    # the record no longer says "done": the checkpoints still do
+    train = TrainConfig(model=ModelSpec("mlp"), max_steps=6, replicate_every=3)
+    job = MemoryJob(ControllerConfig(train=train, devices=2, term=5), devices=2)
+    job.start()
+    assert job.run() is Phase.DONE
+    listener = quiet_listener(job.broker, Topics("t").state)
+    listener.publish(Topics("t").state, encode(envelope(
+        ControllerState(ControllerStatus.OFFLINE, "t", term=4), "t", "controller"))[0],
+        retain=True)
+    assert _retained_state(job.broker).state is ControllerStatus.OFFLINE
+    late = Controller("t", ControllerConfig(devices=2, resume=True, term=6),
+                      job.broker.transport("late"), CollectorRegistry())
+    summary = late.run()  # no device is pumped: it must not need one
+    assert late.phase is Phase.DONE and late.nothing_to_resume
+    assert not [e for e in summary.events if e["type"] == "plan_changed"]
+    state = _retained_state(job.broker)
+    assert (state.state, state.term) == (ControllerStatus.DONE, 6)
 
 
 def _controller_args(url: str, tmp_path, name: str, steps: int) -> list[str]:

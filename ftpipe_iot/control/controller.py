@@ -142,6 +142,8 @@ class Controller:
         self._recovering_since: float | None = None
         self._failures_in_a_row = 0
         self._resume_settle: float | None = None
+        # a resumed job whose checkpoints already cover its steps (run() then says DONE again)
+        self.nothing_to_resume = False
         self.fenced = False  # another controller took the lease (a newer term): publish nothing
         self.beat = LeaseBeat()  # the lease's beat, every config.beat_s (control/lease.py)
         # A step's state waits until the controller has answered the result that ended the step
@@ -505,6 +507,15 @@ class Controller:
         self.phase = Phase.WAITING_DEVICES
         self._recovering_since = now
         version = self.central.latest_complete() or 0
+        assert self.model is not None
+        if version >= self.model.total_steps:
+            # The checkpoints say the job is done, whatever the retained state says (an older
+            # leader's Last Will may land after the last leader's "done"): nothing to resume.
+            log.info("job %s is done: its latest complete checkpoint (step %d) covers its %d "
+                     "steps; nothing to resume", self.job, version, self.model.total_steps)
+            self.nothing_to_resume = True
+            self.phase = Phase.DONE
+            return
         self.recorder.message(f"resume from step {version} (latest complete checkpoint)")
         if set(self.plan.devices) <= self.roster.alive:
             # Every holder of the retained plan is here: the same layout again, so no layer

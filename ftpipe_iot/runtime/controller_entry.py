@@ -173,9 +173,10 @@ def _prepare_in_advance(config: ControllerConfig) -> JobModel | None:
 
 
 def _lead(controller: Controller, term: int, credentials: Credentials | None,
-          summary_path: Path | None) -> RunSummary:
+          summary_path: Path | None) -> RunSummary | None:
     """Run ``controller`` with lease ``term`` (its state and its Last Will carry it), its
-    state beating at a quarter of the keepalive (control/lease.py)."""
+    state beating at a quarter of the keepalive (control/lease.py). None when it resumed a
+    job its checkpoints show done (nothing to do; it says "done" again on the lease record)."""
     transport = controller.transport
     assert isinstance(transport, MqttTransport)
     controller.config = replace(controller.config, term=term,
@@ -192,6 +193,8 @@ def _lead(controller: Controller, term: int, credentials: Credentials | None,
         summary = controller.run()
     finally:
         transport.close()
+    if controller.nothing_to_resume:
+        return None
     if summary_path is not None:
         summary_path.parent.mkdir(parents=True, exist_ok=True)
         summary_path.write_text(summary.to_json(indent=2))
