@@ -21,8 +21,12 @@ micro-batches of 32, M = 8, 4 stages on the split [0,3),[3,5),[5,12),[12,22):
 * time to 0.95 test accuracy on digits (3 devices, 4 x 8, lr 0.05): sync, async without and
   with delay compensation, over seeds, for the CNN (8 x 8) and full-width MobileNetV2 (the
   digits upscaled to 3 x 32 x 32) (``--only accuracy``): the wall time from the first step
-  to the first epoch at 0.95, the median over the seeds, and a plot of accuracy against wall
-  time; each run's planner chooses its split unless ``--acc-split`` pins one for all;
+  to the first evaluation at 0.95, the median over the seeds, and a plot of accuracy against
+  wall time; each run's planner chooses its split unless ``--acc-split`` pins one for all;
+  the runs evaluate every ``--acc-evaluate-every`` steps, each evaluation a pause of the run
+  (on MobileNetV2 at factor 2 about 2.5 s every 10 steps of 7, a third of the wall time, the
+  same seconds for both schedules), or with ``--acc-offline`` only at their epoch ends (the
+  product's default) while every checkpoint is written and evaluated after the run;
 * where each schedule's time goes on the time-to-accuracy fleet (``--only shares``): sync and
   async traced over ``--shares-steps`` steps of ``--shares-model`` (MobileNetV2 on the
   upscaled digits, or the CNN on the digits) at ``--acc-factor``, each
@@ -46,6 +50,7 @@ import argparse
 import json
 import os
 import pstats
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -342,8 +347,8 @@ def upscaled_digits(directory: Path) -> Path:
 def time_to_accuracy(broker: BrokerProcess, variant: str, seed: int, model: str = "cnn",
                      target: float = 0.95, lr: float = 0.05, epochs: int = 4,
                      data: str = "digits", factor: float = 1, evaluate_every: int = 0,
-                     max_in_flight: int = 8, split: list[tuple[int, int]] | None = None
-                     ) -> dict:
+                     max_in_flight: int = 8, split: list[tuple[int, int]] | None = None,
+                     offline: bool = False) -> dict:
     """One job on ``data`` (3 devices, 4 x 8) until ``epochs`` end, evaluated every epoch
     and every ``evaluate_every`` steps (0: at epoch ends only; a multiple of the replication
     interval, 10, adds no drain to the asynchronous schedule): the time from its first step
@@ -357,8 +362,15 @@ def time_to_accuracy(broker: BrokerProcess, variant: str, seed: int, model: str 
     feeds one step of 4 at a time); results before it was an option ran with 4. ``split``:
     the three stages' layers, pinned for every run (``--assignment``), where the planner's
     choice would otherwise differ between runs whose profiles differ by noise: a comparison
-    of schedules on one split, as the GPipe comparison is."""
+    of schedules on one split, as the GPipe comparison is. ``offline``: the run evaluates at
+    its epoch ends only (the product's default) and writes every checkpoint (``--checkpoint-dir``,
+    each replication, every 10 steps); the checkpoints are evaluated after it
+    (``offline_points``), so the curve's evaluations no longer pause the run they measure."""
     schedule, compensation = ACCURACY_VARIANTS[variant]
+    checkpoints = Path(tempfile.mkdtemp(prefix=f"acc-ckpt-{variant}-s{seed}-")) if offline \
+        else None
+    if offline:
+        evaluate_every = 0
     job = f"acc-{model}-{variant}-s{seed}"
     training = ["--model", model, "--data", data, "--micro-batches", "4",
                 "--micro-batch-size", "8", "--lr", str(lr), "--epochs", str(epochs),
@@ -367,25 +379,43 @@ def time_to_accuracy(broker: BrokerProcess, variant: str, seed: int, model: str 
     if split is not None:
         training += ["--assignment", ",".join(f"{job}-d{k}:{start}-{end}"
                                               for k, (start, end) in enumerate(split))]
+    if checkpoints is not None:
+        training += ["--checkpoint-dir", str(checkpoints)]
     run = ftpipe(broker, job, schedule, (factor,) * 3, 0, 0, training=training,
                  assignment=False)
     evals = run["summary"]["evals"]
     first_t = run["history_t"][0][1] if run["history_t"] else 0.0
-    trained = training_seconds(evals, run["history_t"])
-    hit_at = next((i for i, e in enumerate(evals) if e["test_accuracy"] >= target), None)
-    hit = None if hit_at is None else evals[hit_at]
+    offline_check: dict = {}
+    if checkpoints is None:
+        trained = training_seconds(evals, run["history_t"])
+        points = [{"step": e["step"], "epoch": e["epoch"], "accuracy": e["test_accuracy"],
+                   "t": round(e["t"] - first_t, 2), "train_s": t}
+                  for e, t in zip(evals, trained)]
+    else:
+        say(f"evaluating {len(list(checkpoints.glob('step-*.pt')))} checkpoints offline")
+        points = offline_points(checkpoints, data, evals, run["history_t"])
+        shutil.rmtree(checkpoints, ignore_errors=True)
+        # the same weights evaluated by the fleet at the job's end and here: the same figure
+        last = next((p for p in points if evals and p["step"] == evals[-1]["step"]), None)
+        offline_check = {"final_step_in_run_accuracy": evals[-1]["test_accuracy"] if evals
+                         else None,
+                         "final_step_offline_accuracy": None if last is None
+                         else last["accuracy"]}
+    hit = next((p for p in points if p["accuracy"] >= target), None)
     return {"variant": variant, "schedule": schedule, "delay_compensation": compensation,
             "model": model, "seed": seed, "target": target, "lr": lr, "momentum": 0.9,
             "device_factor": factor, "evaluate_every": evaluate_every,
             "max_in_flight": max_in_flight,
-            "seconds_to_target": None if hit is None else round(hit["t"] - first_t, 2),
-            "train_seconds_to_target": None if hit_at is None else trained[hit_at],
+            "evaluated": "checkpoints, after the run" if offline else "in the run",
+            **offline_check,
+            "seconds_to_target": None if hit is None else hit["t"],
+            "train_seconds_to_target": None if hit is None else hit["train_s"],
             "steps_to_target": None if hit is None else hit["step"],
             "epochs_to_target": None if hit is None else hit["epoch"] + 1,
-            "step_by_evaluation": [e["step"] for e in evals],
-            "accuracy_by_evaluation": [round(e["test_accuracy"], 4) for e in evals],
-            "seconds_by_evaluation": [round(e["t"] - first_t, 2) for e in evals],
-            "train_seconds_by_evaluation": trained,
+            "step_by_evaluation": [p["step"] for p in points],
+            "accuracy_by_evaluation": [round(p["accuracy"], 4) for p in points],
+            "seconds_by_evaluation": [p["t"] for p in points],
+            "train_seconds_by_evaluation": [p["train_s"] for p in points],
             "accuracy_by_epoch": [round(e["test_accuracy"], 4) for e in evals
                                   if e.get("end_of_epoch", True)],
             "final_accuracy": round(evals[-1]["test_accuracy"], 4) if evals else None,
@@ -407,6 +437,36 @@ def parse_split(text: str) -> list[tuple[int, int]]:
             a >= b for a, b in split) or any(split[k][1] != split[k + 1][0] for k in range(2)):
         raise argparse.ArgumentTypeError(f"{text!r}: three contiguous stages from layer 0")
     return split
+
+
+def offline_points(checkpoints: Path, data: str, evals: list[dict],
+                   history_t: list[tuple[int, float]]) -> list[dict]:
+    """Every checkpoint in ``checkpoints`` (``step-N.pt``, the weights after N steps) evaluated
+    on the test set here, after the run, with its times in the run: ``t`` from the first step's
+    end to the end of step N (the in-run evaluations before it included: the run paid them),
+    ``train_s`` the same without them. Epoch of step N as the run's evaluations count them."""
+    from ftpipe_iot.artifacts.evaluate import evaluate
+    from ftpipe_iot.protocol.specs import DataSpec
+
+    ended = dict(history_t)
+    if not ended:
+        return []
+    first_t = history_t[0][1]
+    spec = DataSpec(data)
+    epoch_ends = sorted(e["step"] for e in evals if e.get("end_of_epoch", True))
+    points = []
+    for path in sorted(checkpoints.glob("step-*.pt")):
+        step = int(path.stem.split("-")[1])
+        if step == 0 or step - 1 not in ended:
+            continue
+        t = ended[step - 1] - first_t
+        paused = sum(e["t"] - ended.get(e["step"] - 1, e["t"]) for e in evals
+                     if e["step"] < step)
+        epoch = sum(1 for end in epoch_ends if end < step)
+        points.append({"step": step, "epoch": epoch, "t": round(t, 2),
+                       "train_s": round(t - paused, 2),
+                       "accuracy": evaluate(path, spec).accuracy})
+    return points
 
 
 def training_seconds(evals: list[dict], history_t: list[tuple[int, float]]) -> list[float]:
@@ -676,6 +736,10 @@ def main() -> None:
     parser.add_argument("--acc-evaluate-every", type=int, default=10,
                         help="evaluate every N steps too (0: at epoch ends only; the default "
                              "is the replication interval: no drain added)")
+    parser.add_argument("--acc-offline", action="store_true",
+                        help="evaluate the runs' checkpoints (every replication) after each "
+                             "run instead of pausing it: the run evaluates at epoch ends only "
+                             "(the product's default); --acc-evaluate-every is then unused")
     parser.add_argument("--acc-split", type=parse_split, default=None, metavar="A-B,B-C,C-D",
                         help="pin the three stages' layers in every run (default: each run's "
                              "planner chooses)")
@@ -730,7 +794,8 @@ def main() -> None:
                                                      data=data, factor=args.acc_factor,
                                                      evaluate_every=args.acc_evaluate_every,
                                                      max_in_flight=args.acc_max_in_flight,
-                                                     split=args.acc_split))
+                                                     split=args.acc_split,
+                                                     offline=args.acc_offline))
                         results["time_to_accuracy"]["summary"] = accuracy_summary(runs)
                         save("time_to_accuracy")(results["time_to_accuracy"])
             plot = args.out.with_suffix(".png")

@@ -324,6 +324,39 @@ def test_training_time_to_an_evaluation_leaves_the_evaluations_before_it_out(mon
     assert training_seconds(evals, history) == [1.0, 3.0]
 
 
+def test_checkpoints_evaluated_after_a_run_keep_the_run_s_times(monkeypatch, tmp_path):
+    """Each checkpoint's point: the wall time to the end of the step that made it, with the
+    run's own evaluations before it in the wall time and out of the training time, its epoch,
+    and its accuracy as the project's evaluate gives it."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks.speed import offline_points
+    from ftpipe_iot.artifacts.checkpoint import save_checkpoint
+    from ftpipe_iot.artifacts.evaluate import evaluate
+    from ftpipe_iot.core.data import load_dataset
+    from ftpipe_iot.core.models import build_layers
+    from ftpipe_iot.protocol.plan import TrainConfig
+    from ftpipe_iot.protocol.specs import DataSpec, ModelSpec
+
+    data = load_dataset(DataSpec("digits"))
+    train = TrainConfig(model=ModelSpec("mlp"))
+    for step, seed in ((0, 0), (2, 1), (4, 2)):
+        layers = build_layers(train.model, data.input_shape, data.num_classes, seed=seed)
+        save_checkpoint(tmp_path / f"step-{step:07d}.pt",
+                        {i: {k: v.detach().numpy().copy() for k, v in layer.state_dict().items()}
+                         for i, layer in enumerate(layers)},
+                        train, data.input_shape, data.num_classes, step)
+    # steps end at 1, 2, 3.5, 4.5 s; the run evaluated at the end of its first epoch (2 steps)
+    # for 0.5 s
+    history = [(0, 1.0), (1, 2.0), (2, 3.5), (3, 4.5)]
+    evals = [{"step": 2, "t": 2.5, "end_of_epoch": True}]
+    points = offline_points(tmp_path, "digits", evals, history)
+    assert [(p["step"], p["epoch"], p["t"], p["train_s"]) for p in points] == \
+        [(2, 0, 1.0, 1.0), (4, 1, 3.5, 3.0)]
+    assert points[1]["accuracy"] == evaluate(tmp_path / "step-0000004.pt",
+                                             DataSpec("digits")).accuracy
+    assert points[0]["accuracy"] != points[1]["accuracy"]
+
+
 def test_the_convergence_benchmark_evaluates_the_simulator_as_the_fleet_does(monkeypatch):
     """Evaluating in the simulator's step hook changes no weight and no BatchNorm statistic:
     the job trained with the evaluations equals the one without, bit for bit, and they come
