@@ -442,8 +442,9 @@ def parse_split(text: str) -> list[tuple[int, int]]:
 def offline_points(checkpoints: Path, data: str, evals: list[dict],
                    history_t: list[tuple[int, float]]) -> list[dict]:
     """Every checkpoint in ``checkpoints`` (``step-N.pt``, the weights after N steps) evaluated
-    on the test set here, after the run, with its times in the run: ``t`` from the first step's
-    end to the end of step N (the in-run evaluations before it included: the run paid them),
+    on the test set here, after the run, and the run's own evaluations (its epoch ends) at the
+    steps no checkpoint has, with their times in the run: ``t`` from the first step's end to
+    the end of step N (the in-run evaluations before it included: the run paid them),
     ``train_s`` the same without them. Epoch of step N as the run's evaluations count them."""
     from ftpipe_iot.artifacts.evaluate import evaluate
     from ftpipe_iot.protocol.specs import DataSpec
@@ -454,9 +455,10 @@ def offline_points(checkpoints: Path, data: str, evals: list[dict],
     first_t = history_t[0][1]
     spec = DataSpec(data)
     epoch_ends = sorted(e["step"] for e in evals if e.get("end_of_epoch", True))
+    accuracy = {int(path.stem.split("-")[1]): path for path in checkpoints.glob("step-*.pt")}
+    in_run = {e["step"]: e["test_accuracy"] for e in evals}
     points = []
-    for path in sorted(checkpoints.glob("step-*.pt")):
-        step = int(path.stem.split("-")[1])
+    for step in sorted(set(accuracy) | set(in_run)):
         if step == 0 or step - 1 not in ended:
             continue
         t = ended[step - 1] - first_t
@@ -465,7 +467,8 @@ def offline_points(checkpoints: Path, data: str, evals: list[dict],
         epoch = sum(1 for end in epoch_ends if end < step)
         points.append({"step": step, "epoch": epoch, "t": round(t, 2),
                        "train_s": round(t - paused, 2),
-                       "accuracy": evaluate(path, spec).accuracy})
+                       "accuracy": evaluate(accuracy[step], spec).accuracy
+                       if step in accuracy else in_run[step]})
     return points
 
 

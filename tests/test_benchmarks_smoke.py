@@ -327,7 +327,8 @@ def test_training_time_to_an_evaluation_leaves_the_evaluations_before_it_out(mon
 def test_checkpoints_evaluated_after_a_run_keep_the_run_s_times(monkeypatch, tmp_path):
     """Each checkpoint's point: the wall time to the end of the step that made it, with the
     run's own evaluations before it in the wall time and out of the training time, its epoch,
-    and its accuracy as the project's evaluate gives it."""
+    and its accuracy as the project's evaluate gives it; an in-run evaluation at a step no
+    checkpoint has is a point too."""
     monkeypatch.syspath_prepend(str(REPO))
     from benchmarks.speed import offline_points
     from ftpipe_iot.artifacts.checkpoint import save_checkpoint
@@ -348,10 +349,13 @@ def test_checkpoints_evaluated_after_a_run_keep_the_run_s_times(monkeypatch, tmp
     # steps end at 1, 2, 3.5, 4.5 s; the run evaluated at the end of its first epoch (2 steps)
     # for 0.5 s
     history = [(0, 1.0), (1, 2.0), (2, 3.5), (3, 4.5)]
-    evals = [{"step": 2, "t": 2.5, "end_of_epoch": True}]
+    evals = [{"step": 2, "t": 2.5, "end_of_epoch": True, "test_accuracy": 0.5},
+             {"step": 3, "t": 3.7, "end_of_epoch": True, "test_accuracy": 0.25}]
     points = offline_points(tmp_path, "digits", evals, history)
     assert [(p["step"], p["epoch"], p["t"], p["train_s"]) for p in points] == \
-        [(2, 0, 1.0, 1.0), (4, 1, 3.5, 3.0)]
+        [(2, 0, 1.0, 1.0), (3, 1, 2.5, 2.0), (4, 2, 3.5, 2.8)]
+    assert points[1]["accuracy"] == 0.25
+    points = [points[0], points[2]]
     assert points[1]["accuracy"] == evaluate(tmp_path / "step-0000004.pt",
                                              DataSpec("digits")).accuracy
     assert points[0]["accuracy"] != points[1]["accuracy"]
