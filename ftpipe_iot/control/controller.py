@@ -511,8 +511,11 @@ class Controller:
         if version >= self.model.total_steps:
             # The checkpoints say the job is done, whatever the retained state says (an older
             # leader's Last Will may land after the last leader's "done"): nothing to resume.
+            # Its outputs are written again (the last leader may have died before it wrote
+            # them; the same weights either way).
             log.info("job %s is done: its latest complete checkpoint (step %d) covers its %d "
                      "steps; nothing to resume", self.job, version, self.model.total_steps)
+            self._write_outputs(version)
             self.nothing_to_resume = True
             self.phase = Phase.DONE
             return
@@ -808,11 +811,7 @@ class Controller:
 
     # -- end of job -----------------------------------------------------------------------------
     def _finish(self, version: int) -> None:
-        assert self.plan is not None
-        self.central.save_outputs(version, self.config.save_weights, self.config.save_model)
-        if self.config.stop_devices:
-            for device in sorted(self.roster.online | set(self.plan.devices)):
-                self.out.command(device, Command(CommandOp.SHUTDOWN))
+        self._write_outputs(version)
         self.summary.crypto_s = round(self.messenger.crypto_s, 6)
         if self.curvature is not None:
             for reading in self.curvature.readings_ready(wait_s=_CURVATURE_WAIT_S):
@@ -821,6 +820,14 @@ class Controller:
                                      self.messenger.crypto_frames)
         self.recorder.job_done(self.messenger.drops.counts)
         self.phase = Phase.DONE
+
+    def _write_outputs(self, version: int) -> None:
+        """What the job's end leaves: the files asked for, and the devices stopped if asked."""
+        assert self.plan is not None
+        self.central.save_outputs(version, self.config.save_weights, self.config.save_model)
+        if self.config.stop_devices:
+            for device in sorted(self.roster.online | set(self.plan.devices)):
+                self.out.command(device, Command(CommandOp.SHUTDOWN))
 
     @property
     def weights(self) -> dict[int, dict[str, np.ndarray]]:
