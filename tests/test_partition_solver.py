@@ -7,7 +7,7 @@ import math
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ftpipe_iot.planning.partition import balanced_split, should_repartition
@@ -47,7 +47,10 @@ def assert_valid(partition: Partition, costs: LayerCosts, devices: list[DeviceSp
 
 
 def close(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    # The solver takes bottlenecks within a relative 1e-9 of the optimum as ties (and then
+    # prefers fewer devices): a tie at that edge, one rounding past it here (layers 10 and
+    # 1e-8 on two devices: 10.00000001 against 10), is still the optimum.
+    return math.isclose(a, b, rel_tol=2e-9, abs_tol=1e-12)
 
 
 # --- examples ---------------------------------------------------------------------------------
@@ -304,6 +307,7 @@ def test_heuristic_is_valid_and_bounded_by_the_optimum(problem):
 @PROPERTY
 @given(st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=12),
        st.integers(1, 6))
+@example([10.0, 1e-8], 2)  # a tie at the edge of the solver's tolerance (found by a CI run)
 def test_uniform_devices_match_balanced_split(layer_costs, n_devices):
     costs = compute_only(layer_costs)
     devices = [DeviceSpec(f"d{i}") for i in range(n_devices)]
