@@ -462,8 +462,7 @@ def offline_points(checkpoints: Path, data: str, evals: list[dict],
         if step == 0 or step - 1 not in ended:
             continue
         t = ended[step - 1] - first_t
-        paused = sum(e["t"] - ended.get(e["step"] - 1, e["t"]) for e in evals
-                     if e["step"] < step)
+        paused = sum(evaluation_pause_s(e, ended) for e in evals if e["step"] < step)
         epoch = sum(1 for end in epoch_ends if end < step)
         points.append({"step": step, "epoch": epoch, "t": round(t, 2),
                        "train_s": round(t - paused, 2),
@@ -484,10 +483,15 @@ def training_seconds(evals: list[dict], history_t: list[tuple[int, float]]) -> l
     out: list[float] = []
     paused = 0.0
     for e in evals:
-        step_end = ended.get(e["step"] - 1, e["t"])
-        out.append(round(step_end - first_t - paused, 2))
-        paused += e["t"] - step_end
+        out.append(round(ended.get(e["step"] - 1, e["t"]) - first_t - paused, 2))
+        paused += evaluation_pause_s(e, ended)
     return out
+
+
+def evaluation_pause_s(evaluation: dict, ended: dict[int, float]) -> float:
+    """How long an in-run evaluation paused its run: from the end of the step it evaluates
+    (``step - 1`` in the history, whose step ends are ``ended``) to its own record."""
+    return evaluation["t"] - ended.get(evaluation["step"] - 1, evaluation["t"])
 
 
 def accuracy_summary(runs: list[dict]) -> dict:

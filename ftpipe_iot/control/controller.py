@@ -504,8 +504,6 @@ class Controller:
         if now - self._resume_settle < settle:
             return  # retained weights are still arriving
         self._resume_settle = None
-        self.phase = Phase.WAITING_DEVICES
-        self._recovering_since = now
         version = self.central.latest_complete() or 0
         assert self.model is not None
         if version >= self.model.total_steps:
@@ -519,6 +517,8 @@ class Controller:
             self.nothing_to_resume = True
             self.phase = Phase.DONE
             return
+        self.phase = Phase.WAITING_DEVICES
+        self._recovering_since = now
         self.recorder.message(f"resume from step {version} (latest complete checkpoint)")
         if set(self.plan.devices) <= self.roster.alive:
             # Every holder of the retained plan is here: the same layout again, so no layer
