@@ -87,6 +87,20 @@ def test_replanner_keeps_one_change_and_the_final_one_wins():
     assert not replanner.training_from(20, now=8.0)
 
 
+def test_a_repair_replaces_a_rebalance_even_while_its_replicas_come_in():
+    # the rebalance's target holds a device that was just lost: the repair plans without it,
+    # at the boundary whose replicas were already asked for
+    replanner = Replanner(RepartitionPolicy())
+    replanner.request(ReplanReason.REBALANCE, [("a", 0, 3)])
+    replanner.replicating(10, now=1.0)
+    replanner.request(ReplanReason.REPAIR)
+    pending = replanner.pending
+    assert pending is not None and pending.reason is ReplanReason.REPAIR
+    assert pending.version == 10 and pending.target is None
+    replanner.request(ReplanReason.REJOIN)  # anything else waits for the next boundary
+    assert replanner.take().reason is ReplanReason.REPAIR
+
+
 def test_controller_takes_the_training_config_as_a_file(tmp_path):
     path = TrainConfig(lr=0.125, micro_batches=3).save(tmp_path / "train.json")
     assert TrainConfig.load(path) == TrainConfig(lr=0.125, micro_batches=3)

@@ -31,6 +31,9 @@ class StallingJob(MemoryJob):
 
     stalled: str | None = None
     until: float = 0.0
+    # a device whose process dies as soon as the controller asks for replicas (before it
+    # could send its own)
+    dies_when_replicating: str | None = None
 
     def stall(self, device: str, seconds: float) -> None:
         self.stalled, self.until = device, time.monotonic() + seconds
@@ -41,6 +44,9 @@ class StallingJob(MemoryJob):
             ctrl.handle(ctrl.transport.inbox.get())
         ctrl.tick()
         for device in self.devices:
+            if device.name == self.dies_when_replicating and \
+                    ctrl.phase is ControllerPhase.REPLICATING and device.transport.connected:
+                device.transport.crash()
             if not device.transport.connected or \
                     (device.name == self.stalled and time.monotonic() < self.until):
                 continue
@@ -160,3 +166,21 @@ def test_a_lost_holder_owes_its_micro_batches_at_once_not_after_the_deadline():
     assert [(i.micro_batch, i.taken) for i in watch.due(now=0.6)] == \
         [(1, TakeoverPhase.BACKWARD)]
     assert watch.due(now=100.0) == []  # each once, and never our own
+
+
+@pytest.mark.parametrize("schedule", [ScheduleName.SYNC, ScheduleName.ASYNC])
+def test_a_holder_lost_while_it_owes_a_replica_costs_no_rollback(schedule):
+    # the standby sends the replicas instead: the same weights at the same version
+    # no periodic replica: the last step's is commanded, the computing holders owe it
+    train = replace(TRAIN, schedule=schedule, replicate_every=100)
+    job = StallingJob(ControllerConfig(train=train, devices=4, assignment=STAGES,
+                                       heartbeat_timeout_s=30.0, stall_timeout_s=5.0), devices=4)
+    job.start()
+    job.dies_when_replicating = "d1"  # a computing holder: asked for its stage's replicas
+    assert job.run(limit_s=30) is ControllerPhase.DONE
+    ctrl = job.controller
+    summary = ctrl.summary
+    assert summary.covered_failures == 1 and summary.rollbacks == 0
+    reference = train_reference(train, ctrl.data, steps=12,
+                                stages_from=stage_timeline(summary.events))
+    assert max_weight_diff(_gathered(job), reference) < 1e-5

@@ -36,11 +36,15 @@ def _holders(job: FaultJob) -> list[tuple[str, str]]:
     return [(s.devices[0], s.devices[1]) for s in job.watcher.job.stages]
 
 
-def _failures(summary: dict) -> list[dict]:
-    """The summary's failure and recovery events, for an assertion's message."""
+def _failures(summary: dict) -> str:
+    """The summary's failure and recovery events, for an assertion's message (a string:
+    pytest shortens the repr of a long list in the middle, where the events that matter are)."""
     kinds = {EventType.FAILURE_DETECTED.value, EventType.FAILURE_COVERED.value,
              EventType.RECOVERY_DONE.value, EventType.PLAN_CHANGED.value}
-    return [e for e in summary["events"] if e["type"] in kinds]
+    return "; ".join(f"{e['t']:.2f}s step {e['step']} {e['type']} "
+                     f"{e.get('cause') or ''} {e.get('devices') or ''} "
+                     f"{'' if e.get('resume_step') is None else 'from ' + str(e['resume_step'])}"
+                     for e in summary["events"] if e["type"] in kinds)
 
 
 def _computing(summary: dict) -> dict[int, set[str]]:

@@ -594,16 +594,21 @@ class Controller:
         self.roster.mark_dead(failure.devices)
         for device in failure.devices:
             self.capacity.forget(device)
+        # A plan that trains or replicates at a boundary has its holders' weights in step:
+        # the live holders cover for the lost ones
+        running = self.phase in (Phase.TRAINING, Phase.REPLICATING) and self.training is not None
         action = respond_to_failure(failure, FailureFacts(
-            self.phase is Phase.TRAINING and self.training is not None,
-            self.train.resiliency, self.plan.stages if self.plan else (), self.excluded,
+            running, self.train.resiliency, self.plan.stages if self.plan else (), self.excluded,
             self.roster.dead, self._failures_in_a_row))
         if action is FailureAction.COVER and self.training is not None:
+            before = set(self.excluded)
             self.excluded |= failure.devices
             self.training.exclude(self.excluded)
             self.out.take_over(self.training.stages, failure.devices, self.excluded)
             self.recorder.failure_covered(failure, self.training.step)
             self.replanner.request(ReplanReason.REPAIR)
+            if self.phase is Phase.REPLICATING:
+                self._ask_replicas_again(before)
             return
         self._failures_in_a_row += 1
         if action is FailureAction.GIVE_UP:
@@ -648,9 +653,27 @@ class Controller:
             self._on_replicated(version)
             return
         for stage in self.plan.stages:  # holders are identical after each step: one suffices
-            live = [d for d in stage.devices if d not in self.excluded]
-            self.out.command(live[0] if live else stage.leader,
+            self.out.command(self._replicating_holder(stage, self.excluded),
                              Command(CommandOp.REPLICATE, version=version))
+
+    @staticmethod
+    def _replicating_holder(stage: StageAssignment, excluded: set[str]) -> str:
+        """The holder of ``stage`` asked for its replicas: the first one not excluded."""
+        live = [d for d in stage.devices if d not in excluded]
+        return live[0] if live else stage.leader
+
+    def _ask_replicas_again(self, excluded_before: set[str]) -> None:
+        """A holder asked for its replicas was lost before they were all in: its stage's next
+        live holder (the same weights at the same version) sends them instead."""
+        assert self.plan is not None
+        version = self.replanner.pending.version if self.replanner.pending else None
+        if version is None or self.central.complete(version):
+            return
+        for stage in self.plan.stages:
+            asked = self._replicating_holder(stage, excluded_before)
+            holder = self._replicating_holder(stage, self.excluded)
+            if holder != asked:
+                self.out.command(holder, Command(CommandOp.REPLICATE, version=version))
 
     def _on_replicated(self, version: int) -> None:
         replan = self.replanner.take()

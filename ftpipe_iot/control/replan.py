@@ -123,11 +123,14 @@ class Replanner:
     def request(self, reason: ReplanReason, target: Sequence[StageAssignment] | None = None,
                 rebalance: Move | None = None) -> None:
         """Ask for a change at the next boundary; the final gathering overrides anything else."""
-        replaceable = self.pending is not None and self.pending.version is None and \
+        replaceable = self.pending is not None and \
             self.pending.reason is ReplanReason.REBALANCE and reason is ReplanReason.REPAIR
         if self.pending is None or reason is ReplanReason.FINAL or replaceable:
+            # a rebalance whose replicas are on their way becomes the repair at the same
+            # boundary (its target still holds the lost device)
+            version = self.pending.version if replaceable and self.pending is not None else None
             self.pending = PendingReplan(reason, tuple(target) if target else None,
-                                         rebalance=rebalance)
+                                         version=version, rebalance=rebalance)
 
     def step_done(self, step: int, now: float) -> None:
         """A training step completed at ``now``: judge a rebalance once enough steps ran (the
