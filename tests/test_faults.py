@@ -131,7 +131,9 @@ def test_replication_paced_to_a_slow_link_bounds_the_rewind(fault_job, tmp_path)
     for i in range(3):
         fault_job.device(f"dev{i}", "--profile", str(profile), "--real-link")
     checkpoints = tmp_path / "checkpoints"
-    fault_job.steps = 48  # room for a point of the new interval before the kill
+    # room for a point of the new interval before the kill, and for the kill before the end
+    # (at about 35 steps a second, a kill 6 steps before the end once came after it)
+    fault_job.steps = 96
     fault_job.controller(3, "--replicate-every", "2", "--checkpoint-dir", str(checkpoints),
                          "--assignment", "dev0:0-5,dev1:5-9,dev2:9-12")
     assert fault_job.watcher.wait_for(
@@ -141,7 +143,7 @@ def test_replication_paced_to_a_slow_link_bounds_the_rewind(fault_job, tmp_path)
     every, since = paced.steps, paced.at_step
     assert every > 2 and every % 2 == 0 and (every // 2) & (every // 2 - 1) == 0
     # past the next point of the new interval, then a kill
-    fault_job.wait_step(min(since + every + 3, fault_job.steps - 6))
+    fault_job.wait_step(min(since + every + 3, fault_job.steps - 32))
     fault_job.signal("dev1", signal.SIGKILL)
     summary = fault_job.finish()
     events = summary["events"]

@@ -241,19 +241,26 @@ class StageRunner:
         self.handed.append(self._publish(output))
 
     def _emit_all(self, outputs: list[StageOutput]) -> None:
-        """Stage data first (what the stage handed on while it computed is out already), then
-        the reports in one frame (``ResultBatch``), then the step's end to the agent (which
-        may start a replication): another stage waits for the data, and nothing waits for a
-        loss or a micro-batch's end. An emulated link is busy with the data after that, as a
-        real one would be while the reports, control traffic, go past (``Traffic``)."""
+        """Activations and gradients first (what the stage handed on while it computed is out
+        already), then the reports in one frame (``ResultBatch``), then the group
+        contributions, then the step's end to the agent (which may start a replication):
+        another stage waits for the data, and nothing waits for a loss or a micro-batch's
+        end. A contribution tells the other holders that its micro-batches are done, so it
+        goes after their reports: a holder killed between the two leaves micro-batches whose
+        losses the controller has and which a watcher computes again (the controller takes a
+        loss once), never micro-batches no holder takes over and whose losses never come. An
+        emulated link is busy with the data after that, as a real one would be while the
+        reports, control traffic, go past (``Traffic``)."""
         sent, self.handed = self.handed, []
-        sent += [self._publish(output) for output in outputs if isinstance(output, STAGE_DATA)]
+        sent += [self._publish(output) for output in outputs
+                 if isinstance(output, (SendActivation, SendGradient))]
         reports = [self._report_of(output) for output in outputs
                    if not isinstance(output, STAGE_DATA)]
         if self.holds_ends or self.holds_losses:
             reports = self._due(reports, any(isinstance(o, SendPartial) for o in outputs))
         if reports:
             self.hooks.report(reports)
+        sent += [self._publish(output) for output in outputs if isinstance(output, SendPartial)]
         for output in outputs:
             if isinstance(output, StepDone):
                 self.hooks.step_done(output)
