@@ -168,12 +168,19 @@ def test_a_lost_holder_owes_its_micro_batches_at_once_not_after_the_deadline():
     assert watch.due(now=100.0) == []  # each once, and never our own
 
 
-@pytest.mark.parametrize("schedule", [ScheduleName.SYNC, ScheduleName.ASYNC])
-def test_a_holder_lost_while_it_owes_a_replica_costs_no_rollback(schedule):
-    # the standby sends the replicas instead: the same weights at the same version
-    # no periodic replica: the last step's is commanded, the computing holders owe it
+GROUPS = (StageAssignment(0, 0, 3, (Member("d0", 0.5), Member("d2", 0.5))),
+          StageAssignment(1, 3, 6, (Member("d1", 0.5), Member("d3", 0.5))))
+
+
+@pytest.mark.parametrize("schedule,stages", [(ScheduleName.SYNC, STAGES),
+                                             (ScheduleName.ASYNC, STAGES),
+                                             (ScheduleName.SYNC, GROUPS)],
+                         ids=["sync-standbys", "async-standbys", "sync-groups"])
+def test_a_holder_lost_while_it_owes_a_replica_costs_no_rollback(schedule, stages):
+    # the stage's other holder sends the replicas instead: the same weights at the same
+    # version; no periodic replica: the last step's is asked for, the first holders owe it
     train = replace(TRAIN, schedule=schedule, replicate_every=100)
-    job = StallingJob(ControllerConfig(train=train, devices=4, assignment=STAGES,
+    job = StallingJob(ControllerConfig(train=train, devices=4, assignment=stages,
                                        heartbeat_timeout_s=30.0, stall_timeout_s=5.0), devices=4)
     job.start()
     job.dies_when_replicating = "d1"  # a computing holder: asked for its stage's replicas
