@@ -268,3 +268,15 @@ def test_a_job_measures_its_curvature_before_it_trains_and_records_it(monkeypatc
     assert readings and readings[0]["step"] == 0 and readings[0]["version"] == 0
     assert readings[0]["layers"] == [0, job.controller.plan.stages[-1].start]
     assert readings[0]["stable"] is True
+
+
+def test_a_probe_stops_iterating_at_its_cpu_budget():
+    # each reading of the clock moves it by a second: 1.5 s are spent once two iterations
+    # ran, whatever the machine
+    layers, x, y = _tiny()
+    ticks = iter(range(1000))
+    found = top_curvature(layers, x, y, (0, 3), iterations=500, tolerance=1e-12,
+                          budget_s=1.5, clock=lambda: float(next(ticks)))
+    assert found is not None and not found.converged and found.iterations == 2
+    unlimited = top_curvature(layers, x, y, (0, 3), iterations=3, tolerance=1e-12)
+    assert unlimited.iterations == 3

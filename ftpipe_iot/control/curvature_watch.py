@@ -54,6 +54,11 @@ PROBE_SAMPLES = 64
 # measured)
 PROBE_BUDGET_S = 2.0
 MIN_PROBE_SAMPLES = 8
+# where the profile's price is far off (full-width MobileNetV2 at 8 samples: about 0.8 CPU-s an
+# iteration, a 12-iteration probe 11-19 s beside the devices where it shares their host, and
+# the price said under 2 s), a probe stops iterating after this many CPU seconds: the reading
+# so far, marked not converged
+PROBE_CPU_LIMIT_S = 2 * PROBE_BUDGET_S
 PROBE_ITERATIONS = 12  # the CNN's readings settle (1 % apart) in 4-10 iterations
 # autograd's double backward against one forward and backward pass (full-width MobileNetV2 on
 # CPU: 7; the digits CNN: 1-3 once warm)
@@ -112,13 +117,16 @@ def stale_block(train: TrainConfig, num_layers: int,
 
 class CurvatureWatch:
     """Probes the curvature for one job; ``submit`` runs a probe (a one-worker thread pool by
-    default; tests pass one that runs it at once)."""
+    default; tests pass one that runs it at once); ``cpu_limit_s``: the CPU seconds after which
+    a probe stops iterating (None: every iteration it is given)."""
 
     def __init__(self, model: JobModel, submit: Submit | None = None,
                  every_steps: int | None = None, samples: int = PROBE_SAMPLES,
                  iterations: int = PROBE_ITERATIONS, cpu_share: float = CPU_SHARE,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 cpu_limit_s: float | None = PROBE_CPU_LIMIT_S) -> None:
         self.model = model
+        self._cpu_limit_s = cpu_limit_s
         train = model.train
         # sync and 1f1b tolerate 7.6x the curvature of async with prediction at one learning
         # rate (lr x curvature < 3.8 at momentum 0.9): the check is for the stale schedule
@@ -193,7 +201,7 @@ class CurvatureWatch:
         try:
             curvature = top_curvature(self._layers, self._x, self._y, block,
                                       iterations=self._iterations, seed=self.model.train.seed,
-                                      weights=weights)
+                                      weights=weights, budget_s=self._cpu_limit_s)
         except Exception as exc:  # a probe must never take the job down: say it, go on
             log.warning("curvature probe at step %d failed: %s: %s", step,
                         type(exc).__name__, exc)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,11 +46,14 @@ class Curvature:
 def top_curvature(layers: Sequence[nn.Module], x: np.ndarray, y: np.ndarray,
                   block: tuple[int, int], iterations: int = 20, tolerance: float = 1e-2,
                   seed: int = 0,
-                  weights: Mapping[int, Mapping[str, np.ndarray]] | None = None
-                  ) -> Curvature | None:
+                  weights: Mapping[int, Mapping[str, np.ndarray]] | None = None,
+                  budget_s: float | None = None,
+                  clock: Callable[[], float] = time.thread_time) -> Curvature | None:
     """The largest curvature of the loss on (``x``, ``y``) along the trainable parameters of
     ``layers[block[0]:block[1]]``, with every layer at ``weights`` (layer -> state) where
-    given; None when that block has no trainable parameter.
+    given; None when that block has no trainable parameter. With ``budget_s``, no iteration
+    starts once the probe has taken that many seconds of ``clock`` (the thread's CPU time by
+    default; at least one iteration runs): the reading so far, not converged.
 
     Each Hessian-vector product is autograd's double backward (Pearlmutter's trick), exact for
     the network as autograd differentiates it. A central difference of two gradients would cost
@@ -58,6 +62,7 @@ def top_curvature(layers: Sequence[nn.Module], x: np.ndarray, y: np.ndarray,
     the weights). Dropout is off in the copy; deterministic for a seed (the start vector is
     drawn from it). Costs one backward with its graph kept, then about six forward and backward
     passes' worth an iteration on CPU."""
+    started = clock()
     first, end = block
     model = [copy.deepcopy(layer) for layer in layers]
     for index, state in (weights or {}).items():
@@ -92,6 +97,8 @@ def top_curvature(layers: Sequence[nn.Module], x: np.ndarray, y: np.ndarray,
         if abs(abs(value) - abs(previous)) <= tolerance * abs(value):
             return Curvature(abs(value), block, len(x), done, True)
         previous = value
+        if budget_s is not None and clock() - started >= budget_s:
+            break
     return Curvature(abs(value), block, len(x), done, False)
 
 
