@@ -125,15 +125,15 @@ def test_failure_is_covered_only_while_every_stage_keeps_a_live_holder():
     stages = (StageAssignment(0, 0, 2, (Member("a", 0.5), Member("b", 0.5))),
               StageAssignment(1, 2, 4, (Member("c", 1.0), Member("d", 0.0))))
 
-    def facts(resiliency=1, excluded=(), dead=(), in_a_row=0, training=True):
-        return FailureFacts(training, resiliency, stages, excluded, dead, in_a_row)
+    def facts(resiliency=1, excluded=(), dead=(), in_a_row=0, running=True):
+        return FailureFacts(running, resiliency, stages, excluded, dead, in_a_row)
 
     def lost(*devices):
         return Failure(frozenset(devices), FailureCause.LAST_WILL, 1.0)
 
     assert respond_to_failure(lost("c"), facts()) is FailureAction.COVER  # the standby d holds
     assert respond_to_failure(lost("c"), facts(resiliency=0)) is FailureAction.ROLL_BACK
-    assert respond_to_failure(lost("c"), facts(training=False)) is FailureAction.ROLL_BACK
+    assert respond_to_failure(lost("c"), facts(running=False)) is FailureAction.ROLL_BACK
     assert respond_to_failure(lost("c", "d"), facts()) is FailureAction.ROLL_BACK
     assert respond_to_failure(lost("a"), facts(excluded={"b"})) is FailureAction.ROLL_BACK
     assert respond_to_failure(lost("a"), facts(dead={"b"})) is FailureAction.ROLL_BACK

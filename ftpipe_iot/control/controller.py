@@ -594,8 +594,6 @@ class Controller:
         self.roster.mark_dead(failure.devices)
         for device in failure.devices:
             self.capacity.forget(device)
-        # A plan that trains or replicates at a boundary has its holders' weights in step:
-        # the live holders cover for the lost ones
         running = self.phase in (Phase.TRAINING, Phase.REPLICATING) and self.training is not None
         action = respond_to_failure(failure, FailureFacts(
             running, self.train.resiliency, self.plan.stages if self.plan else (), self.excluded,

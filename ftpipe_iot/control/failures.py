@@ -25,10 +25,11 @@ class FailureAction(enum.Enum):
 
 @dataclass(frozen=True)
 class FailureFacts:
-    """What the decision needs: whether a plan is training, its resiliency and stages, the
+    """What the decision needs: whether a plan is running (training, or replicating at a step
+    boundary: its holders' weights are in step either way), its resiliency and stages, the
     devices already excluded or dead, and the failed recoveries so far in a row."""
 
-    training: bool
+    running: bool
     resiliency: int
     stages: Sequence[StageAssignment]
     excluded: Collection[str]
@@ -39,7 +40,7 @@ class FailureFacts:
 def respond_to_failure(failure: Failure, facts: FailureFacts) -> FailureAction:
     """Cover when resiliency r >= 1 and every stage keeps a live holder; otherwise roll back,
     unless the recoveries keep failing."""
-    if facts.training and facts.resiliency >= 1 and failure.devices:
+    if facts.running and facts.resiliency >= 1 and failure.devices:
         gone = set(facts.excluded) | failure.devices | set(facts.dead)
         if all(set(stage.devices) - gone for stage in facts.stages):
             return FailureAction.COVER
